@@ -1,0 +1,1 @@
+"""The flashnext library: formats, quantizers, packing, checkpoint overlays."""

@@ -1,0 +1,421 @@
+"""Build the MTP INT4 overlay: the draft head's routed experts as INT4 pack-quantized tensors.
+
+Only the MTP routed experts change. Every base shard that holds them is rewritten under the same
+file name: its other tensors are copied byte for byte, and the BF16 experts (fused
+``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]``, or per-expert
+``experts.{e}.{gate,up,down}_proj.weight``) are replaced by per-expert compressed-tensors tensors
+``experts.{e}.{gate,up,down}_proj.{weight_packed,weight_scale,weight_shape}``, the names vLLM's
+FusedMoE loader maps to ``w13_*`` / ``w2_*``. The overlay also carries the updated index and
+config.json (see :func:`quant.ct_config.with_mtp_experts_quantized`) and ``overlay.json``.
+
+Memory: experts are streamed ``experts_per_batch`` at a time. Each expert in flight costs about
+23 bytes per weight (bf16 source, fp32 working copy, int8 codes, int64 packing temporaries), i.e.
+about 0.11 GiB for the real head's expert (H 2560, I 640, 4.9 M weights); the solver's scratch is
+chunked (a few MiB on the CPU). With the default 4 experts per batch the resident set stays under
+1 GiB for any number of experts; the source is read through mmap.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from flashnext.quant.ct_config import with_mtp_experts_quantized
+from flashnext.quant.errors import FlashnextError
+from flashnext.quant.fsutil import atomic_directory, check_free_space, is_within, sha256_file
+from flashnext.quant.mse_rtn import MseSearch, check_group_size, dequantize, quantize_absmax_rtn, quantize_mse_rtn
+from flashnext.quant.overlay import OverlayManifest
+from flashnext.quant.packing import pack_int32, packed_words
+from flashnext.quant.safetensors_io import (DTYPE_NAMES, ShardWriter, TensorSpec, copy_tensor_bytes,
+                                  shard_size)
+from flashnext.quant.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
+
+BITS = 4
+PROJECTIONS = ("gate", "up", "down")
+FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+_FUSED = re.compile(r"^(?P<prefix>(?:.*\.)?mtp\.layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?mtp\.layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<suffix>\w+)$")
+
+
+@dataclass
+class DraftLayerExperts:
+    """The routed experts of one MTP layer in the source snapshot."""
+
+    prefix: str  # e.g. "mtp.layers.0.mlp.experts"
+    layer: int
+    layout: str  # "fused" or "per_expert"
+    num_experts: int
+    hidden: int
+    intermediate: int
+    dtype: str
+    sources: dict[str, str] = field(default_factory=dict)  # source tensor name -> shard file
+
+    def source_shard(self, proj: str) -> str:
+        if self.layout == "fused":
+            key = f"{self.prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
+        else:
+            key = f"{self.prefix}.0.{proj}_proj.weight"
+        return self.sources[key]
+
+    def shape(self, proj: str) -> tuple[int, int]:
+        return (self.hidden, self.intermediate) if proj == "down" else (self.intermediate, self.hidden)
+
+
+def find_draft_experts(snap: Snapshot) -> list[DraftLayerExperts]:
+    """Locate and validate the MTP routed experts against config.json."""
+    tc = snap.text_config
+    try:
+        E, H, I = int(tc["num_experts"]), int(tc["hidden_size"]), int(tc["moe_intermediate_size"])
+    except KeyError as e:
+        raise FlashnextError(f"{snap.root / CONFIG_FILE}: text config lacks {e.args[0]}") from None
+    fused: dict[str, dict[str, str]] = {}
+    per_expert: dict[str, dict[str, str]] = {}
+    for name in snap.weight_map:
+        if m := _FUSED.match(name):
+            fused.setdefault(m["prefix"], {})[name] = snap.weight_map[name]
+        elif m := _PER_EXPERT.match(name):
+            if m["suffix"] != "weight":
+                raise FlashnextError(
+                    f"{snap.root}: the MTP experts are already quantized ({name}); "
+                    "make-mtp-int4 needs a snapshot with BF16 MTP experts")
+            per_expert.setdefault(m["prefix"], {})[name] = snap.weight_map[name]
+    if not fused and not per_expert:
+        raise FlashnextError(
+            f"{snap.root}: no MTP routed experts in {INDEX_FILE} (looked for "
+            "mtp.layers.N.mlp.experts.gate_up_proj or mtp.layers.N.mlp.experts.E.gate_proj.weight); "
+            "this snapshot has no draft head")
+    layers = []
+    for prefix, names in sorted(fused.items()):
+        layer = DraftLayerExperts(prefix, int(_FUSED.match(next(iter(names)))["layer"]), "fused",
+                                  E, H, I, "", names)
+        for proj, shape in (("gate_up_proj", (E, 2 * I, H)), ("down_proj", (E, H, I))):
+            name = f"{prefix}.{proj}"
+            if name not in names:
+                raise FlashnextError(f"{snap.root}: {name} is missing from {INDEX_FILE}")
+            layer.dtype = _check_tensor(snap, name, shape, layer.dtype)
+        layers.append(layer)
+    for prefix, names in sorted(per_expert.items()):
+        if prefix in fused:
+            raise FlashnextError(f"{snap.root}: {prefix} is stored both fused and per expert")
+        layer = DraftLayerExperts(prefix, int(_PER_EXPERT.match(next(iter(names)))["layer"]),
+                                  "per_expert", E, H, I, "", names)
+        for e in range(E):
+            for proj in PROJECTIONS:
+                name = f"{prefix}.{e}.{proj}_proj.weight"
+                if name not in names:
+                    raise FlashnextError(f"{snap.root}: {name} is missing from {INDEX_FILE}")
+                layer.dtype = _check_tensor(snap, name, layer.shape(proj), layer.dtype)
+        extra = [n for n in names if int(_PER_EXPERT.match(n)["expert"]) >= E]
+        if extra:
+            raise FlashnextError(f"{snap.root}: {extra[0]} is beyond num_experts={E} of config.json")
+        layers.append(layer)
+    return layers
+
+
+def _check_tensor(snap: Snapshot, name: str, shape: tuple[int, ...], dtype: str) -> str:
+    _, entry = snap.entry(name)
+    if entry.dtype not in FLOAT_DTYPES:
+        raise FlashnextError(f"{name} is {entry.dtype}: the MTP experts are already quantized or "
+                             "not floating point; make-mtp-int4 needs BF16/F16/F32 experts")
+    if entry.shape != shape:
+        raise FlashnextError(f"{name} has shape {list(entry.shape)} but config.json implies "
+                             f"{list(shape)} (num_experts, hidden_size, moe_intermediate_size)")
+    if dtype and entry.dtype != dtype:
+        raise FlashnextError(f"{name} is {entry.dtype} while other MTP experts are {dtype}")
+    return entry.dtype
+
+
+def expert_tensor_names(prefix: str, expert: int, proj: str) -> tuple[str, str, str]:
+    base = f"{prefix}.{expert}.{proj}_proj"
+    return f"{base}.weight_packed", f"{base}.weight_scale", f"{base}.weight_shape"
+
+
+def _expert_specs(layer: DraftLayerExperts, group_size: int, proj: str) -> list[TensorSpec]:
+    scale_dtype = layer.dtype if layer.dtype != "F32" else "BF16"
+    rows, cols = layer.shape(proj)
+    specs = []
+    for e in range(layer.num_experts):
+        packed, scale, shape = expert_tensor_names(layer.prefix, e, proj)
+        specs += [TensorSpec(packed, "I32", (rows, packed_words(cols, BITS))),
+                  TensorSpec(scale, scale_dtype, (rows, cols // group_size)),
+                  TensorSpec(shape, "I64", (2,))]
+    return specs
+
+
+@dataclass
+class _ProjectionStats:
+    matrices: int = 0
+    groups: int = 0
+    sq_err: float = 0.0
+    sq_err_absmax: float = 0.0
+    sq_weight: float = 0.0
+    max_abs_err: float = 0.0
+    negative_scales: int = 0
+    zero_groups: int = 0
+
+    def to_json(self, shape: tuple[int, int]) -> dict:
+        rel = self.sq_err / self.sq_weight if self.sq_weight else 0.0
+        rel_absmax = self.sq_err_absmax / self.sq_weight if self.sq_weight else 0.0
+        return {"matrices": self.matrices, "shape": list(shape), "groups": self.groups,
+                "rel_mse": rel, "absmax_rtn_rel_mse": rel_absmax,
+                "ratio_to_absmax_rtn": rel / rel_absmax if rel_absmax else None,
+                "max_abs_err": self.max_abs_err, "negative_scales": self.negative_scales,
+                "zero_groups": self.zero_groups}
+
+
+@dataclass(frozen=True)
+class MtpInt4Options:
+    group_size: int = 128
+    positive_scales: bool = False
+    device: str = "cpu"
+    experts_per_batch: int | None = None
+    compare_absmax: bool = True  # the report's ratio to plain RTN; costs one extra pass
+
+
+class _Progress:
+    """A tqdm bar over weights processed, or nothing."""
+
+    def __init__(self, total: int, enabled: bool, desc: str):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="w", unit_scale=True, desc=desc, leave=False)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _check_finite(t: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(t).all():
+        bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+        raise FlashnextError(f"{what} contains NaN or Inf (first at index {bad}); refusing to quantize")
+
+
+def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options(),
+                  force: bool = False, progress: bool = True) -> dict:
+    """Build the overlay at ``out`` from the snapshot ``src`` (never modified). Returns the report."""
+    started = time.perf_counter()
+    src, out = Path(src), Path(out)
+    snap = Snapshot.open(src)
+    if is_within(out, src):
+        raise FlashnextError(f"--out {out} is inside the source snapshot; write the overlay elsewhere")
+    layers = find_draft_experts(snap)
+    gs = options.group_size
+    for layer in layers:
+        for proj in PROJECTIONS:
+            check_group_size(layer.shape(proj)[1], gs, f"{layer.prefix} {proj}_proj")
+    try:
+        device = torch.device(options.device)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise FlashnextError(f"device {options.device!r} is not usable here: {str(e).splitlines()[0]}") from None
+    per_batch = options.experts_per_batch or (4 if device.type == "cpu" else 32)
+
+    draft_indices = sorted({0, int(snap.text_config.get("num_hidden_layers", 0))}
+                           | {layer.layer for layer in layers}
+                           | {int(snap.text_config.get("num_hidden_layers", 0)) + layer.layer for layer in layers})
+    new_qc = with_mtp_experts_quantized(snap.quantization_config, BITS, gs, draft_indices)
+
+    # Plan the replaced shards: their other tensors in file order, then the new expert tensors.
+    replaced_names = {n for layer in layers for n in layer.sources}
+    plans: dict[str, list[TensorSpec]] = {}
+    for layer in layers:
+        for proj in PROJECTIONS:
+            plans.setdefault(layer.source_shard(proj), [])
+    for filename in plans:
+        header = snap.header(filename)
+        kept = sorted((e for e in header.entries.values() if e.name not in replaced_names),
+                      key=lambda e: e.begin)
+        plans[filename] = [TensorSpec(e.name, e.dtype, e.shape) for e in kept]
+    for layer in layers:
+        for proj in PROJECTIONS:
+            plans[layer.source_shard(proj)] += _expert_specs(layer, gs, proj)
+    metadata = {f: snap.header(f).metadata for f in plans}
+    needed = sum(shard_size(specs, metadata[f]) for f, specs in plans.items()) + (16 << 20)
+    check_free_space(out.absolute().parent, needed, f"the overlay {out}")
+
+    total_weights = sum(layer.num_experts * 3 * layer.intermediate * layer.hidden for layer in layers)
+    stats = {p: _ProjectionStats() for p in PROJECTIONS}
+    search = MseSearch(positive_scales=options.positive_scales)
+    bytes_read = 0
+    manifest = OverlayManifest(kind="mtp-int4", builder="make-mtp-int4", base=snap.origin)
+
+    with atomic_directory(out, force=force) as tmp:
+        writers = {f: ShardWriter(tmp / f, specs, metadata[f]) for f, specs in plans.items()}
+        bar = _Progress(total_weights, progress, "make-mtp-int4")
+        try:
+            for filename, writer in writers.items():
+                header = snap.header(filename)
+                for spec in plans[filename]:
+                    if spec.name in header.entries:
+                        copy_tensor_bytes(snap.path(filename), header.entries[spec.name], writer)
+            for layer in layers:
+                bytes_read += _quantize_layer(snap, layer, writers, stats, search, options, device,
+                                              per_batch, bar)
+            for writer in writers.values():
+                writer.close()
+        except BaseException:
+            for writer in writers.values():
+                writer.abort()
+            raise
+        finally:
+            bar.close()
+
+        index = json.loads((snap.path(INDEX_FILE)).read_text())
+        index["weight_map"] = _updated_weight_map(snap.weight_map, layers, plans)
+        sizes = {f: writers[f].size for f in writers}
+        index.setdefault("metadata", {})["total_size"] = _total_size(snap, index["weight_map"], sizes)
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        config = json.loads(snap.path(CONFIG_FILE).read_text())
+        holder = config if "quantization_config" in config else config.get("text_config", config)
+        holder["quantization_config"] = new_qc
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+        elapsed = time.perf_counter() - started
+        report = {
+            "tool": "make-mtp-int4",
+            "bits": BITS, "group_size": gs, "symmetric": True,
+            "positive_scales": options.positive_scales,
+            "scale_dtype": "BF16" if layers[0].dtype == "F32" else layers[0].dtype,
+            "search": {"grid": list(search.grid), "fine": list(search.fine), "refits": search.refits},
+            "device": str(device),
+            "draft_layers": [layer.prefix for layer in layers],
+            "source_layout": layers[0].layout,
+            "experts": layers[0].num_experts,
+            "projections": {p: stats[p].to_json(layers[0].shape(p)) for p in PROJECTIONS},
+            "bytes_read": bytes_read,
+            "bytes_written": sum(sizes.values()),
+            "seconds": round(elapsed, 3),
+            "read_gb_per_s": round(bytes_read / elapsed / 1e9, 3) if elapsed else None,
+        }
+        manifest.report = report
+        for filename in list(plans) + [INDEX_FILE, CONFIG_FILE]:
+            manifest.replace(tmp, filename, snap.path(filename))
+        manifest.write(tmp)
+    return report
+
+
+def _load_batch(f, layer: DraftLayerExperts, start: int, stop: int, device: torch.device,
+                ) -> dict[str, torch.Tensor]:
+    """``{proj: [b, rows, cols] float32}`` for experts ``[start, stop)``."""
+    if layer.layout == "fused":
+        gate_up = f[f"{layer.prefix}.gate_up_proj"].get_slice(f"{layer.prefix}.gate_up_proj")[start:stop]
+        down = f[f"{layer.prefix}.down_proj"].get_slice(f"{layer.prefix}.down_proj")[start:stop]
+        gate_up = gate_up.to(device=device, dtype=torch.float32)
+        I = layer.intermediate
+        # vLLM 0.33.0 splits the fused tensor with chunk(2, dim=1): rows [0, I) are gate (w1),
+        # rows [I, 2I) are up (w3).
+        return {"gate": gate_up[:, :I], "up": gate_up[:, I:],
+                "down": down.to(device=device, dtype=torch.float32)}
+    out = {}
+    for proj in PROJECTIONS:
+        mats = [f[f"{layer.prefix}.{e}.{proj}_proj.weight"].get_tensor(f"{layer.prefix}.{e}.{proj}_proj.weight")
+                for e in range(start, stop)]
+        out[proj] = torch.stack(mats).to(device=device, dtype=torch.float32)
+    return out
+
+
+class _Handles(dict):
+    """Lazily opened safetensors files, keyed by tensor name."""
+
+    def __init__(self, snap: Snapshot):
+        super().__init__()
+        self.snap = snap
+        self.files: dict[str, object] = {}
+
+    def __missing__(self, name: str):
+        filename = self.snap.weight_map[name]
+        if filename not in self.files:
+            self.files[filename] = safe_open(self.snap.path(filename), framework="pt", device="cpu")
+        return self.files[filename]
+
+
+def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str, ShardWriter],
+                    stats: dict[str, _ProjectionStats], search: MseSearch, options: MtpInt4Options,
+                    device: torch.device, per_batch: int, bar: _Progress) -> int:
+    handles = _Handles(snap)
+    scale_dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(layer.dtype, torch.bfloat16)
+    element = torch.empty(0, dtype=FLOAT_DTYPES[layer.dtype]).element_size()
+    gs = options.group_size
+    bytes_read = 0
+    for start in range(0, layer.num_experts, per_batch):
+        stop = min(start + per_batch, layer.num_experts)
+        batch = _load_batch(handles, layer, start, stop, device)
+        for proj in PROJECTIONS:
+            w = batch[proj]
+            b, rows, cols = w.shape
+            _check_finite(w, f"{layer.prefix} {proj}_proj of experts {start}..{stop - 1}")
+            flat = w.reshape(b * rows, cols)
+            q = quantize_mse_rtn(flat, BITS, gs, scale_dtype, search)
+            packed = pack_int32(q.codes, BITS).view(b, rows, -1).cpu()
+            scales = q.scale.view(b, rows, -1).cpu()
+            st = stats[proj]
+            err = dequantize(q.codes, q.scale, gs).float() - flat
+            st.sq_err += float(torch.linalg.vecdot(err.view(-1), err.view(-1)))
+            st.sq_weight += float(torch.linalg.vecdot(flat.view(-1), flat.view(-1)))
+            st.max_abs_err = max(st.max_abs_err, float(err.abs().max()))
+            st.negative_scales += int((q.scale < 0).sum())
+            st.zero_groups += int((q.scale == 0).sum())
+            st.groups += q.scale.numel()
+            st.matrices += b
+            if options.compare_absmax:
+                ref = quantize_absmax_rtn(flat, BITS, gs, scale_dtype)
+                err = dequantize(ref.codes, ref.scale, gs).float() - flat
+                st.sq_err_absmax += float(torch.linalg.vecdot(err.view(-1), err.view(-1)))
+            del err
+            writer = writers[layer.source_shard(proj)]
+            for i, e in enumerate(range(start, stop)):
+                packed_name, scale_name, shape_name = expert_tensor_names(layer.prefix, e, proj)
+                writer.write(packed_name, packed[i])
+                writer.write(scale_name, scales[i].contiguous())
+                writer.write(shape_name, torch.tensor([rows, cols], dtype=torch.int64))
+            bytes_read += w.numel() * element
+            bar.update(w.numel())
+        del batch
+    return bytes_read
+
+
+def _updated_weight_map(weight_map: dict[str, str], layers: list[DraftLayerExperts],
+                        plans: dict[str, list[TensorSpec]]) -> dict[str, str]:
+    """The index's weight_map with each layer's BF16 expert entries replaced in place."""
+    new_names: dict[str, list[tuple[str, str]]] = {}
+    for layer in layers:
+        entries = []
+        for e in range(layer.num_experts):
+            for proj in PROJECTIONS:
+                for n in expert_tensor_names(layer.prefix, e, proj):
+                    entries.append((n, layer.source_shard(proj)))
+        new_names[layer.prefix] = entries
+    anchors = {min(layer.sources, key=list(weight_map).index): layer.prefix for layer in layers}
+    dropped = {n for layer in layers for n in layer.sources}
+    out: dict[str, str] = {}
+    for name, filename in weight_map.items():
+        if name in anchors:
+            out.update(new_names[anchors[name]])
+        if name not in dropped:
+            out[name] = filename
+    return out
+
+
+def _total_size(snap: Snapshot, weight_map: dict[str, str], new_sizes: dict[str, int]) -> int:
+    """Sum of tensor bytes named by the new index (the ``metadata.total_size`` convention)."""
+    total = 0
+    for filename in dict.fromkeys(weight_map.values()):
+        if filename in new_sizes:
+            continue
+        total += sum(e.nbytes for e in snap.header(filename).entries.values())
+    for filename, size in new_sizes.items():
+        total += size
+    return total

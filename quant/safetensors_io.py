@@ -1,0 +1,226 @@
+"""Reading safetensors headers and writing shards whose tensors arrive one at a time.
+
+The on-disk format: an 8-byte little-endian header length, a JSON header mapping each tensor name
+to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the
+header) plus an optional ``"__metadata__"`` of strings, then the tensor bytes back to back.
+
+:class:`ShardWriter` lays the header out up front from the tensors' specs and then accepts each
+tensor's bytes in any order (``pwrite`` at its offset), so a shard can be produced while only one
+batch of tensors is in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashnext.quant.errors import FlashnextError
+
+HEADER_LIMIT = 100 * 1024 * 1024
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+DTYPE_BYTES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as a safetensors header describes it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset of the first byte
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    path: Path
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    data_start: int
+    header_bytes: bytes  # the raw length prefix and JSON, for hashing
+
+    @property
+    def file_size(self) -> int:
+        return max((e.end for e in self.entries.values()), default=self.data_start)
+
+
+def read_header(path: Path) -> ShardHeader:
+    """Parse a safetensors file's header; a malformed file is a :class:`FlashnextError`."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) != 8:
+                raise FlashnextError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > HEADER_LIMIT:
+                raise FlashnextError(f"{path}: safetensors header of {length} bytes is implausible")
+            raw = f.read(length)
+    except FileNotFoundError:
+        raise FlashnextError(f"{path}: file not found") from None
+    if len(raw) != length:
+        raise FlashnextError(f"{path}: truncated safetensors header")
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise FlashnextError(f"{path}: safetensors header is not valid JSON") from None
+    data_start = 8 + length
+    metadata = header.pop("__metadata__", None) or {}
+    entries = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        entries[name] = TensorEntry(name, info["dtype"], tuple(info["shape"]),
+                                    data_start + begin, data_start + end)
+    size = path.stat().st_size
+    last = max((e.end for e in entries.values()), default=data_start)
+    if last > size:
+        raise FlashnextError(f"{path}: truncated: header promises {last} bytes, file has {size}")
+    return ShardHeader(path, entries, metadata, data_start, prefix + raw)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to be written: its name, safetensors dtype string and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
+    return TensorSpec(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
+
+
+def _encode_header(specs: list[TensorSpec], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offsets: dict[str, int] = {}
+    cursor = 0
+    for spec in specs:
+        if spec.name in offsets:
+            raise FlashnextError(f"tensor {spec.name} appears twice in one shard")
+        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                             "data_offsets": [cursor, cursor + spec.nbytes]}
+        offsets[spec.name] = cursor
+        cursor += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def shard_size(specs: list[TensorSpec], metadata: dict[str, str]) -> int:
+    prefix, _ = _encode_header(specs, metadata)
+    return len(prefix) + sum(s.nbytes for s in specs)
+
+
+class ShardWriter:
+    """Writes a safetensors file whose tensors are known up front and filled in any order.
+
+    >>> specs = [TensorSpec("a", "F32", (2,))]
+    >>> with ShardWriter(path, specs) as w:          # doctest: +SKIP
+    ...     w.write("a", torch.zeros(2))
+    """
+
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.specs = {s.name: s for s in specs}
+        prefix, offsets = _encode_header(specs, metadata or {})
+        self._base = len(prefix)
+        self._offsets = offsets
+        self._pending = set(self.specs)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, prefix, 0)
+        self.size = len(prefix) + sum(s.nbytes for s in specs)
+        os.ftruncate(self._fd, self.size)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise KeyError(f"{name} is not in this shard's header")
+        got = spec_of(name, tensor)
+        if got.dtype != spec.dtype or got.shape != spec.shape:
+            raise ValueError(f"{name}: header says {spec.dtype}{list(spec.shape)}, "
+                             f"got {got.dtype}{list(got.shape)}")
+        data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()
+        self.write_bytes(name, memoryview(data))
+
+    def write_bytes(self, name: str, data, offset: int = 0) -> None:
+        """Write raw bytes of a tensor (possibly in pieces, at ``offset`` within the tensor)."""
+        spec = self.specs[name]
+        if offset + len(data) > spec.nbytes:
+            raise ValueError(f"{name}: write past the end of the tensor")
+        at = self._base + self._offsets[name] + offset
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self._fd, view, at)
+            view, at = view[n:], at + n
+        if offset + len(data) == spec.nbytes:
+            self._pending.discard(name)
+
+    def close(self) -> None:
+        """fsync and close; every tensor must have been written in full."""
+        if self._fd < 0:
+            return
+        try:
+            if self._pending:
+                missing = sorted(self._pending)[:3]
+                raise RuntimeError(f"{self.path}: {len(self._pending)} tensors never written, "
+                                   f"e.g. {missing}")
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def copy_tensor_bytes(source: Path, entry: TensorEntry, writer: ShardWriter,
+                      chunk: int = 64 << 20) -> None:
+    """Copy one tensor's raw bytes from ``source`` into ``writer`` under the same name, unchanged."""
+    with open(source, "rb") as f:
+        done = 0
+        while done < entry.nbytes:
+            data = os.pread(f.fileno(), min(chunk, entry.nbytes - done), entry.begin + done)
+            if not data:
+                raise FlashnextError(f"{source}: truncated inside tensor {entry.name}")
+            writer.write_bytes(entry.name, data, done)
+            done += len(data)

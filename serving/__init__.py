@@ -1,0 +1,1 @@
+"""Serving: profiles, the Dockerfile, the vLLM patch series and the runtime hooks patches call."""

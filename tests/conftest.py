@@ -1,0 +1,49 @@
+import os
+
+# vLLM decides its platform at import: with no GPU driver it must see no CUDA device, and Triton
+# kernels then run through Triton's CPU interpreter (see ../shared/reference/README.md).
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from flashnext.quant.demo_checkpoint import write_demo_checkpoint  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine (results in docs/benchmarks.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def demo_snapshot(tmp_path_factory) -> Path:
+    """The demo checkpoint, built once per session. Tests must not modify it."""
+    path = tmp_path_factory.mktemp("demo") / "snapshot"
+    write_demo_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_overlay(demo_snapshot, tmp_path_factory) -> Path:
+    from flashnext.quant.mtp_int4 import make_mtp_int4
+
+    out = tmp_path_factory.mktemp("overlay") / "mtp-int4"
+    make_mtp_int4(demo_snapshot, out, progress=False)
+    return out
+
+
+@pytest.fixture
+def snapshot_copy(demo_snapshot, tmp_path) -> Path:
+    """A private copy of the demo snapshot that a test may break."""
+    dst = tmp_path / "snapshot"
+    shutil.copytree(demo_snapshot, dst)
+    return dst

@@ -1,0 +1,38 @@
+"""The project's promises to a new user: the README's commands, CI, the manifest schema."""
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    setup = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```(?:bash|sh)\n(.+?)\n```", setup, flags=re.S)
+
+
+def test_readme_has_exactly_two_setup_commands():
+    commands = readme_commands()
+    assert len(commands) == 2, commands
+    assert all("\n" not in c for c in commands)
+    assert "demo-checkpoint" in commands[0] and "make-mtp-int4" in commands[0]
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert readme_commands()[1] in ci.splitlines()
+
+
+def test_overlay_manifest_matches_its_schema(demo_overlay):
+    schema = json.loads((ROOT / "manifests" / "overlay.schema.json").read_text())
+    jsonschema.validate(json.loads((demo_overlay / "overlay.json").read_text()), schema)
+
+
+def test_manifests_are_json():
+    for path in (ROOT / "manifests").glob("*.json"):
+        json.loads(path.read_text())

@@ -1,0 +1,19 @@
+"""``flashnext``: the umbrella command."""
+
+from __future__ import annotations
+
+import click
+
+from flashnext import __version__
+from flashnext.tools import demo_checkpoint, make_mtp_int4, serve
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="flashnext")
+def main() -> None:
+    """Checkpoint overlays and serving for Qwen3.8-Flash-Next on small rigs."""
+
+
+main.add_command(make_mtp_int4.main)
+main.add_command(demo_checkpoint.main)
+main.add_command(serve.main)

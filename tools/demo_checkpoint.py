@@ -1,0 +1,26 @@
+"""``flashnext demo-checkpoint``: write the embedded miniature Qwen3.8-Flash-Next snapshot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from flashnext.quant.demo_checkpoint import write_demo_checkpoint
+from flashnext.tools._common import emit_json, json_option, user_errors
+
+
+@click.command("demo-checkpoint")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory to create.")
+@click.option("--force", is_flag=True, help="Replace an existing --out.")
+@json_option
+@user_errors
+def main(out: Path, force: bool, as_json: bool) -> None:
+    """Write a miniature Qwen3.8-Flash-Next snapshot (about 10 MB): real tensor names, config
+    keys and INT4/INT6/INT8 compressed-tensors layout, random heavy-tailed weights, the same
+    bytes on every run."""
+    summary = write_demo_checkpoint(out, force=force)
+    if as_json:
+        emit_json(summary)
+    else:
+        click.echo(f"wrote {summary['path']}: {summary['tensors']} tensors in {summary['shards']} shards")
