@@ -24,16 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from flashnext.quant.ct_config import with_mtp_experts_quantized
 from flashnext.quant.errors import FlashnextError
 from flashnext.quant.fsutil import atomic_directory, check_free_space, is_within, sha256_file
 from flashnext.quant.mse_rtn import MseSearch, check_group_size, dequantize, quantize_absmax_rtn, quantize_mse_rtn
 from flashnext.quant.overlay import OverlayManifest
 from flashnext.quant.packing import pack_int32, packed_words
-from flashnext.quant.safetensors_io import (DTYPE_NAMES, ShardWriter, TensorSpec, copy_tensor_bytes,
-                                  shard_size)
+from flashnext.quant.safetensors_io import (ShardWriter, TensorSpec, copy_tensor_bytes, read_rows,
+                                           shard_size)
 from flashnext.quant.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
 
 BITS = 4
@@ -176,6 +174,9 @@ class MtpInt4Options:
     positive_scales: bool = False
     device: str = "cpu"
     experts_per_batch: int | None = None
+    # False: plain absmax RTN (compressed-tensors' observer) instead of the MSE scale search, the
+    # A side of the A/B measurement.
+    scale_search: bool = True
     compare_absmax: bool = True  # the report's ratio to plain RTN; costs one extra pass
 
 
@@ -288,6 +289,7 @@ def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options
             "tool": "make-mtp-int4",
             "bits": BITS, "group_size": gs, "symmetric": True,
             "positive_scales": options.positive_scales,
+            "scale_search": options.scale_search,
             "scale_dtype": "BF16" if layers[0].dtype == "F32" else layers[0].dtype,
             "search": {"grid": list(search.grid), "fine": list(search.fine), "refits": search.refits},
             "device": str(device),
@@ -307,12 +309,12 @@ def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options
     return report
 
 
-def _load_batch(f, layer: DraftLayerExperts, start: int, stop: int, device: torch.device,
-                ) -> dict[str, torch.Tensor]:
+def _load_batch(snap: Snapshot, layer: DraftLayerExperts, start: int, stop: int,
+                device: torch.device) -> dict[str, torch.Tensor]:
     """``{proj: [b, rows, cols] float32}`` for experts ``[start, stop)``."""
     if layer.layout == "fused":
-        gate_up = f[f"{layer.prefix}.gate_up_proj"].get_slice(f"{layer.prefix}.gate_up_proj")[start:stop]
-        down = f[f"{layer.prefix}.down_proj"].get_slice(f"{layer.prefix}.down_proj")[start:stop]
+        gate_up = read_rows(*snap.entry(f"{layer.prefix}.gate_up_proj"), start, stop)
+        down = read_rows(*snap.entry(f"{layer.prefix}.down_proj"), start, stop)
         gate_up = gate_up.to(device=device, dtype=torch.float32)
         I = layer.intermediate
         # vLLM 0.33.0 splits the fused tensor with chunk(2, dim=1): rows [0, I) are gate (w1),
@@ -321,44 +323,33 @@ def _load_batch(f, layer: DraftLayerExperts, start: int, stop: int, device: torc
                 "down": down.to(device=device, dtype=torch.float32)}
     out = {}
     for proj in PROJECTIONS:
-        mats = [f[f"{layer.prefix}.{e}.{proj}_proj.weight"].get_tensor(f"{layer.prefix}.{e}.{proj}_proj.weight")
-                for e in range(start, stop)]
+        mats = []
+        for e in range(start, stop):
+            path, entry = snap.entry(f"{layer.prefix}.{e}.{proj}_proj.weight")
+            mats.append(read_rows(path, entry, 0, entry.shape[0]))
         out[proj] = torch.stack(mats).to(device=device, dtype=torch.float32)
     return out
-
-
-class _Handles(dict):
-    """Lazily opened safetensors files, keyed by tensor name."""
-
-    def __init__(self, snap: Snapshot):
-        super().__init__()
-        self.snap = snap
-        self.files: dict[str, object] = {}
-
-    def __missing__(self, name: str):
-        filename = self.snap.weight_map[name]
-        if filename not in self.files:
-            self.files[filename] = safe_open(self.snap.path(filename), framework="pt", device="cpu")
-        return self.files[filename]
 
 
 def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str, ShardWriter],
                     stats: dict[str, _ProjectionStats], search: MseSearch, options: MtpInt4Options,
                     device: torch.device, per_batch: int, bar: _Progress) -> int:
-    handles = _Handles(snap)
     scale_dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(layer.dtype, torch.bfloat16)
     element = torch.empty(0, dtype=FLOAT_DTYPES[layer.dtype]).element_size()
     gs = options.group_size
     bytes_read = 0
     for start in range(0, layer.num_experts, per_batch):
         stop = min(start + per_batch, layer.num_experts)
-        batch = _load_batch(handles, layer, start, stop, device)
+        batch = _load_batch(snap, layer, start, stop, device)
         for proj in PROJECTIONS:
             w = batch[proj]
             b, rows, cols = w.shape
             _check_finite(w, f"{layer.prefix} {proj}_proj of experts {start}..{stop - 1}")
             flat = w.reshape(b * rows, cols)
-            q = quantize_mse_rtn(flat, BITS, gs, scale_dtype, search)
+            if options.scale_search:
+                q = quantize_mse_rtn(flat, BITS, gs, scale_dtype, search)
+            else:
+                q = quantize_absmax_rtn(flat, BITS, gs, scale_dtype)
             packed = pack_int32(q.codes, BITS).view(b, rows, -1).cpu()
             scales = q.scale.view(b, rows, -1).cpu()
             st = stats[proj]
@@ -370,7 +361,9 @@ def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str,
             st.zero_groups += int((q.scale == 0).sum())
             st.groups += q.scale.numel()
             st.matrices += b
-            if options.compare_absmax:
+            if not options.scale_search:
+                st.sq_err_absmax = st.sq_err
+            elif options.compare_absmax:
                 ref = quantize_absmax_rtn(flat, BITS, gs, scale_dtype)
                 err = dequantize(ref.codes, ref.scale, gs).float() - flat
                 st.sq_err_absmax += float(torch.linalg.vecdot(err.view(-1), err.view(-1)))

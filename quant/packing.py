@@ -12,9 +12,15 @@ module never produces.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from flashnext.quant.errors import FlashnextError
+
+# For 4 and 8 bits the int32 words, read as little-endian bytes, are just the values in order
+# (two nibbles per byte, low nibble first, for 4 bits), which packs without 64-bit temporaries.
+_BYTE_VIEW = sys.byteorder == "little"
 
 SUPPORTED_BITS = tuple(range(1, 9))
 
@@ -39,8 +45,18 @@ def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
     lo, hi = -offset, offset - 1
     if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
         raise FlashnextError(f"codes out of the signed {bits}-bit range [{lo}, {hi}]")
-    unsigned = (codes.to(torch.int64) + offset)
     words = packed_words(cols, bits)
+    if _BYTE_VIEW and bits in (4, 8):
+        per_word = 32 // bits
+        codes8 = codes.to(torch.int8)
+        # +8 stays within int8 for 4-bit codes; +128 is a flip of the sign bit for 8-bit ones.
+        u8 = (codes8 + offset).view(torch.uint8) if bits == 4 else codes8.view(torch.uint8) ^ 0x80
+        if words * per_word != cols:
+            u8 = torch.nn.functional.pad(u8, (0, words * per_word - cols))
+        if bits == 4:
+            u8 = u8[:, 0::2] | (u8[:, 1::2] << 4)
+        return u8.contiguous().view(torch.int32)
+    unsigned = (codes.to(torch.int64) + offset)
     if 32 % bits == 0:
         per_word = 32 // bits
         padded = words * per_word
@@ -85,6 +101,12 @@ def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
             f"(expected {words} int32 words per row); is this another packing layout?")
     offset = 1 << (bits - 1)
     mask = (1 << bits) - 1
+    if _BYTE_VIEW and bits in (4, 8):
+        u8 = packed.contiguous().view(torch.uint8)
+        if bits == 4:
+            u8 = torch.stack((u8 & 0xF, u8 >> 4), dim=-1).view(rows, -1)
+        u8 = u8[:, :cols]
+        return (u8.to(torch.int8) - offset) if bits == 4 else (u8 ^ 0x80).view(torch.int8)
     stream = packed.to(torch.int64) & 0xFFFFFFFF
     if 32 % bits == 0:
         per_word = 32 // bits

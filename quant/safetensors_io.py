@@ -213,6 +213,33 @@ class ShardWriter:
             self.abort()
 
 
+TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def read_rows(source: Path, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
+    """Read ``tensor[start:stop]`` (along dim 0) with ``pread`` into a private buffer.
+
+    Unlike a memory map, nothing stays resident after the caller drops the tensor, so a stream of
+    such reads keeps the resident set bounded by what is in flight.
+    """
+    if entry.dtype not in TORCH_DTYPES:
+        raise FlashnextError(f"{source}: {entry.name} has unsupported dtype {entry.dtype}")
+    row_bytes = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
+    length = (stop - start) * row_bytes
+    buffer = bytearray(length)
+    view = memoryview(buffer)
+    with open(source, "rb", buffering=0) as f:
+        done = 0
+        while done < length:
+            n = os.preadv(f.fileno(), [view[done:]], entry.begin + start * row_bytes + done)
+            if n <= 0:
+                raise FlashnextError(f"{source}: truncated inside tensor {entry.name}")
+            done += n
+    if not length:
+        return torch.empty((stop - start, *entry.shape[1:]), dtype=TORCH_DTYPES[entry.dtype])
+    return torch.frombuffer(buffer, dtype=TORCH_DTYPES[entry.dtype]).view(stop - start, *entry.shape[1:])
+
+
 def copy_tensor_bytes(source: Path, entry: TensorEntry, writer: ShardWriter,
                       chunk: int = 64 << 20) -> None:
     """Copy one tensor's raw bytes from ``source`` into ``writer`` under the same name, unchanged."""

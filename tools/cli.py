@@ -17,3 +17,7 @@ def main() -> None:
 main.add_command(make_mtp_int4.main)
 main.add_command(demo_checkpoint.main)
 main.add_command(serve.main)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,3 +24,7 @@ def main(out: Path, force: bool, as_json: bool) -> None:
         emit_json(summary)
     else:
         click.echo(f"wrote {summary['path']}: {summary['tensors']} tensors in {summary['shards']} shards")
+
+
+if __name__ == "__main__":
+    main()

@@ -22,6 +22,8 @@ from flashnext.tools._common import emit_json, json_option, user_errors
 @click.option("--positive-scales", is_flag=True,
               help="Keep every scale positive (by default a scale may be negative so that code -8 "
                    "lands on the larger-magnitude side).")
+@click.option("--scale-search/--no-scale-search", default=True, show_default=True,
+              help="MSE scale search; --no-scale-search is plain absmax RTN, for A/B comparisons.")
 @click.option("--device", default="cpu", show_default=True,
               help="Where to quantize: cpu, cuda, cuda:N.")
 @click.option("--experts-per-batch", type=click.IntRange(1), default=None,
@@ -32,7 +34,7 @@ from flashnext.tools._common import emit_json, json_option, user_errors
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 @json_option
 @user_errors
-def main(src: Path, out: Path, group_size: str, positive_scales: bool, device: str,
+def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_search: bool, device: str,
          experts_per_batch: int | None, force: bool, report: Path | None, progress: bool,
          as_json: bool) -> None:
     """Quantize the MTP routed experts of SRC to symmetric INT4 (MSE-searched scales) and write
@@ -43,7 +45,8 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, device: s
       make-mtp-int4 --src ~/models/Qwen3.8-Flash-Next --out ~/overlays/mtp-int4
     """
     options = MtpInt4Options(group_size=int(group_size), positive_scales=positive_scales,
-                             device=device, experts_per_batch=experts_per_batch)
+                             device=device, experts_per_batch=experts_per_batch,
+                             scale_search=scale_search)
     result = make_mtp_int4(src, out, options, force=force, progress=progress)
     if report is not None:
         write_text_atomic(report, json.dumps(result, indent=2) + "\n")
@@ -55,3 +58,7 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, device: s
         ratio = s["ratio_to_absmax_rtn"]
         click.echo(f"  {proj:4s} x{s['matrices']}: rel MSE {s['rel_mse']:.4e}"
                    + (f" ({ratio:.3f}x absmax RTN)" if ratio else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -16,3 +16,7 @@ def main(profile: str) -> None:
     raise FlashnextError(
         f"serving profile {profile!r} is not available: this release ships no serving profiles yet "
         "(checkpoint preparation only)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from flashnext.tools.cli import main
+
+main()
