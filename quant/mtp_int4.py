@@ -11,8 +11,9 @@ config.json (see :func:`quant.ct_config.with_mtp_experts_quantized`) and ``overl
 Memory: experts are streamed ``experts_per_batch`` at a time. Each expert in flight costs about
 23 bytes per weight (bf16 source, fp32 working copy, int8 codes, int64 packing temporaries), i.e.
 about 0.11 GiB for the real head's expert (H 2560, I 640, 4.9 M weights); the solver's scratch is
-chunked (a few MiB on the CPU). With the default 4 experts per batch the resident set stays under
-1 GiB for any number of experts; the source is read through mmap.
+chunked (a few MiB on the CPU). The source is read with ``pread`` rather than mmap, so nothing of it
+stays resident: with the default 4 experts per batch the whole process peaked at 1.12 GiB on the
+real-size head (docs/benchmarks.md), whatever the number of experts.
 """
 
 from __future__ import annotations

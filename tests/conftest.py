@@ -1,13 +1,15 @@
 import os
+from pathlib import Path
 
-# vLLM decides its platform at import: with no GPU driver it must see no CUDA device, and Triton
-# kernels then run through Triton's CPU interpreter (see ../shared/reference/README.md).
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# vLLM decides its platform at import: on a machine with no GPU it must see no CUDA device, and
+# Triton kernels then run through Triton's CPU interpreter (see ../shared/reference/README.md).
+# On a GPU machine the GPU tests need the device, so leave it visible there.
+if not any(Path("/dev").glob("nvidia[0-9]*")):
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import shutil  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
