@@ -62,8 +62,10 @@ def atomic_directory(out: Path, force: bool = False) -> Iterator[Path]:
     out = Path(out).absolute()
     if out.exists() and not force:
         raise FlashnextError(f"{out} already exists: choose another --out or pass --force")
-    if not out.parent.is_dir():
-        raise FlashnextError(f"{out.parent} does not exist: create the parent directory first")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FlashnextError(f"cannot create {out.parent}: {e.strerror}") from None
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
