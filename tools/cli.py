@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from flashnext import __version__
-from flashnext.tools import demo_checkpoint, make_mtp_int4, serve
+from flashnext.tools import demo_checkpoint, make_mtp_int4, ple, serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -17,6 +17,7 @@ def main() -> None:
 main.add_command(make_mtp_int4.main)
 main.add_command(demo_checkpoint.main)
 main.add_command(serve.main)
+main.add_command(ple.main)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""Every environment variable flashnext reads, declared in one place.
+
+The serving patches read the same names (they call into this library), so each switch here turns
+a feature off both in the toolkit and in the patched vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    help: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+    def enabled(self) -> bool:
+        return self.get().strip().lower() not in ("0", "false", "no", "off", "")
+
+
+VLLM_PLE_PREFETCH = EnvVar(
+    "VLLM_PLE_PREFETCH", "1",
+    "PLE page prefetch: 0 turns off the prompt prefetcher and the per-step decode advice.")
+VLLM_PLE_MMAP_PATH = EnvVar(
+    "VLLM_PLE_MMAP_PATH", "",
+    "Path of the PLE table file made by `flashnext ple build`; empty: the patch is inactive.")
+
+ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_MMAP_PATH)

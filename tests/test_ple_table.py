@@ -1,0 +1,196 @@
+"""flashnext ple build / verify on the demo checkpoint, resumption, and every bad input."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from flashnext.quant import fsutil
+from flashnext.quant.errors import FlashnextError
+from flashnext.quant.ple_layout import ple_layout
+from flashnext.quant.ple_table import build_table, find_ple_source, verify_table
+from flashnext.quant.safetensors_io import ShardWriter, spec_of
+from flashnext.quant.snapshot import Snapshot
+from flashnext.tools.cli import main as cli
+
+PREFIX = "model.language_model.layers.1.ple.ple_embedding"
+PLE_SHARD = "model-00003-of-00005.safetensors"
+
+
+def test_table_is_the_shards_concatenated(demo_snapshot, tmp_path):
+    out = tmp_path / "ple.bin"
+    result = CliRunner().invoke(cli, ["ple", "build", "--src", str(demo_snapshot), "--out", str(out), "--json",
+                                      "--no-progress"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    tensors = load_file(demo_snapshot / PLE_SHARD)
+    shards = [tensors[f"{PREFIX}.ngram_embedding.shard_{i}.weight"] for i in range(4)]
+    expected = torch.cat(shards).contiguous().view(torch.uint8).numpy().tobytes()
+    assert out.read_bytes() == expected
+    layout = ple_layout(json.loads((demo_snapshot / "config.json").read_text())["text_config"])
+    assert info["rows"] == layout.padded_rows and info["file_size"] == layout.padded_rows * layout.head_dim * 2
+    sidecar = json.loads((tmp_path / "ple.bin.json").read_text())
+    assert sidecar["dtype"] == "BF16" and sidecar["row_bytes"] == 32
+    assert [s["sha256"] for s in sidecar["shards"]] == [
+        hashlib.sha256(s.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for s in shards]
+    assert verify_table(out)["ok"] and verify_table(out, full=True)["ok"]
+    assert not (tmp_path / "ple.bin.partial").exists() and not (tmp_path / "ple.bin.partial.json").exists()
+
+
+def test_verify_finds_a_flipped_byte(demo_snapshot, tmp_path):
+    out = tmp_path / "ple.bin"
+    build_table(demo_snapshot, out, progress=False)
+    with open(out, "r+b") as f:
+        f.seek(200_000)
+        b = f.read(1)
+        f.seek(200_000)
+        f.write(bytes([b[0] ^ 1]))
+    result = CliRunner().invoke(cli, ["ple", "verify", str(out), "--full"])
+    assert result.exit_code != 0 and "differs from its source" in result.output
+    os.truncate(out, 1000)
+    result = CliRunner().invoke(cli, ["ple", "verify", str(out)])
+    assert result.exit_code != 0 and "needs exactly" in result.output
+
+
+def test_resume_after_interruption(demo_snapshot, tmp_path, monkeypatch):
+    import flashnext.quant.ple_table as mod
+
+    out = tmp_path / "ple.bin"
+    real_copy = mod._copy_shard
+    calls = []
+
+    def interrupted(shard, *a, **k):
+        if shard.index == 2:
+            raise KeyboardInterrupt
+        calls.append(shard.index)
+        return real_copy(shard, *a, **k)
+
+    monkeypatch.setattr(mod, "_copy_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_table(demo_snapshot, out, progress=False)
+    assert not out.exists() and (tmp_path / "ple.bin.partial").exists()
+    assert calls == [0, 1]
+    calls.clear()
+    monkeypatch.setattr(mod, "_copy_shard", lambda shard, *a, **k: (calls.append(shard.index), real_copy(shard, *a, **k))[1])
+    build_table(demo_snapshot, out, progress=False)
+    assert calls == [2, 3]  # shards 0 and 1 were not copied again
+    assert verify_table(out, full=True)["ok"]
+
+
+def test_buffers_in_the_checkpoint_win(snapshot_copy):
+    shard = snapshot_copy / "model-00001-of-00005.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(shard).items()}
+    name = f"{PREFIX}.layer_multipliers"
+    tensors[name] = tensors[name] + 2  # still odd, just not the formula's
+    with ShardWriter(shard, [spec_of(k, v) for k, v in tensors.items()], {"format": "pt"}) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+    source = find_ple_source(Snapshot.open(snapshot_copy))
+    assert list(source.layout.multipliers) == tensors[name].tolist()
+    assert len(source.differences) == 1 and "layer_multipliers" in source.differences[0]
+
+
+def _index(snap):
+    return json.loads((snap / "model.safetensors.index.json").read_text())
+
+
+def _write_index(snap, index):
+    (snap / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _drop_shard(snap):
+    index = _index(snap)
+    del index["weight_map"][f"{PREFIX}.ngram_embedding.shard_3.weight"]
+    _write_index(snap, index)
+
+
+def _extra_shard(snap):
+    path = snap / PLE_SHARD
+    tensors = {k: v.clone() for k, v in load_file(path).items()}
+    tensors[f"{PREFIX}.ngram_embedding.shard_4.weight"] = torch.zeros(8, 16, dtype=torch.bfloat16)
+    with ShardWriter(path, [spec_of(k, v) for k, v in tensors.items()]) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+    index = _index(snap)
+    index["weight_map"][f"{PREFIX}.ngram_embedding.shard_4.weight"] = PLE_SHARD
+    _write_index(snap, index)
+
+
+def _rewrite(snap, edit):
+    path = snap / PLE_SHARD
+    tensors = {k: v.clone() for k, v in load_file(path).items()}
+    edit(tensors)
+    with ShardWriter(path, [spec_of(k, v) for k, v in tensors.items()]) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+
+
+def _rows(t):
+    n = f"{PREFIX}.ngram_embedding.shard_1.weight"
+    t[n] = t[n][:-4].clone()
+
+
+def _dtype(t):
+    n = f"{PREFIX}.ngram_embedding.shard_2.weight"
+    t[n] = t[n].to(torch.float16)
+
+
+def _config(snap):
+    cfg = json.loads((snap / "config.json").read_text())
+    cfg["text_config"]["make_ngram_vocab_size_divisible_by"] = 4096
+    (snap / "config.json").write_text(json.dumps(cfg))
+
+
+BAD = {
+    "missing shard": (_drop_shard, "is missing"),
+    "extra shard": (_extra_shard, "extra PLE shard"),
+    "rows disagree with config": (lambda s: _rewrite(s, _rows), "config.json implies"),
+    "config disagrees with shards": (_config, "config.json implies"),
+    "mixed dtypes": (lambda s: _rewrite(s, _dtype), "mixed dtypes"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_snapshot(snapshot_copy, tmp_path, case):
+    breaker, message = BAD[case]
+    breaker(snapshot_copy)
+    out = tmp_path / "ple.bin"
+    result = CliRunner().invoke(cli, ["ple", "build", "--src", str(snapshot_copy), "--out", str(out), "--no-progress"])
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not out.exists() and not (tmp_path / "ple.bin.partial").exists()
+
+
+def test_existing_target_of_the_wrong_size(demo_snapshot, tmp_path):
+    out = tmp_path / "ple.bin"
+    out.write_bytes(b"x" * 100)
+    result = CliRunner().invoke(cli, ["ple", "build", "--src", str(demo_snapshot), "--out", str(out)])
+    assert result.exit_code != 0 and "is 100 bytes, not the" in result.output
+    assert out.read_bytes() == b"x" * 100
+    result = CliRunner().invoke(cli, ["ple", "build", "--src", str(demo_snapshot), "--out", str(out), "--force",
+                                      "--no-progress"])
+    assert result.exit_code == 0 and verify_table(out)["ok"]
+
+
+def test_not_enough_disk_space(demo_snapshot, tmp_path, monkeypatch):
+    real = fsutil.shutil.disk_usage
+    monkeypatch.setattr(fsutil.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(FlashnextError, match="not enough disk space"):
+        build_table(demo_snapshot, tmp_path / "ple.bin", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ids_command(demo_snapshot):
+    result = CliRunner().invoke(cli, ["ple", "ids", "--config", str(demo_snapshot / "config.json"),
+                                      "--tokens", "1,2,3", "--context", "5,6"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert np.array(rows).shape == (3, 16)
+    bad = CliRunner().invoke(cli, ["ple", "ids", "--config", str(demo_snapshot / "config.json"),
+                                   "--tokens", "1", "--context", "5"])
+    assert bad.exit_code != 0 and "exactly 2" in bad.output

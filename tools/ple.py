@@ -1,0 +1,174 @@
+"""``flashnext ple``: the PLE n-gram table: layout, ids, the table file, residency, drive checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from flashnext.quant.errors import FlashnextError
+from flashnext.quant.ple_layout import ple_layout
+from flashnext.tools._common import emit_json, json_option, user_errors
+
+
+@click.group("ple")
+def main() -> None:
+    """The PLE n-gram table: hashing, the table file vLLM maps, page cache and drive checks."""
+
+
+def _int_list(text: str | None, what: str) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise FlashnextError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def _text_config(path: Path) -> dict:
+    try:
+        config = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FlashnextError(f"{path}: no such config file") from None
+    except ValueError as e:
+        raise FlashnextError(f"{path}: not valid JSON ({e})") from None
+    return config.get("text_config", config)
+
+
+@main.command("ids")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), required=True,
+              help="config.json of the model (text_config is used when present).")
+@click.option("--tokens", required=True, help="Token ids, comma-separated.")
+@click.option("--context", default=None, help="The ngram_size-1 tokens before them, oldest first (default: EOS).")
+@click.option("--layer", "dense_layer_id", type=int, default=0, show_default=True, help="Dense PLE layer id.")
+@user_errors
+def ids(config_path: Path, tokens: str, context: str | None, dense_layer_id: int) -> None:
+    """Print the [T, heads] row ids of TOKENS as a JSON list of lists (bit-identical to vLLM)."""
+    from flashnext.quant.ple_hash import NgramHasher
+
+    try:
+        layout = ple_layout(_text_config(config_path), dense_layer_id)
+    except (KeyError, ValueError) as e:
+        raise FlashnextError(f"{config_path}: not a PLE config ({e})") from None
+    toks = _int_list(tokens, "--tokens")
+    if not toks:
+        raise FlashnextError("--tokens is empty")
+    ctx = _int_list(context, "--context")
+    if ctx and len(ctx) != layout.ngram_size - 1:
+        raise FlashnextError(f"--context needs exactly {layout.ngram_size - 1} tokens")
+    result = NgramHasher(layout).ids(toks, None, [ctx] if ctx else None)
+    click.echo(json.dumps(result.tolist()))
+
+
+@main.command("layout")
+@click.option("--src", type=click.Path(path_type=Path), required=True, help="The model snapshot.")
+@click.option("--layer", "dense_layer_id", type=int, default=0, show_default=True)
+@json_option
+@user_errors
+def layout_cmd(src: Path, dense_layer_id: int, as_json: bool) -> None:
+    """Show the table layout, with the checkpoint's buffers winning over the formulas."""
+    from flashnext.quant.ple_table import find_ple_source
+    from flashnext.quant.snapshot import Snapshot
+
+    source = find_ple_source(Snapshot.open(src), dense_layer_id)
+    lay = source.layout
+    info = {"layer": source.layer, "dtype": source.dtype, "row_elements": source.row_elements,
+            "row_bytes": source.row_bytes, "rows": lay.rows, "padded_rows": lay.padded_rows,
+            "file_size": source.file_size, "multipliers": list(lay.multipliers),
+            "head_sizes": list(lay.head_sizes), "head_offsets": list(lay.head_offsets),
+            "shards": len(source.shards), "shard_rows": lay.shard_rows, "differences": source.differences}
+    if as_json:
+        emit_json(info)
+        return
+    for k, v in info.items():
+        click.echo(f"{k}: {v}")
+
+
+@main.command("build")
+@click.option("--src", type=click.Path(path_type=Path), required=True, help="The model snapshot (read only).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="The table file to write.")
+@click.option("--layer", "dense_layer_id", type=int, default=0, show_default=True)
+@click.option("--force", is_flag=True, help="Rebuild an existing table file.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@json_option
+@user_errors
+def build(src: Path, out: Path, dense_layer_id: int, force: bool, progress: bool, as_json: bool) -> None:
+    """Write the raw table file vLLM maps (VLLM_PLE_MMAP_PATH) and its sidecar OUT.json.
+
+    An interrupted build resumes where it stopped when run again with the same arguments."""
+    from flashnext.quant.ple_table import build_table
+
+    result = build_table(src, out, dense_layer_id, force=force, progress=progress)
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"wrote {result['path']}: {result['rows']} rows x {result['row_bytes']} B "
+                   f"({result['dtype']}, {result['file_size'] / 2**30:.2f} GiB)")
+        for line in result["differences"]:
+            click.echo(f"note: {line}")
+
+
+@main.command("verify")
+@click.argument("table", type=click.Path(path_type=Path))
+@click.option("--full", is_flag=True, help="Hash every byte (default: 16 random 16 MiB blocks and both ends).")
+@json_option
+@user_errors
+def verify(table: Path, full: bool, as_json: bool) -> None:
+    """Check TABLE's size and hashes against its sidecar."""
+    from flashnext.quant.ple_table import verify_table
+
+    result = verify_table(table, full=full)
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"ok: {table} ({result['mode']}, {result['bytes_checked'] / 2**20:.1f} MiB hashed)")
+
+
+@main.command("residency")
+@click.argument("table", type=click.Path(path_type=Path))
+@json_option
+@user_errors
+def residency(table: Path, as_json: bool) -> None:
+    """How much of TABLE is in the page cache (mincore)."""
+    from flashnext.quant.ple_prefetch import PAGE_SIZE, TableMapping
+
+    if not table.is_file():
+        raise FlashnextError(f"{table}: no such file")
+    mapping = TableMapping(table, 1)
+    try:
+        resident, pages = mapping.residency()
+    finally:
+        mapping.close()
+    result = {"path": str(table), "resident_pages": resident, "pages": pages,
+              "resident_bytes": resident * PAGE_SIZE, "fraction": resident / pages if pages else 0.0}
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"{table}: {result['fraction'] * 100:.1f}% resident "
+                   f"({resident * PAGE_SIZE / 2**30:.2f} of {pages * PAGE_SIZE / 2**30:.2f} GiB)")
+
+
+@main.command("drive-check")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--seconds", type=click.FloatRange(min=0.5), default=10.0, show_default=True)
+@click.option("--depth", type=click.IntRange(2, 256), default=32, show_default=True,
+              help="Reads outstanding in the throughput half.")
+@json_option
+@user_errors
+def drive_check_cmd(path: Path, seconds: float, depth: int, as_json: bool) -> None:
+    """O_DIRECT 4 KiB random reads on PATH (a file on the drive, e.g. the table): QD1 latency
+    and deep-queue throughput. Exits 2 if the drive's tail would stall decode."""
+    from flashnext.quant.drive_check import drive_check
+
+    result = drive_check(path, seconds, depth)
+    if as_json:
+        emit_json(result)
+    else:
+        q, d = result["qd1"], result["deep"]
+        click.echo(f"QD1: p50 {q['p50_ms']:.3f} ms, p99 {q['p99_ms']:.3f} ms, max {q['max_ms']:.1f} ms "
+                   f"({q['iops']:.0f} IOPS)")
+        click.echo(f"QD{d['depth']}: {d['iops']:.0f} IOPS ({d['mb_per_s']:.0f} MB/s)")
+        click.echo(result["verdict"])
+    if not result["ok"]:
+        raise SystemExit(2)
