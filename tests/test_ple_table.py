@@ -194,3 +194,38 @@ def test_ids_command(demo_snapshot):
     bad = CliRunner().invoke(cli, ["ple", "ids", "--config", str(demo_snapshot / "config.json"),
                                    "--tokens", "1", "--context", "5"])
     assert bad.exit_code != 0 and "exactly 2" in bad.output
+
+
+def _to_fp8(snap, with_scale=True):
+    path = snap / PLE_SHARD
+    tensors = {k: v.clone() for k, v in load_file(path).items()}
+    for k in list(tensors):
+        if ".ngram_embedding.shard_" in k:
+            tensors[k] = tensors[k].float().clamp(-400, 400).to(torch.float8_e4m3fn)
+    if with_scale:
+        tensors[f"{PREFIX}.ngram_embedding.weight_scale"] = torch.tensor([0.015625], dtype=torch.float32)
+    with ShardWriter(path, [spec_of(k, v) for k, v in tensors.items()]) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+    if with_scale:
+        index = _index(snap)
+        index["weight_map"][f"{PREFIX}.ngram_embedding.weight_scale"] = PLE_SHARD
+        _write_index(snap, index)
+    return tensors
+
+
+def test_fp8_table_keeps_its_scale(snapshot_copy, tmp_path):
+    tensors = _to_fp8(snapshot_copy)
+    out = tmp_path / "ple-fp8.bin"
+    info = build_table(snapshot_copy, out, progress=False)
+    assert info["dtype"] == "F8_E4M3" and info["row_bytes"] == 16 and info["scale"] == 0.015625
+    expected = torch.cat([tensors[f"{PREFIX}.ngram_embedding.shard_{i}.weight"] for i in range(4)])
+    assert out.read_bytes() == expected.view(torch.uint8).numpy().tobytes()
+    assert json.loads((tmp_path / "ple-fp8.bin.json").read_text())["scale"] == 0.015625
+    assert verify_table(out, full=True)["ok"]
+
+
+def test_fp8_without_scale_is_refused(snapshot_copy, tmp_path):
+    _to_fp8(snapshot_copy, with_scale=False)
+    with pytest.raises(FlashnextError, match="global scale"):
+        build_table(snapshot_copy, tmp_path / "t.bin", progress=False)
