@@ -12,11 +12,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashnext import __version__
-from flashnext.quant.fsutil import sha256_file, write_text_atomic
+from flashnext.quant.fsutil import sha256_bytes, sha256_file, write_text_atomic
+from flashnext.quant.safetensors_io import read_header
 from flashnext.quant.snapshot import SnapshotOrigin
 
 MANIFEST_FILE = "overlay.json"
 SCHEMA_VERSION = 1
+
+
+def header_sha256(path: Path) -> str | None:
+    """sha256 of a safetensors file's length prefix and JSON header (names, dtypes, shapes and
+    offsets): a cheap fingerprint of a multi-GB shard. None for other files."""
+    if not str(path).endswith(".safetensors"):
+        return None
+    return sha256_bytes(read_header(path).header_bytes)
 
 
 @dataclass
@@ -38,6 +47,7 @@ class OverlayManifest:
             "size": target.stat().st_size,
             "base_sha256": base_sha256 or sha256_file(base_path, progress),
             "base_size": base_path.stat().st_size,
+            "base_header_sha256": header_sha256(base_path),
         })
 
     def to_json(self) -> dict:
