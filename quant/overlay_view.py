@@ -55,12 +55,11 @@ class Mismatch:
         return f"{self.path}: {self.problem}"
 
 
-def verify_overlay(base: Path, overlay: Path, full: bool = False) -> list[Mismatch]:
-    """Every problem found, one per file: overlay files by content hash; base files by safetensors
-    header hash (``full``: by content hash)."""
-    base, overlay = Path(base), Path(overlay)
-    manifest = load_manifest(overlay)
-    problems: list[Mismatch] = []
+def overlay_file_problems(overlay: Path, manifest: dict | None = None) -> list[Mismatch]:
+    """The overlay's own files against its manifest, by size and content hash."""
+    overlay = Path(overlay)
+    manifest = manifest or load_manifest(overlay)
+    problems = []
     for entry in manifest["replaces"] + manifest["adds"]:
         name = entry["path"]
         mine = overlay / name
@@ -69,6 +68,13 @@ def verify_overlay(base: Path, overlay: Path, full: bool = False) -> list[Mismat
         elif mine.stat().st_size != entry["size"] or sha256_file(mine) != entry["sha256"]:
             problems.append(Mismatch(f"{overlay.name}/{name}",
                                      f"overlay file changed since it was built (expected sha256 {entry['sha256'][:12]}…)"))
+    return problems
+
+
+def base_file_problems(base: Path, manifest: dict, full: bool = False) -> list[Mismatch]:
+    """The base files an overlay replaces, by safetensors header hash (``full``: content hash)."""
+    base = Path(base)
+    problems = []
     for entry in manifest["replaces"]:
         name = entry["path"]
         theirs = base / name
@@ -90,6 +96,13 @@ def verify_overlay(base: Path, overlay: Path, full: bool = False) -> list[Mismat
         if (base / entry["path"]).exists():
             problems.append(Mismatch(entry["path"], "the overlay adds this file but the base already has one"))
     return problems
+
+
+def verify_overlay(base: Path, overlay: Path, full: bool = False) -> list[Mismatch]:
+    """Every problem found, one per file: overlay files by content hash; base files by safetensors
+    header hash (``full``: by content hash)."""
+    manifest = load_manifest(overlay)
+    return overlay_file_problems(overlay, manifest) + base_file_problems(base, manifest, full)
 
 
 def _flatten(obj, prefix=()) -> dict[tuple, object]:

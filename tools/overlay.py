@@ -69,3 +69,54 @@ def apply(overlays: tuple[Path, ...], base: Path, out: Path, force: bool, verify
         emit_json(result)
     else:
         click.echo(f"wrote view {result['view']} ({len(overlays)} overlay(s) over {result['base']})")
+
+
+@main.command("upload")
+@click.argument("overlay", type=click.Path(path_type=Path))
+@click.option("--repo", "repo_id", required=True, help="Hub repository id, e.g. you/Qwen3.8-Flash-Next-MTP-INT4.")
+@click.option("--private", is_flag=True, help="Create the repository private.")
+@click.option("--revision", default=None, help="Branch to commit to (created if needed; default main).")
+@click.option("--dry-run", is_flag=True, help="List every file that would be uploaded, with sizes; contact nobody.")
+@click.option("--endpoint", default=None, help="Hub endpoint (default: huggingface_hub's, i.e. HF_ENDPOINT).")
+@json_option
+@user_errors
+def upload(overlay: Path, repo_id: str, private: bool, revision: str | None, dry_run: bool,
+           endpoint: str | None, as_json: bool) -> None:
+    """Publish OVERLAY: its manifest's files, overlay.json and a generated model card, in one commit.
+    The token comes from HF_TOKEN or `hf auth login` and is never printed."""
+    from flashnext.quant.hub import upload_overlay
+
+    result = upload_overlay(overlay, repo_id, private=private, revision=revision, dry_run=dry_run,
+                            endpoint=endpoint)
+    if as_json:
+        emit_json(result)
+        return
+    for f in result["files"]:
+        click.echo(f"{f['size']:>14,}  {f['path']}")
+    if dry_run:
+        click.echo(f"dry run: {len(result['files'])} files, {result['total_bytes']:,} bytes to {repo_id}; nothing sent")
+    else:
+        click.echo(f"published {repo_id}@{result['revision']}: commit {result['commit']}")
+
+
+@main.command("fetch")
+@click.argument("repo_id")
+@click.option("--base", type=click.Path(path_type=Path), required=True, help="The base snapshot.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="The view to create.")
+@click.option("--revision", default=None, help="Branch, tag or commit of the overlay repo.")
+@click.option("--endpoint", default=None, help="Hub endpoint (default: huggingface_hub's, i.e. HF_ENDPOINT).")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="huggingface_hub cache directory.")
+@click.option("--force", is_flag=True, help="Replace an existing view.")
+@json_option
+@user_errors
+def fetch(repo_id: str, base: Path, out: Path, revision: str | None, endpoint: str | None,
+          cache_dir: Path | None, force: bool, as_json: bool) -> None:
+    """Download overlay REPO_ID, verify it against --base, and apply it as the view --out."""
+    from flashnext.quant.hub import fetch_overlay
+
+    result = fetch_overlay(repo_id, base, out, revision=revision, endpoint=endpoint, cache_dir=cache_dir,
+                           force=force)
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"fetched {repo_id} and wrote view {result['view']}")
