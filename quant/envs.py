@@ -30,4 +30,16 @@ VLLM_PLE_MMAP_PATH = EnvVar(
     "VLLM_PLE_MMAP_PATH", "",
     "Path of the PLE table file made by `flashnext ple build`; empty: the patch is inactive.")
 
-ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_MMAP_PATH)
+VLLM_QSA_KV_OFFLOAD = EnvVar(
+    "VLLM_QSA_KV_OFFLOAD", "0",
+    "QSA main K/V in pinned host memory (seed 000's base patch); read by the patch series once that "
+    "patch is ported (not yet in this release).")
+
+ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD)
+
+# Variables that serving profiles set and that neither vLLM (vllm.envs) nor the patch series reads,
+# with the library that does.
+THIRD_PARTY = {
+    "PYTORCH_CUDA_ALLOC_CONF": "PyTorch's CUDA caching allocator",
+    "NCCL_NVLS_ENABLE": "NCCL (NVLink SHARP / multicast)",
+}

@@ -1,0 +1,101 @@
+"""Rendering a serving profile as a Compose file, and the vLLM command line it runs.
+
+The container runs ``flashnext serve --engine native`` (the image installs flashnext), which makes
+a view of the snapshot with the overlays applied (symlinks, ``flashnext.quant.overlay_view``) and
+then execs ``vllm serve``. Mounting each overlay file over the snapshot file would not work for
+stacked overlays, whose config.json and index must be merged; the view does that inside the
+container, from read-only mounts of the snapshot and of each overlay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from flashnext import __version__
+from flashnext.serving.profiles import Profile
+
+IMAGE = f"flashnext/vllm-openai:v0.33.0-flashnext{__version__}"
+BASE_IMAGE = "vllm/vllm-openai:v0.33.0"
+SERVICE = "vllm"
+CONTAINER_PORT = 8000
+MODEL_DIR = "/models/snapshot"
+OVERLAY_DIR = "/models/overlays"
+PLE_PATH = "/models/ple/table.bin"
+SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the repository, when installed from source
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    profile: Profile
+    model: Path
+    overlays: tuple[Path, ...] = field(default_factory=tuple)
+    ple_table: Path | None = None
+    bind: str = "127.0.0.1"
+    port: int | None = None
+
+    @property
+    def host_port(self) -> int:
+        return self.port or self.profile.container.port
+
+
+def vllm_command(profile: Profile, model: str, listen: str, port: int) -> list[str]:
+    """``vllm serve MODEL`` with the profile's arguments."""
+    return ["vllm", "serve", model, *profile.vllm_args, "--host", listen, "--port", str(port)]
+
+
+def runtime_env(profile: Profile, ple_table: str | None) -> dict[str, str]:
+    env = dict(profile.env)
+    if ple_table is not None:
+        env["VLLM_PLE_MMAP_PATH"] = ple_table
+    return env
+
+
+def render_compose(req: ServeRequest) -> dict:
+    """The Compose document for ``req``; paths need not exist (it may be meant for another host)."""
+    p, c = req.profile, req.profile.container
+    volumes = [{"type": "bind", "source": str(Path(req.model).absolute()), "target": MODEL_DIR, "read_only": True}]
+    command = ["serve", "--engine", "native", "--profile", p.name, "--model", MODEL_DIR,
+               "--listen", "0.0.0.0", "--port", str(CONTAINER_PORT)]
+    for i, overlay in enumerate(req.overlays):
+        target = f"{OVERLAY_DIR}/{i}"
+        volumes.append({"type": "bind", "source": str(Path(overlay).absolute()), "target": target, "read_only": True})
+        command += ["--overlay", target]
+    if p.uses_ple_table and req.ple_table is not None:
+        volumes.append({"type": "bind", "source": str(Path(req.ple_table).absolute()), "target": PLE_PATH,
+                        "read_only": True})
+        command += ["--ple-table", PLE_PATH]
+    service: dict = {
+        "image": IMAGE,
+        "entrypoint": ["flashnext"],
+        "command": command,
+        "environment": runtime_env(p, PLE_PATH if p.uses_ple_table and req.ple_table else None),
+        "volumes": volumes,
+        "ports": [f"{req.bind}:{req.host_port}:{CONTAINER_PORT}"],
+        "ipc": c.ipc,
+        "shm_size": c.shm_size,
+        "stop_grace_period": f"{c.stop_grace_period_s}s",
+        "deploy": {"resources": {"reservations": {"devices": [
+            {"driver": "nvidia", "count": p.gpus, "capabilities": ["gpu"]}]}}},
+        "healthcheck": {
+            "test": ["CMD-SHELL", f"curl -fsS http://localhost:{CONTAINER_PORT}/health || exit 1"],
+            "interval": f"{p.healthcheck.interval_s}s", "timeout": f"{p.healthcheck.timeout_s}s",
+            "retries": p.healthcheck.retries, "start_period": f"{p.healthcheck.start_period_s}s"},
+        "labels": {"io.flashnext.profile": p.name, "io.flashnext.version": __version__},
+    }
+    if c.memlock_unlimited:
+        service["ulimits"] = {"memlock": {"soft": -1, "hard": -1}}
+    if c.cap_add:
+        service["cap_add"] = sorted(c.cap_add)
+        for cap, why in c.cap_add.items():
+            service["labels"][f"io.flashnext.cap_add.{cap}"] = why
+    if (SOURCE_ROOT / "serving" / "Dockerfile").is_file():
+        service["build"] = {"context": str(SOURCE_ROOT), "dockerfile": "serving/Dockerfile"}
+    return {"name": f"flashnext-{p.name}", "services": {SERVICE: service},
+            "x-flashnext": {"profile": p.name, "description": p.description, "base_image": BASE_IMAGE}}
+
+
+def to_yaml(document: dict) -> str:
+    return yaml.safe_dump(document, sort_keys=False, width=120)

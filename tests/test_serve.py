@@ -1,0 +1,175 @@
+"""Serving profiles: the rendered compose against the Compose schema, every vLLM argument against
+vLLM 0.33.0's own parser, every environment variable against what is read, and `serve` itself."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from flashnext.quant import envs
+from flashnext.quant.errors import FlashnextError
+from flashnext.serving.compose import ServeRequest, render_compose, vllm_command
+from flashnext.serving.profiles import available, load_profile
+from flashnext.tools.cli import main as cli
+from flashnext.tools.serve import wait_ready
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = available()
+SCHEMA = json.loads((ROOT / "manifests" / "compose-spec.schema.json").read_text())
+
+
+def test_the_profiles_of_the_issue_exist():
+    assert {"3x3090", "3x3090-mtp", "8xh200-glm53-hisparse"} <= set(PROFILES)
+
+
+def render(name, **kw):
+    return render_compose(ServeRequest(load_profile(name), Path("/srv/snapshot"), (Path("/srv/ov1"), Path("/srv/ov2")),
+                                       Path("/srv/ple.bin"), **kw))
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_compose_validates_against_the_compose_schema(name):
+    document = render(name)
+    jsonschema.validate(document, SCHEMA)
+    # and survives the YAML round trip that `serve --dry-run` prints
+    result = CliRunner().invoke(cli, ["serve", "--profile", name, "--model", "/srv/snapshot", "--overlay", "/srv/ov1",
+                                      "--ple-table", "/srv/ple.bin", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    jsonschema.validate(yaml.safe_load(result.stdout), SCHEMA)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_container_settings(name):
+    profile = load_profile(name)
+    svc = render(name)["services"]["vllm"]
+    assert svc["ports"] == [f"127.0.0.1:{profile.container.port}:8000"]
+    assert svc["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
+    assert svc["ipc"] == "host" and svc["shm_size"]
+    assert svc["deploy"]["resources"]["reservations"]["devices"][0]["count"] == profile.gpus
+    mounts = {m["target"]: m for m in svc["volumes"]}
+    assert mounts["/models/snapshot"]["read_only"] and mounts["/models/snapshot"]["source"] == "/srv/snapshot"
+    assert mounts["/models/overlays/0"]["source"] == "/srv/ov1" and mounts["/models/overlays/1"]["read_only"]
+    assert svc["command"].count("--overlay") == 2
+    shutdown = int(profile.vllm_args[profile.vllm_args.index("--shutdown-timeout") + 1])
+    assert profile.container.stop_grace_period_s >= shutdown + 10
+    assert svc["stop_grace_period"] == f"{profile.container.stop_grace_period_s}s"
+    assert "/health" in " ".join(svc["healthcheck"]["test"])
+    for cap in svc.get("cap_add", []):
+        assert len(svc["labels"][f"io.flashnext.cap_add.{cap}"]) > 40  # the reason is recorded
+    if profile.uses_ple_table:
+        assert mounts["/models/ple/table.bin"]["read_only"]
+        assert svc["environment"]["VLLM_PLE_MMAP_PATH"] == "/models/ple/table.bin"
+
+
+def test_3x3090_matches_the_seed():
+    p = load_profile("3x3090")
+    a = p.vllm_args
+    value = lambda flag: a[a.index(flag) + 1]  # noqa: E731
+    assert value("--pipeline-parallel-size") == "3" and value("--max-model-len") == "262144"
+    assert value("--max-num-seqs") == "4" and value("--max-num-batched-tokens") == "512"
+    assert value("--kv-cache-memory-bytes") == "783000000" and value("--mamba-cache-mode") == "align"
+    assert "SYS_PTRACE" in p.container.cap_add
+    mtp = load_profile("3x3090-mtp")
+    m = mtp.vllm_args
+    assert m[m.index("--kv-cache-memory-bytes") + 1] == "550000000" and m[m.index("--max-num-seqs") + 1] == "2"
+    assert json.loads(m[m.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 1}
+    assert mtp.env["VLLM_PP_LAYER_PARTITION"] == "16,17,15"
+
+
+cli_args = pytest.importorskip("vllm.entrypoints.common.cli_args", reason="vLLM 0.33.0 is installed by .ci/run")
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_vllm_accepts_every_argument(name):
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = cli_args.make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(vllm_command(load_profile(name), "/models/view", "0.0.0.0", 8000)[2:])
+    cli_args.validate_parsed_serve_args(args)
+    assert args.model_tag == "/models/view" or args.model == "/models/view"
+
+
+def test_the_seed_004_hisparse_key_is_refused_by_vllm_0_33():
+    """Why the GLM profile does not copy seed 004's flags: vLLM 0.33.0's parser rejects them."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = cli_args.make_arg_parser(FlexibleArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["/m", "--attention-config", '{"hisparse_config":{"host_pool_gib":384}}'])
+
+
+def known_variable(name: str) -> bool:
+    import vllm.envs
+
+    return (name in vllm.envs.environment_variables or name in {v.name for v in envs.ALL}
+            or name in envs.THIRD_PARTY)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_environment_variable_is_read_by_something(name):
+    env = render(name)["services"]["vllm"]["environment"]
+    unknown = [k for k in env if not known_variable(k)]
+    assert unknown == []
+
+
+def test_a_typo_is_caught():
+    assert not known_variable("PYTORCH_ALLOC_CONF")
+    assert not known_variable("VLLM_PLE_MMAP_PAHT")
+
+
+def test_native_dry_run_and_errors(tmp_path):
+    result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", "/srv/snap", "--engine", "native",
+                                      "--ple-table", "/srv/ple.bin", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["command"][:3] == ["vllm", "serve", "/srv/snap"] and out["env"]["VLLM_PLE_MMAP_PATH"] == "/srv/ple.bin"
+    bad = CliRunner().invoke(cli, ["serve", "--profile", "5x3090", "--model", "/srv/snap", "--dry-run"])
+    assert bad.exit_code == 1 and "choose one of" in bad.output
+    missing = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", tmp_path / "nope", "--engine", "docker"])
+    assert missing.exit_code == 1 and len(missing.output.strip().splitlines()) == 1
+
+
+def test_profile_loader_rejects_unknown_keys(tmp_path):
+    data = json.loads((ROOT / "serving" / "profiles" / "3x3090.json").read_text())
+    data["max_tokens"] = 5
+    (tmp_path / "3x3090.json").write_text(json.dumps(data))
+    with pytest.raises(FlashnextError, match="unknown keys"):
+        load_profile("3x3090", tmp_path)
+
+
+def test_wait_ready_against_a_server_on_loopback():
+    """A stand-in for vLLM's HTTP server: /health fails twice, then both endpoints answer."""
+    calls = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            calls.append(self.path)
+            if self.path == "/health" and calls.count("/health") < 3:
+                self.send_response(503)
+                self.end_headers()
+                return
+            body = json.dumps({"data": [{"id": "flash-next"}]}).encode() if self.path == "/v1/models" else b""
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        lines = []
+        models = wait_ready(f"http://127.0.0.1:{server.server_address[1]}", 10, lines.append, poll_s=0.05)
+        assert models["data"][0]["id"] == "flash-next"
+        assert calls[-2:] == ["/health", "/v1/models"] and lines
+        with pytest.raises(FlashnextError, match="did not answer"):
+            wait_ready("http://127.0.0.1:9", 0.1, poll_s=0.05)
+    finally:
+        server.shutdown()
