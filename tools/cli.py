@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from flashnext import __version__
-from flashnext.tools import demo_checkpoint, make_mtp_int4, overlay, ple, serve
+from flashnext.tools import demo_checkpoint, doctor, make_mtp_int4, overlay, ple, serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -19,6 +19,7 @@ main.add_command(demo_checkpoint.main)
 main.add_command(serve.main)
 main.add_command(ple.main)
 main.add_command(overlay.main)
+main.add_command(doctor.main)
 
 
 if __name__ == "__main__":

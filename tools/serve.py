@@ -98,9 +98,10 @@ def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | 
 @click.option("--bind", default="127.0.0.1", show_default=True, help="Host address the port is published on.")
 @click.option("--listen", default="127.0.0.1", show_default=True, help="native: the address vLLM listens on.")
 @click.option("--port", type=int, default=None, help="Port (default: the profile's).")
+@click.option("--check", is_flag=True, help="Run the preflight (as `flashnext doctor`) and exit with its verdict.")
 @click.pass_context
 @user_errors
-def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen, port) -> None:
+def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen, port, check) -> None:
     """Start the optimized vLLM system for a profile.
 
     \b
@@ -117,6 +118,10 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     if not profile or model is None:
         raise FlashnextError("serve needs --profile and --model (see `serve --help`)")
     prof = load_profile(profile)
+    if check:
+        from flashnext.tools.doctor import report
+
+        return report(profile, model, overlays, ple_table, engine, False)
     if engine == "native":
         return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
     req = ServeRequest(prof, model, tuple(overlays), ple_table, bind, port)

@@ -1,0 +1,229 @@
+"""Preflight: can this machine run a serving profile? Go/no-go, with numbers and the fix for each problem.
+
+Checks: the GPUs (count, model, free VRAM, through NVML); the locked-memory limit, /dev/shm and the
+cgroup memory limit; whether process_madvise is allowed (SYS_PTRACE / seccomp); the PLE table's
+drive (tail latency, ``flashnext ple drive-check``); each overlay against the snapshot; the
+serving image. Each failing check has its own exit code.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import resource
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from flashnext.serving.profiles import Profile
+
+
+class Exit(enum.IntEnum):
+    GO = 0
+    GPU = 10
+    MEMORY = 11
+    PTRACE = 12
+    PLE_DRIVE = 13
+    OVERLAY = 14
+    IMAGE = 15
+
+
+@dataclass
+class Finding:
+    check: str
+    ok: bool
+    detail: str
+    fix: str | None = None
+    exit: int = Exit.GO
+    blocking: bool = True
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+
+def nvml_devices() -> list[GpuInfo]:
+    """The GPUs NVML reports (empty without a driver)."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver: NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            out.append(GpuInfo(i, name.decode() if isinstance(name, bytes) else name, int(mem.total), int(mem.free)))
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_gpus(profile: Profile, devices: list[GpuInfo]) -> Finding:
+    if len(devices) < profile.gpus:
+        return Finding("gpus", False, f"{len(devices)} GPU(s) visible, the profile needs {profile.gpus}",
+                       "expose the GPUs to this process (drivers installed, CUDA_VISIBLE_DEVICES, "
+                       f"compose `deploy.resources.reservations.devices: count: {profile.gpus}`)", Exit.GPU)
+    args = profile.vllm_args
+    util = float(args[args.index("--gpu-memory-utilization") + 1]) if "--gpu-memory-utilization" in args else 0.9
+    busy = [d for d in devices[:profile.gpus] if d.free_bytes < util * d.total_bytes]
+    models = ", ".join(sorted({d.name for d in devices[:profile.gpus]}))
+    if busy:
+        d = busy[0]
+        return Finding("gpus", False,
+                       f"GPU {d.index} ({d.name}) has {_gib(d.free_bytes)} free of {_gib(d.total_bytes)}; "
+                       f"the profile takes {util:.0%}", f"stop what holds GPU {d.index}'s memory (see nvidia-smi)",
+                       Exit.GPU)
+    return Finding("gpus", True, f"{profile.gpus} x {models}, free VRAM ≥ {util:.0%} on each")
+
+
+def check_memlock(profile: Profile) -> Finding:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if not profile.container.memlock_unlimited or soft == resource.RLIM_INFINITY:
+        return Finding("memlock", True, "locked memory: unlimited" if soft == resource.RLIM_INFINITY
+                       else f"locked memory limit {soft} B (the profile does not pin)")
+    return Finding("memlock", False, f"`ulimit -l` is {soft // 1024} KiB; pinned host K/V pools need it unlimited",
+                   "compose: `ulimits: {memlock: {soft: -1, hard: -1}}` (serve writes it); natively: `ulimit -l unlimited`",
+                   Exit.MEMORY)
+
+
+def _parse_size(text: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().rstrip("b")
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
+def check_shm(profile: Profile, path: str = "/dev/shm") -> Finding:
+    need = _parse_size(profile.container.shm_size)
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return Finding("shm", False, f"{path} is missing", f"compose: `shm_size: {profile.container.shm_size}`",
+                       Exit.MEMORY)
+    size = st.f_frsize * st.f_blocks
+    if size < need:
+        return Finding("shm", False, f"{path} is {_gib(size)}; the profile wants {_gib(need)}",
+                       f"compose: `shm_size: {profile.container.shm_size}` (serve writes it) or `ipc: host`",
+                       Exit.MEMORY)
+    return Finding("shm", True, f"{path}: {_gib(size)}")
+
+
+def check_cgroup(memory_max: Path = Path("/sys/fs/cgroup/memory.max"), meminfo: Path = Path("/proc/meminfo")) -> Finding:
+    total = 0
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            total = int(line.split()[1]) * 1024
+    if not memory_max.exists():
+        return Finding("cgroup", True, f"no cgroup v2 memory limit; host RAM {_gib(total)}")
+    value = memory_max.read_text().strip()
+    if value == "max":
+        return Finding("cgroup", True, f"cgroup memory.max: unlimited; host RAM {_gib(total)}")
+    limit = int(value)
+    if limit < 0.9 * total:
+        return Finding("cgroup", False, f"cgroup memory.max is {_gib(limit)} of {_gib(total)} RAM; pinned pools "
+                                        "and the PLE page cache need the host's memory",
+                       "raise the container's memory limit (compose `mem_limit`, podman `--memory`)", Exit.MEMORY)
+    return Finding("cgroup", True, f"cgroup memory.max {_gib(limit)} of {_gib(total)}")
+
+
+def check_process_madvise() -> Finding:
+    """Probe process_madvise on a scratch mapping, as the PLE prefetcher does."""
+    from flashnext.quant.ple_prefetch import TableMapping
+
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(b"\0" * 8192)
+        f.flush()
+        mapping = TableMapping(Path(f.name), 4096)
+        batched = mapping.batched
+        mapping.close()
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    scope_text = f", ptrace_scope {scope.read_text().strip()}" if scope.exists() else ""
+    if batched:
+        return Finding("ptrace", True, f"process_madvise allowed{scope_text}")
+    return Finding("ptrace", False, f"process_madvise is refused here{scope_text}: the PLE prefetcher falls back "
+                                    "to per-range madvise (same pages, ~20x its CPU time)",
+                   "compose: `cap_add: [SYS_PTRACE]` (the 3x3090 profiles set it)", Exit.PTRACE, blocking=False)
+
+
+def check_ple_drive(table: Path, seconds: float = 3.0) -> Finding:
+    from flashnext.quant.drive_check import drive_check
+    from flashnext.quant.errors import FlashnextError
+
+    try:
+        r = drive_check(table, seconds)
+    except FlashnextError as e:
+        return Finding("ple-drive", False, str(e), "check the path given to --ple-table", Exit.PLE_DRIVE)
+    q = r["qd1"]
+    detail = f"{table}: QD1 p50 {q['p50_ms']:.3f} ms, p99 {q['p99_ms']:.3f} ms, max {q['max_ms']:.1f} ms; deep queue {r['deep']['iops']:.0f} IOPS"
+    if not r["ok"]:
+        return Finding("ple-drive", False, detail, "move the PLE table to a drive with a short tail "
+                       "(seed 000 §3.7: a DRAM-less QLC drive stalled decode for seconds)", Exit.PLE_DRIVE)
+    return Finding("ple-drive", True, detail)
+
+
+def check_overlays(model: Path, overlays: list[Path]) -> Finding:
+    from flashnext.quant.errors import FlashnextError
+    from flashnext.quant.overlay_view import verify_overlay
+
+    for overlay in overlays:
+        try:
+            problems = verify_overlay(model, overlay)
+        except FlashnextError as e:
+            return Finding("overlay", False, str(e), "pass an overlay directory made by flashnext", Exit.OVERLAY)
+        if problems:
+            return Finding("overlay", False, f"{overlay.name}: {problems[0]}",
+                           f"rebuild it against this snapshot (e.g. make-mtp-int4 --src {model} --out NEW)", Exit.OVERLAY)
+    return Finding("overlay", True, f"{len(overlays)} overlay(s) match the snapshot" if overlays else "no overlays")
+
+
+def check_image(engine: str, image: str) -> Finding:
+    try:
+        found = subprocess.run([engine, "image", "inspect", image], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return Finding("image", False, f"{engine} is not installed", f"install {engine}, or `serve --engine native`",
+                       Exit.IMAGE)
+    if not found:
+        return Finding("image", False, f"{image} is not built", f"`serve` builds it (serving/Dockerfile: vLLM 0.33.0 "
+                       "with the patch series); to build now: `docker build -f serving/Dockerfile -t "
+                       f"{image} .`", Exit.IMAGE, blocking=False)
+    return Finding("image", True, f"{image} present")
+
+
+def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_table: Path | None,
+              engine: str, devices: list[GpuInfo] | None = None) -> list[Finding]:
+    from flashnext.serving.compose import IMAGE
+
+    findings = [check_gpus(profile, nvml_devices() if devices is None else devices),
+                check_memlock(profile), check_shm(profile), check_cgroup(), check_process_madvise()]
+    if ple_table is not None:
+        findings.append(check_ple_drive(ple_table))
+    if model is not None:
+        findings.append(check_overlays(model, overlays))
+    if engine in ("docker", "podman"):
+        findings.append(check_image(engine, IMAGE))
+    return findings
+
+
+def verdict(findings: list[Finding]) -> int:
+    """The exit code: that of the first blocking failure, else 0."""
+    for f in findings:
+        if not f.ok and f.blocking:
+            return int(f.exit)
+    return int(Exit.GO)
