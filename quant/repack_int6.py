@@ -1,0 +1,193 @@
+"""``repack-int6``: INT6 modules to the bit-plane layout (or losslessly to INT8), and back.
+
+Targets are module names matched with ``re.match`` (default: the shared experts). For each target
+``M``, ``M.weight_packed`` must be compressed-tensors' dense 6-bit layout (``int32 [N, 6K/32]``,
+checked against ``M.weight_shape``); anything else, such as compressed-tensors 0.17's padded 6-bit
+layout (5 values per word), is refused. Scales and shapes are unchanged.
+
+* default: ``weight_packed`` becomes the bit-plane bytes (``quant.bitplane``), and config.json's
+  ``flashnext.int6_bitplane`` lists the modules and the layout for the serving patch;
+* ``--to int8``: ``weight_packed`` becomes 8-bit pack-quantized (q + 128), and a
+  compressed-tensors group put first resolves exactly those modules to 8 bits, so stock vLLM serves
+  them with its 8-bit Marlin path, at 33% more bytes;
+* ``--reverse``: a snapshot with the bit-plane overlay applied goes back to dense 6-bit tensors,
+  byte-identical to the original ones.
+
+Shards are rewritten under their own names, other tensors copied byte for byte.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashnext.quant.bitplane import LAYOUT, bitplane_to_dense6, dense6_to_bitplane, dense6_to_int8
+from flashnext.quant.ct_config import weight_scheme
+from flashnext.quant.errors import FlashnextError
+from flashnext.quant.fsutil import atomic_directory, check_free_space, is_within
+from flashnext.quant.overlay import OverlayManifest
+from flashnext.quant.packing import packed_words
+from flashnext.quant.safetensors_io import (DTYPE_NAMES, ShardWriter, TensorSpec, copy_tensor_bytes, read_rows,
+                                           shard_size)
+from flashnext.quant.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
+
+DEFAULT_TARGETS = r".*mlp\.shared_expert\.(gate|up|down)_proj$"
+INT8_GROUP = "flashnext_int6_widened_to_int8"
+MODES = ("bitplane", "int8", "reverse")
+
+
+@dataclass(frozen=True)
+class Target:
+    module: str
+    rows: int
+    cols: int
+    shard: str
+
+
+def _read(snap: Snapshot, name: str) -> torch.Tensor:
+    path, entry = snap.entry(name)
+    return read_rows(path, entry, 0, entry.shape[0])
+
+
+def find_targets(snap: Snapshot, pattern: str, mode: str) -> list[Target]:
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise FlashnextError(f"--targets is not a valid regular expression: {e}") from None
+    bitplane_modules = set(((snap.config.get("flashnext") or {}).get("int6_bitplane") or {}).get("modules", []))
+    targets = []
+    for name in snap.weight_map:
+        if not name.endswith(".weight_packed"):
+            continue
+        module = name[: -len(".weight_packed")]
+        if mode == "reverse":
+            if module not in bitplane_modules:
+                continue
+        elif not regex.match(module):
+            continue
+        if f"{module}.weight_shape" not in snap.weight_map:
+            raise FlashnextError(f"{module} has weight_packed but no weight_shape")
+        rows, cols = (int(v) for v in _read(snap, f"{module}.weight_shape").tolist())
+        _, entry = snap.entry(name)
+        if mode == "reverse":
+            expected = ("U8", (rows, cols * 3 // 4))
+            what = "bit-plane"
+        else:
+            if module in bitplane_modules:
+                raise FlashnextError(f"{module} is already in the bit-plane layout; use --reverse first")
+            expected = ("I32", (rows, packed_words(cols, 6)))
+            what = "dense 6-bit"
+        if (entry.dtype, entry.shape) != expected:
+            hint = " (5 values per word: compressed-tensors 0.17's padded 6-bit layout)" \
+                if entry.dtype == "I32" and entry.shape == (rows, -(-cols // 5)) else ""
+            raise FlashnextError(f"{name} is {entry.dtype}{list(entry.shape)}, not the {what} layout "
+                                 f"{expected[0]}{list(expected[1])} for [{rows}, {cols}]{hint}")
+        targets.append(Target(module, rows, cols, snap.weight_map[name]))
+    if not targets:
+        raise FlashnextError(f"no module matches --targets {pattern!r}" if mode != "reverse" else
+                             "this snapshot has no bit-plane modules (config.json lists none) to reverse")
+    return targets
+
+
+def _new_spec(t: Target, mode: str) -> TensorSpec:
+    name = f"{t.module}.weight_packed"
+    if mode == "bitplane":
+        return TensorSpec(name, "U8", (t.rows, t.cols * 3 // 4))
+    if mode == "int8":
+        return TensorSpec(name, "I32", (t.rows, packed_words(t.cols, 8)))
+    return TensorSpec(name, "I32", (t.rows, packed_words(t.cols, 6)))
+
+
+def _convert(snap: Snapshot, t: Target, mode: str) -> torch.Tensor:
+    data = _read(snap, f"{t.module}.weight_packed")
+    if mode == "bitplane":
+        return dense6_to_bitplane(data, t.cols)
+    if mode == "int8":
+        return dense6_to_int8(data, t.cols)
+    return bitplane_to_dense6(data, t.cols)
+
+
+def _group_size(snap: Snapshot, module: str) -> int:
+    path, entry = snap.entry(f"{module}.weight_scale")
+    cols = int(_read(snap, f"{module}.weight_shape")[1])
+    return cols // entry.shape[1]
+
+
+def _new_config(snap: Snapshot, targets: list[Target], mode: str) -> dict:
+    config = copy.deepcopy(snap.config)
+    modules = [t.module for t in targets]
+    if mode == "bitplane":
+        config.setdefault("flashnext", {})["int6_bitplane"] = {"layout": LAYOUT, "modules": modules}
+    elif mode == "reverse":
+        config["flashnext"].pop("int6_bitplane")
+        if not config["flashnext"]:
+            config.pop("flashnext")
+    else:
+        holder = config if "quantization_config" in config else config["text_config"]
+        qc = holder.get("quantization_config")
+        if not qc or qc.get("quant_method") != "compressed-tensors":
+            raise FlashnextError("--to int8 needs a compressed-tensors quantization_config in config.json")
+        sizes = {_group_size(snap, m) for m in modules}
+        if len(sizes) != 1:
+            raise FlashnextError(f"the targets mix group sizes {sorted(sizes)}; widen them in separate runs")
+        groups = qc.get("config_groups") or {}
+        if INT8_GROUP in groups:
+            raise FlashnextError(f"config.json already has {INT8_GROUP}: widen from the original snapshot")
+        qc["config_groups"] = {INT8_GROUP: weight_scheme(modules, 8, sizes.pop()), **groups}
+    return config
+
+
+def repack_int6(src: Path, out: Path, targets: str = DEFAULT_TARGETS, mode: str = "bitplane",
+                force: bool = False) -> dict:
+    if mode not in MODES:
+        raise FlashnextError(f"unknown mode {mode!r}")
+    snap = Snapshot.open(src)
+    if is_within(out, src):
+        raise FlashnextError(f"--out {out} is inside the source snapshot; write the overlay elsewhere")
+    found = find_targets(snap, targets, mode)
+    by_shard: dict[str, dict[str, Target]] = {}
+    for t in found:
+        by_shard.setdefault(t.shard, {})[f"{t.module}.weight_packed"] = t
+    plans: dict[str, list[TensorSpec]] = {}
+    for filename, replaced in by_shard.items():
+        header = snap.header(filename)
+        plans[filename] = [_new_spec(replaced[e.name], mode) if e.name in replaced else TensorSpec(e.name, e.dtype, e.shape)
+                           for e in sorted(header.entries.values(), key=lambda e: e.begin)]
+    needed = sum(shard_size(specs, snap.header(f).metadata) for f, specs in plans.items()) + (1 << 20)
+    check_free_space(Path(out).absolute().parent, needed, f"the overlay {out}")
+    kinds = {"bitplane": "int6-bitplane", "int8": "int6-to-int8", "reverse": "int6-dense"}
+    manifest = OverlayManifest(kind=kinds[mode], builder="repack-int6", base=snap.origin)
+    with atomic_directory(out, force=force) as tmp:
+        sizes = {}
+        for filename, specs in plans.items():
+            header = snap.header(filename)
+            with ShardWriter(tmp / filename, specs, header.metadata) as writer:
+                for spec in specs:
+                    t = by_shard[filename].get(spec.name)
+                    if t is None:
+                        copy_tensor_bytes(snap.path(filename), header.entries[spec.name], writer)
+                    else:
+                        writer.write(spec.name, _convert(snap, t, mode))
+            sizes[filename] = writer.size
+        files = list(plans)
+        if any(sizes[f] != snap.header(f).file_size for f in plans):
+            index = json.loads(snap.path(INDEX_FILE).read_text())
+            delta = sum(sizes[f] - snap.header(f).file_size for f in plans)
+            index.setdefault("metadata", {})["total_size"] = int(index.get("metadata", {}).get("total_size", 0)) + delta
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            files.append(INDEX_FILE)
+        (tmp / CONFIG_FILE).write_text(json.dumps(_new_config(snap, found, mode), indent=2) + "\n")
+        files.append(CONFIG_FILE)
+        report = {"tool": "repack-int6", "mode": mode, "layout": LAYOUT if mode == "bitplane" else None,
+                  "modules": [t.module for t in found], "shards": list(plans),
+                  "bytes_before": sum(snap.header(f).file_size for f in plans), "bytes_after": sum(sizes.values())}
+        manifest.report = report
+        for name in files:
+            manifest.replace(tmp, name, snap.path(name))
+        manifest.write(tmp)
+    return report

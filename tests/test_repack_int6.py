@@ -1,0 +1,172 @@
+"""INT6 bit-plane layout and repack-int6: exact round trips, INT8 widening, and vLLM's view of them."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from click.testing import CliRunner
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32 as ct_pack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from flashnext.quant.bitplane import bitplane_to_codes, codes_to_bitplane, dense6_to_bitplane
+from flashnext.quant.errors import FlashnextError
+from flashnext.quant.packing import pack_int32, packed_words, unpack_int32
+from flashnext.quant.repack_int6 import repack_int6
+from flashnext.quant.safetensors_io import ShardWriter, spec_of
+from flashnext.tools.cli import main as cli
+
+SHARED = "model.language_model.layers.0.mlp.shared_expert.gate_proj"
+
+
+def test_every_value_at_every_position():
+    rows = []
+    for v in range(-32, 32):
+        for p in range(32):
+            row = torch.full((32,), 5, dtype=torch.int8)
+            row[p] = v
+            rows.append(row)
+    codes = torch.stack(rows)
+    planes = codes_to_bitplane(codes)
+    assert planes.shape == (64 * 32, 24) and planes.dtype == torch.uint8
+    assert torch.equal(bitplane_to_codes(planes, 32), codes)
+    # the documented byte layout, for one row
+    u = (codes[37].to(torch.int16) + 32).tolist()
+    lo = [(u[2 * j] & 15) | ((u[2 * j + 1] & 15) << 4) for j in range(16)]
+    hi = [sum(((u[4 * j + i] >> 4) & 3) << (2 * i) for i in range(4)) for j in range(8)]
+    assert planes[37].tolist() == lo + hi
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.integers(1, 5), blocks=st.integers(1, 8), seed=st.integers(0, 2**31))
+def test_round_trip_through_the_dense_layout(rows, blocks, seed):
+    cols = 16 * blocks
+    codes = torch.randint(-32, 32, (rows, cols), generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
+    dense = pack_int32(codes, 6)
+    planes = dense6_to_bitplane(dense, cols)
+    assert planes.numel() == dense.numel() * 4  # the same bytes
+    assert torch.equal(pack_int32(bitplane_to_codes(planes, cols), 6), dense)
+
+
+@pytest.mark.parametrize("cols", [8, 40, 100])
+def test_k_that_would_change_the_byte_count_is_refused(cols):
+    with pytest.raises(FlashnextError, match="multiple of 16"):
+        codes_to_bitplane(torch.zeros(2, cols, dtype=torch.int8))
+    # the dense layout itself handles any K
+    codes = torch.randint(-32, 32, (2, cols), dtype=torch.int8)
+    assert torch.equal(unpack_int32(pack_int32(codes, 6), 6, cols), codes)
+
+
+def test_overlay_reverse_is_byte_identical(demo_snapshot, tmp_path):
+    ov, view, back = tmp_path / "bp", tmp_path / "view", tmp_path / "back"
+    report = repack_int6(demo_snapshot, ov)
+    assert len(report["modules"]) == 12 and all("shared_expert" in m for m in report["modules"])
+    assert report["bytes_before"] == report["bytes_after"]
+    config = json.loads((ov / "config.json").read_text())
+    assert config["flashnext"]["int6_bitplane"]["layout"] == "flashnext.bitplane6/1"
+    shard = load_file(ov / report["shards"][0])
+    assert shard[f"{SHARED}.weight_packed"].dtype == torch.uint8
+    assert not (ov / "model.safetensors.index.json").exists()  # names and sizes unchanged
+    assert CliRunner().invoke(cli, ["overlay", "apply", str(ov), "--base", str(demo_snapshot), "--out", str(view)]).exit_code == 0
+    result = CliRunner().invoke(cli, ["repack-int6", "--src", str(view), "--out", str(back), "--reverse"])
+    assert result.exit_code == 0, result.output
+    for name in report["shards"] + ["config.json"]:
+        assert (back / name).read_bytes() == (demo_snapshot / name).read_bytes(), name
+
+
+def test_widening_to_int8_is_lossless_and_resolves_to_8_bits(demo_snapshot, tmp_path):
+    ov = tmp_path / "i8"
+    report = repack_int6(demo_snapshot, ov, mode="int8")
+    assert report["bytes_after"] > report["bytes_before"]
+    src = load_file(demo_snapshot / "model-00001-of-00005.safetensors")
+    out = load_file(ov / "model-00001-of-00005.safetensors")
+    n, k = src[f"{SHARED}.weight_shape"].tolist()
+    assert out[f"{SHARED}.weight_packed"].shape == (n, packed_words(k, 8))
+    assert torch.equal(unpack_int32(out[f"{SHARED}.weight_packed"], 8, k),
+                       unpack_int32(src[f"{SHARED}.weight_packed"], 6, k))
+    assert torch.equal(out[f"{SHARED}.weight_scale"], src[f"{SHARED}.weight_scale"])
+    index = json.loads((ov / "model.safetensors.index.json").read_text())
+    base_index = json.loads((demo_snapshot / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == base_index["weight_map"]
+    assert index["metadata"]["total_size"] == base_index["metadata"]["total_size"] + report["bytes_after"] - report["bytes_before"]
+
+    ct = pytest.importorskip("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+                             reason="vLLM 0.33.0 is installed by .ci/run")
+    base_qc = json.loads((demo_snapshot / "config.json").read_text())["quantization_config"]
+    new_qc = json.loads((ov / "config.json").read_text())["quantization_config"]
+    new, old = ct.CompressedTensorsConfig.from_config(new_qc), ct.CompressedTensorsConfig.from_config(base_qc)
+    for module in report["modules"]:
+        w = new.get_scheme_dict(None, layer_name=module)["weights"]
+        assert (w.num_bits, w.group_size) == (8, 64)
+    for module in ("model.language_model.layers.0.linear_attn.in_proj_qkv", "lm_head",
+                   "model.language_model.layers.0.mlp.experts.0.up_proj"):
+        assert new.get_scheme_dict(None, layer_name=module) == old.get_scheme_dict(None, layer_name=module)
+
+
+def test_padded_017_layout_is_refused(snapshot_copy, tmp_path):
+    path = snapshot_copy / "model-00001-of-00005.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(path).items()}
+    n, k = tensors[f"{SHARED}.weight_shape"].tolist()
+    codes = unpack_int32(tensors[f"{SHARED}.weight_packed"], 6, k)
+    tensors[f"{SHARED}.weight_packed"] = ct_pack(codes, 6)  # compressed-tensors 0.17: 5 values per word
+    with ShardWriter(path, [spec_of(a, b) for a, b in tensors.items()], {"format": "pt"}) as w:
+        for a, b in tensors.items():
+            w.write(a, b)
+    with pytest.raises(FlashnextError, match="padded 6-bit layout"):
+        repack_int6(snapshot_copy, tmp_path / "ov")
+    assert not (tmp_path / "ov").exists()
+
+
+def test_bad_targets(demo_snapshot, tmp_path):
+    result = CliRunner().invoke(cli, ["repack-int6", "--src", str(demo_snapshot), "--out", str(tmp_path / "o"),
+                                      "--targets", "nothing_matches$"])
+    assert result.exit_code == 1 and "no module matches" in result.output
+    result = CliRunner().invoke(cli, ["repack-int6", "--src", str(demo_snapshot), "--out", str(tmp_path / "o"),
+                                      "--targets", "("])
+    assert result.exit_code == 1 and "regular expression" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+LOADER_PROBE = textwrap.dedent('''
+    import math, sys, tempfile, torch
+    from fractions import Fraction
+    from safetensors.torch import load_file
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.parameter import PackedvLLMParameter
+    shard, module = sys.argv[1], sys.argv[2]
+    tensors = load_file(shard)
+    n, k = tensors[module + ".weight_shape"].tolist()
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method="file://" + tempfile.mktemp())
+        initialize_model_parallel(1, 1)
+        # the parameter CompressedTensorsWNA16.create_weights makes for a 6-bit module
+        param = PackedvLLMParameter(input_dim=1, output_dim=0, weight_loader=None, packed_factor=Fraction(32, 6),
+                                    packed_dim=1, data=torch.empty(n, math.ceil(k * 6 / 32), dtype=torch.int32))
+        try:
+            param.load_column_parallel_weight(tensors[module + ".weight_packed"])
+        except AssertionError:
+            print("REFUSED")
+        else:
+            print("LOADED")
+''')
+
+
+def test_unpatched_vllm_loader_refuses_the_bitplane_tensor(demo_snapshot, tmp_path):
+    pytest.importorskip("vllm.model_executor.parameter", reason="vLLM 0.33.0 is installed by .ci/run")
+    ov = tmp_path / "bp"
+    repack_int6(demo_snapshot, ov)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    def probe(shard):
+        out = subprocess.run([sys.executable, "-c", LOADER_PROBE, str(shard), SHARED], capture_output=True,
+                             text=True, env=env, timeout=300)
+        return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert probe(demo_snapshot / "model-00001-of-00005.safetensors") == "LOADED"
+    assert probe(ov / "model-00001-of-00005.safetensors") == "REFUSED"
