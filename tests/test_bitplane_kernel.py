@@ -1,0 +1,72 @@
+"""The bit-plane GEMV kernels against a float32 reference: through Triton's CPU interpreter here,
+on the GPU machine with `-m gpu` (results in docs/benchmarks.md)."""
+
+import pytest
+import torch
+
+from flashnext.quant.bitplane import codes_to_bitplane
+from flashnext.quant.kernels.bitplane_gemv import bitplane_down_combine, bitplane_gate_up_silu, bitplane_gemv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def weights(n, k, gs, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    s = (torch.randn(n, k // gs, generator=g) * 0.02).to(torch.bfloat16)
+    w = q.float() * s.float().repeat_interleave(gs, 1)
+    return codes_to_bitplane(q).to(DEVICE), s.to(DEVICE), w.to(DEVICE)
+
+
+def close(got, ref, out_dtype):
+    # exact in fp32 up to summation order; one bf16 rounding of the output otherwise
+    tol = 1e-4 if out_dtype == torch.float32 else 2 ** -7
+    assert ((got.float() - ref).abs() <= tol * ref.abs().clamp_min(1.0)).all(), (got.float() - ref).abs().max()
+
+
+SHAPES = [(48, 256, 64), (32, 512, 128)] if DEVICE == "cpu" else [(1280, 2560, 64), (2560, 640, 64), (96, 4096, 128)]
+
+
+@pytest.mark.parametrize("n,k,gs", SHAPES)
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv(n, k, gs, m, dtype):
+    planes, s, w = weights(n, k, gs, n + k + m)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    close(bitplane_gemv(x, planes, s), x.float() @ w.T, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_gate_up_silu(m):
+    n, k, gs = SHAPES[0]
+    planes, s, w = weights(2 * n, k, gs, 7)
+    x = torch.randn(m, k, device=DEVICE)
+    g, u = (x @ w.T).split(n, dim=1)
+    close(bitplane_gate_up_silu(x, planes, s), torch.nn.functional.silu(g) * u, torch.float32)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_down_combine(m):
+    n, k, gs = SHAPES[-1]
+    planes, s, w = weights(n, k, gs, 9)
+    x = torch.randn(m, k, device=DEVICE)
+    routed = torch.randn(m, n, device=DEVICE)
+    gate = torch.randn(m, 1, device=DEVICE)
+    close(bitplane_down_combine(x, planes, s, routed, gate), routed + torch.sigmoid(gate) * (x @ w.T), torch.float32)
+
+
+def test_bad_shapes():
+    planes, s, _ = weights(16, 256, 64, 1)
+    with pytest.raises(ValueError, match="1..4 tokens"):
+        bitplane_gemv(torch.zeros(5, 256, device=DEVICE), planes, s)
+    with pytest.raises(ValueError, match="uint8"):
+        bitplane_gemv(torch.zeros(1, 128, device=DEVICE), planes, s)
+
+
+@pytest.mark.gpu
+def test_real_shapes_on_the_gpu():
+    """The shared expert's shapes with bf16 activations, on CUDA."""
+    for n, k in ((1280, 2560), (2560, 640)):
+        planes, s, w = weights(n, k, 64, 3)
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        close(bitplane_gemv(x, planes, s), x.float() @ w.T, torch.bfloat16)
