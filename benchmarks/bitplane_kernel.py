@@ -18,7 +18,7 @@ import triton.language as tl
 
 from flashnext.quant.bitplane import codes_to_bitplane
 from flashnext.quant.kernels.bitplane_gemv import (bitplane_down_combine, bitplane_gate_up_silu,
-                                                   bitplane_gemv)
+                                                   bitplane_gemv, set_launch_config)
 from flashnext.quant.packing import pack_int32
 
 
@@ -86,9 +86,10 @@ def case(n, k, m, gs=64):
     scales = (torch.randn(n, k // gs, device="cuda") * 0.02).to(torch.bfloat16)
     planes = codes_to_bitplane(q)
     words = pack_int32(q, 6)
-    w_bf16 = (q.to(torch.bfloat16) * scales.repeat_interleave(gs, 1))
+    w32 = q.float() * scales.float().repeat_interleave(gs, 1)
+    w_bf16 = w32.to(torch.bfloat16)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    ref = x.float() @ w_bf16.float().T
+    ref = x.float() @ w32.T
     y = bitplane_gemv(x, planes, scales)
     err = ((y.float() - ref).abs() / ref.abs().clamp_min(1)).max().item()
     err_dense = ((dense6_gemv(x, words, scales, k).float() - ref).abs() / ref.abs().clamp_min(1)).max().item()
@@ -125,10 +126,41 @@ def fused_checks() -> dict:
             "gate_up_silu_us": round(bench(lambda: bitplane_gate_up_silu(x[:1], codes_to_bitplane(q), s)), 2)}
 
 
+def sweep() -> dict:
+    """Pick launch parameters per size class by timing batch-1 GEMVs (weights ≥ 16 M: large)."""
+    chosen = {}
+    for size, (n, k) in (("small", (1280, 2560)), ("large", (16384, 16384))):
+        q = torch.randint(-32, 32, (n, k), dtype=torch.int8, device="cuda")
+        planes = codes_to_bitplane(q)
+        scales = (torch.randn(n, k // 64, device="cuda") * 0.02).to(torch.bfloat16)
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        timings = []
+        for bn in (4, 8, 16, 32):
+            for bk in (512, 1024):
+                for warps in (4, 8):
+                    for stages in (3,):
+                        cfg = {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+                        set_launch_config(size, **cfg)
+                        try:
+                            timings.append((bench(lambda: bitplane_gemv(x, planes, scales)), cfg))
+                        except Exception as e:  # a config the compiler refuses (resources)
+                            timings.append((float("inf"), {**cfg, "error": type(e).__name__}))
+        timings.sort(key=lambda t: t[0])
+        chosen[size] = {"best_us": round(timings[0][0], 2), "config": timings[0][1],
+                        "worst_us": round(max(t for t, _ in timings if t != float("inf")), 2),
+                        "top3": [(round(t, 2), c) for t, c in timings[:3]]}
+        set_launch_config(size, **timings[0][1])
+    return chosen
+
+
 def main() -> None:
+    import sys
+
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_gb_s": round(copy_bw / 1e9, 1), "cases": []}
+    if "--sweep" in sys.argv:
+        results["sweep"] = sweep()
     for n, k in ((1280, 2560), (2560, 640)):
         for m in (1, 2, 4):
             results["cases"].append(case(n, k, m))

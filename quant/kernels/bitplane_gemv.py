@@ -24,74 +24,93 @@ MAX_TOKENS = 4
 
 
 @triton.jit
-def _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, m: tl.constexpr, K, stride_xm, stride_wn, stride_sn,
-              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 ``[BLOCK_N]`` dot products of token ``m`` with weight ``rows``."""
+def _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+              M_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``[M_PAD, BLOCK_N]`` dot products of every token with weight ``rows``.
+
+    Weights are decoded four at a time with no shuffles: a little-endian 16-bit load of the low
+    plane holds the nibbles of elements 4i..4i+3 and one byte of the high plane their crumbs; the
+    activations are read in the same four strided streams instead. The -32 offset is taken out of
+    the inner loop: sum(q*x) = sum(u*x) - 32*sum(x) per group.
+    """
+    QUADS: tl.constexpr = BLOCK_K // 4
     GROUPS: tl.constexpr = BLOCK_K // GROUP
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    half = K // 2
+    PER_GROUP: tl.constexpr = GROUP // 4
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    lo_ptr = w_ptr.to(tl.pointer_type(tl.uint16))
+    half_words = K // 4  # the high plane starts K/2 bytes = K/4 16-bit words into the row
+    tokens = tl.arange(0, M_PAD)
+    t_mask = tokens < M
+    quad = tl.arange(0, QUADS)
     for k0 in range(0, K, BLOCK_K):
-        lo_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        hi_cols = half + k0 // 4 + tl.arange(0, BLOCK_K // 4)
-        lo = tl.load(w_ptr + rows[:, None] * stride_wn + lo_cols[None, :], mask=n_mask[:, None], other=0)
-        hi = tl.load(w_ptr + rows[:, None] * stride_wn + hi_cols[None, :], mask=n_mask[:, None], other=0)
-        lo = lo.to(tl.int32)
-        hi = hi.to(tl.int32)
-        nib = tl.reshape(tl.join(lo & 15, lo >> 4), [BLOCK_N, BLOCK_K])
-        crumb = tl.reshape(tl.join(tl.join(hi & 3, (hi >> 4) & 3), tl.join((hi >> 2) & 3, hi >> 6)),
-                           [BLOCK_N, BLOCK_K])
-        q = ((crumb << 4) | nib) - 32
-        x = tl.load(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-        prod = tl.reshape(q.to(tl.float32) * x[None, :], [BLOCK_N, GROUPS, GROUP])
-        partial = tl.sum(prod, axis=2)
+        lo = tl.load(lo_ptr + rows[:, None] * (stride_wn // 2) + (k0 // 4 + quad)[None, :],
+                     mask=n_mask[:, None], other=0).to(tl.int32)
+        hi = tl.load(w_ptr + rows[:, None] * stride_wn + (2 * half_words + k0 // 4 + quad)[None, :],
+                     mask=n_mask[:, None], other=0).to(tl.int32)
+        u0 = ((lo & 15) | ((hi & 3) << 4)).to(tl.float32)
+        u1 = (((lo >> 4) & 15) | (((hi >> 2) & 3) << 4)).to(tl.float32)
+        u2 = (((lo >> 8) & 15) | (((hi >> 4) & 3) << 4)).to(tl.float32)
+        u3 = (((lo >> 12) & 15) | ((hi >> 6) << 4)).to(tl.float32)
+        xb = x_ptr + tokens[:, None] * stride_xm + k0 + 4 * quad[None, :]
+        x0 = tl.load(xb, mask=t_mask[:, None], other=0).to(tl.float32)
+        x1 = tl.load(xb + 1, mask=t_mask[:, None], other=0).to(tl.float32)
+        x2 = tl.load(xb + 2, mask=t_mask[:, None], other=0).to(tl.float32)
+        x3 = tl.load(xb + 3, mask=t_mask[:, None], other=0).to(tl.float32)
+        prod = (u0[None, :, :] * x0[:, None, :] + u1[None, :, :] * x1[:, None, :]
+                + u2[None, :, :] * x2[:, None, :] + u3[None, :, :] * x3[:, None, :])
+        partial = tl.sum(tl.reshape(prod, [M_PAD, BLOCK_N, GROUPS, PER_GROUP]), axis=3)
+        xsum = tl.sum(tl.reshape(x0 + x1 + x2 + x3, [M_PAD, GROUPS, PER_GROUP]), axis=2)
         g_cols = k0 // GROUP + tl.arange(0, GROUPS)
         s = tl.load(s_ptr + rows[:, None] * stride_sn + g_cols[None, :], mask=n_mask[:, None], other=0).to(tl.float32)
-        acc += tl.sum(partial * s, axis=1)
+        acc += tl.sum((partial - 32.0 * xsum[:, None, :]) * s[None, :, :], axis=2)
     return acc
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                 M: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                 M_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
-    for m in tl.static_range(M):
-        acc = _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, m, K, stride_xm, stride_wn, stride_sn,
-                        GROUP, BLOCK_N, BLOCK_K)
-        tl.store(y_ptr + m * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+    tokens = tl.arange(0, M_PAD)
+    acc = _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+                    M_PAD, GROUP, BLOCK_N, BLOCK_K)
+    mask = (tokens < M)[:, None] & n_mask[None, :]
+    tl.store(y_ptr + tokens[:, None] * stride_ym + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, y_ptr, I, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                    M: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, I, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                    M_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < I
-    for m in tl.static_range(M):
-        g = _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, m, K, stride_xm, stride_wn, stride_sn,
-                      GROUP, BLOCK_N, BLOCK_K)
-        u = _dot_rows(x_ptr, w_ptr, s_ptr, rows + I, n_mask, m, K, stride_xm, stride_wn, stride_sn,
-                      GROUP, BLOCK_N, BLOCK_K)
-        # bf16 rounding where the unfused path rounds: after each GEMM
-        g = g.to(y_ptr.dtype.element_ty).to(tl.float32)
-        u = u.to(y_ptr.dtype.element_ty).to(tl.float32)
-        out = g / (1.0 + tl.exp(-g)) * u
-        tl.store(y_ptr + m * stride_ym + rows, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+    tokens = tl.arange(0, M_PAD)
+    g = _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+                  M_PAD, GROUP, BLOCK_N, BLOCK_K)
+    u = _dot_rows(x_ptr, w_ptr, s_ptr, rows + I, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+                  M_PAD, GROUP, BLOCK_N, BLOCK_K)
+    # bf16 rounding where the unfused path rounds: after each GEMM
+    g = g.to(y_ptr.dtype.element_ty).to(tl.float32)
+    u = u.to(y_ptr.dtype.element_ty).to(tl.float32)
+    out = g / (1.0 + tl.exp(-g)) * u
+    mask = (tokens < M)[:, None] & n_mask[None, :]
+    tl.store(y_ptr + tokens[:, None] * stride_ym + rows[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _down_combine_kernel(x_ptr, w_ptr, s_ptr, routed_ptr, gate_ptr, y_ptr, N, K, stride_xm, stride_wn,
-                         stride_sn, stride_rm, stride_ym, M: tl.constexpr, GROUP: tl.constexpr,
+def _down_combine_kernel(x_ptr, w_ptr, s_ptr, routed_ptr, gate_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
+                         stride_sn, stride_rm, stride_ym, M_PAD: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
-    for m in tl.static_range(M):
-        acc = _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, m, K, stride_xm, stride_wn, stride_sn,
-                        GROUP, BLOCK_N, BLOCK_K)
-        shared = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        gate = tl.load(gate_ptr + m).to(tl.float32)
-        routed = tl.load(routed_ptr + m * stride_rm + rows, mask=n_mask, other=0).to(tl.float32)
-        out = routed + shared / (1.0 + tl.exp(-gate))
-        tl.store(y_ptr + m * stride_ym + rows, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+    tokens = tl.arange(0, M_PAD)
+    acc = _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+                    M_PAD, GROUP, BLOCK_N, BLOCK_K)
+    shared = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    mask = (tokens < M)[:, None] & n_mask[None, :]
+    gate = tl.load(gate_ptr + tokens, mask=tokens < M, other=0).to(tl.float32)
+    routed = tl.load(routed_ptr + tokens[:, None] * stride_rm + rows[None, :], mask=mask, other=0).to(tl.float32)
+    out = routed + shared / (1.0 + tl.exp(-gate))[:, None]
+    tl.store(y_ptr + tokens[:, None] * stride_ym + rows[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int]:
@@ -99,6 +118,8 @@ def _check(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> tuple
     N = planes.shape[0]
     if not 1 <= M <= MAX_TOKENS:
         raise ValueError(f"bit-plane GEMV takes 1..{MAX_TOKENS} tokens, got {M}")
+    if K % 8:
+        raise ValueError(f"K={K}: the kernel reads the low plane in 16-bit words and needs K % 8 == 0")
     if planes.dtype != torch.uint8 or planes.shape[1] * 4 != K * 3:
         raise ValueError(f"planes must be uint8 [N, 3K/4] for K={K}, got {planes.dtype} {list(planes.shape)}")
     group = K // scales.shape[1]
@@ -107,14 +128,31 @@ def _check(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> tuple
     return M, N, K
 
 
-def _block_k(K: int, group: int) -> int:
-    for bk in (512, 256, 128, 64):
+# Launch parameters (block rows, block K, warps, pipeline stages); measured on an H200, see
+# docs/benchmarks.md. Override for experiments with set_launch_config().
+# Matrices of at least LARGE weights use the "large" entry.
+LARGE = 1 << 24
+_LAUNCH = {"small": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 2},
+           "large": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 2}}
+
+
+def set_launch_config(size: str, **kw) -> None:
+    _LAUNCH[size] = {**_LAUNCH[size], **kw}
+
+
+def _config(N: int, K: int) -> dict:
+    return _LAUNCH["large" if N * K >= LARGE else "small"]
+
+
+def _launch(N: int, K: int, group: int, M: int) -> dict:
+    cfg = _config(N, K)
+    for bk in (cfg["block_k"], 512, 256, 128, 64):
         if K % bk == 0 and bk % group == 0:
-            return bk
-    raise ValueError(f"K={K} with group {group}: need K divisible by a block of 64..512 that holds whole groups")
-
-
-BLOCK_N = 16
+            break
+    else:
+        raise ValueError(f"K={K} with group {group}: need K divisible by a block of 64..512 that holds whole groups")
+    return {"M_PAD": triton.next_power_of_2(M), "GROUP": group, "BLOCK_N": cfg["block_n"], "BLOCK_K": bk,
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
 def bitplane_gemv(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -122,9 +160,9 @@ def bitplane_gemv(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -
     group = K // scales.shape[1]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](x, planes, scales, y, N, K, x.stride(0), planes.stride(0),
-                                           scales.stride(0), y.stride(0), M=M, GROUP=group, BLOCK_N=BLOCK_N,
-                                           BLOCK_K=_block_k(K, group))
+    _gemv_kernel[(triton.cdiv(N, _config(N, K)["block_n"]),)](x, planes, scales, y, M, N, K, x.stride(0),
+                                                            planes.stride(0), scales.stride(0), y.stride(0),
+                                                            **_launch(N, K, group, M))
     return y
 
 
@@ -136,9 +174,9 @@ def bitplane_gate_up_silu(x: torch.Tensor, planes: torch.Tensor, scales: torch.T
     group = K // scales.shape[1]
     y = torch.empty(M, I, dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    _gate_up_kernel[(triton.cdiv(I, BLOCK_N),)](x, planes, scales, y, I, K, x.stride(0), planes.stride(0),
-                                              scales.stride(0), y.stride(0), M=M, GROUP=group, BLOCK_N=BLOCK_N,
-                                              BLOCK_K=_block_k(K, group))
+    _gate_up_kernel[(triton.cdiv(I, _config(N2, K)["block_n"]),)](x, planes, scales, y, M, I, K, x.stride(0),
+                                                                planes.stride(0), scales.stride(0), y.stride(0),
+                                                                **_launch(N2, K, group, M))
     return y
 
 
@@ -150,7 +188,8 @@ def bitplane_down_combine(x: torch.Tensor, planes: torch.Tensor, scales: torch.T
         raise ValueError(f"routed must be [{M}, {N}] and gate [{M}, 1]")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     x, routed, gate = x.contiguous(), routed.contiguous(), gate.contiguous().view(-1)
-    _down_combine_kernel[(triton.cdiv(N, BLOCK_N),)](x, planes, scales, routed, gate, y, N, K, x.stride(0),
-                                                   planes.stride(0), scales.stride(0), routed.stride(0), y.stride(0),
-                                                   M=M, GROUP=group, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(K, group))
+    _down_combine_kernel[(triton.cdiv(N, _config(N, K)["block_n"]),)](x, planes, scales, routed, gate, y, M, N, K,
+                                                                    x.stride(0), planes.stride(0), scales.stride(0),
+                                                                    routed.stride(0), y.stride(0),
+                                                                    **_launch(N, K, group, M))
     return y
