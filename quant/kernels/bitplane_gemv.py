@@ -30,8 +30,8 @@ def _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, str
 
     Weights are decoded four at a time with no shuffles: a little-endian 16-bit load of the low
     plane holds the nibbles of elements 4i..4i+3 and one byte of the high plane their crumbs; the
-    activations are read in the same four strided streams instead. The -32 offset is taken out of
-    the inner loop: sum(q*x) = sum(u*x) - 32*sum(x) per group.
+    activations are read in the same four strided streams instead. (Taking the -32 offset out of
+    the loop as sum(u*x) - 32*sum(x) cancels catastrophically in fp32; it is subtracted per weight.)
     """
     QUADS: tl.constexpr = BLOCK_K // 4
     GROUPS: tl.constexpr = BLOCK_K // GROUP
@@ -47,10 +47,10 @@ def _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, str
                      mask=n_mask[:, None], other=0).to(tl.int32)
         hi = tl.load(w_ptr + rows[:, None] * stride_wn + (2 * half_words + k0 // 4 + quad)[None, :],
                      mask=n_mask[:, None], other=0).to(tl.int32)
-        u0 = ((lo & 15) | ((hi & 3) << 4)).to(tl.float32)
-        u1 = (((lo >> 4) & 15) | (((hi >> 2) & 3) << 4)).to(tl.float32)
-        u2 = (((lo >> 8) & 15) | (((hi >> 4) & 3) << 4)).to(tl.float32)
-        u3 = (((lo >> 12) & 15) | ((hi >> 6) << 4)).to(tl.float32)
+        u0 = (((lo & 15) | ((hi & 3) << 4)) - 32).to(tl.float32)
+        u1 = ((((lo >> 4) & 15) | (((hi >> 2) & 3) << 4)) - 32).to(tl.float32)
+        u2 = ((((lo >> 8) & 15) | (((hi >> 4) & 3) << 4)) - 32).to(tl.float32)
+        u3 = ((((lo >> 12) & 15) | ((hi >> 6) << 4)) - 32).to(tl.float32)
         xb = x_ptr + tokens[:, None] * stride_xm + k0 + 4 * quad[None, :]
         x0 = tl.load(xb, mask=t_mask[:, None], other=0).to(tl.float32)
         x1 = tl.load(xb + 1, mask=t_mask[:, None], other=0).to(tl.float32)
@@ -59,10 +59,9 @@ def _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, str
         prod = (u0[None, :, :] * x0[:, None, :] + u1[None, :, :] * x1[:, None, :]
                 + u2[None, :, :] * x2[:, None, :] + u3[None, :, :] * x3[:, None, :])
         partial = tl.sum(tl.reshape(prod, [M_PAD, BLOCK_N, GROUPS, PER_GROUP]), axis=3)
-        xsum = tl.sum(tl.reshape(x0 + x1 + x2 + x3, [M_PAD, GROUPS, PER_GROUP]), axis=2)
         g_cols = k0 // GROUP + tl.arange(0, GROUPS)
         s = tl.load(s_ptr + rows[:, None] * stride_sn + g_cols[None, :], mask=n_mask[:, None], other=0).to(tl.float32)
-        acc += tl.sum((partial - 32.0 * xsum[:, None, :]) * s[None, :, :], axis=2)
+        acc += tl.sum(partial * s[None, :, :], axis=2)
     return acc
 
 
@@ -132,8 +131,8 @@ def _check(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> tuple
 # docs/benchmarks.md. Override for experiments with set_launch_config().
 # Matrices of at least LARGE weights use the "large" entry.
 LARGE = 1 << 24
-_LAUNCH = {"small": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 2},
-           "large": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 2}}
+_LAUNCH = {"small": {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 3},
+           "large": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}}
 
 
 def set_launch_config(size: str, **kw) -> None:
