@@ -112,18 +112,32 @@ def fused_checks() -> dict:
     w = q.float() * s.float().repeat_interleave(64, 1)
     x = torch.randn(2, H, device="cuda").to(torch.bfloat16)
     g, u = (x.float() @ w.T).split(I, dim=1)
-    got = bitplane_gate_up_silu(x, codes_to_bitplane(q), s).float()
+    planes = codes_to_bitplane(q)
+    got = bitplane_gate_up_silu(x, planes, s).float()
     ref = torch.nn.functional.silu(g) * u
     qd = torch.randint(-32, 32, (H, I), dtype=torch.int8, device="cuda")
     sd = (torch.randn(H, I // 64, device="cuda") * 0.02).to(torch.bfloat16)
     wd = qd.float() * sd.float().repeat_interleave(64, 1)
     xd = torch.randn(2, I, device="cuda").to(torch.bfloat16)
     routed, gate = torch.randn(2, H, device="cuda").to(torch.bfloat16), torch.randn(2, 1, device="cuda").to(torch.bfloat16)
-    got_d = bitplane_down_combine(xd, codes_to_bitplane(qd), sd, routed, gate).float()
+    planes_d = codes_to_bitplane(qd)
+    got_d = bitplane_down_combine(xd, planes_d, sd, routed, gate).float()
     ref_d = routed.float() + torch.sigmoid(gate.float()) * (xd.float() @ wd.T)
     return {"gate_up_silu_max_rel_err": ((got - ref).abs() / ref.abs().clamp_min(1)).max().item(),
             "down_combine_max_rel_err": ((got_d - ref_d).abs() / ref_d.abs().clamp_min(1)).max().item(),
-            "gate_up_silu_us": round(bench(lambda: bitplane_gate_up_silu(x[:1], codes_to_bitplane(q), s)), 2)}
+            "gate_up_silu_us": round(bench(lambda: bitplane_gate_up_silu(x[:1], planes, s)), 2),
+            "gate_up_gemv_then_silu_mul_us": round(bench(lambda: _unfused_gate_up(x[:1], planes, s, I)), 2),
+            "down_combine_us": round(bench(lambda: bitplane_down_combine(xd[:1], planes_d, sd, routed[:1], gate[:1])), 2),
+            "down_gemv_then_combine_us": round(bench(lambda: _unfused_down(xd[:1], planes_d, sd, routed[:1], gate[:1])), 2)}
+
+
+def _unfused_gate_up(x, planes, s, I):
+    g, u = bitplane_gemv(x, planes, s).split(I, dim=1)
+    return torch.nn.functional.silu(g) * u
+
+
+def _unfused_down(x, planes, s, routed, gate):
+    return routed + torch.sigmoid(gate) * bitplane_gemv(x, planes, s)
 
 
 def sweep() -> dict:
@@ -161,6 +175,9 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "copy_gb_s": round(copy_bw / 1e9, 1), "cases": []}
     if "--sweep" in sys.argv:
         results["sweep"] = sweep()
+    if "--fused-only" in sys.argv:
+        print(json.dumps(fused_checks(), indent=2))
+        return
     for n, k in ((1280, 2560), (2560, 640)):
         for m in (1, 2, 4):
             results["cases"].append(case(n, k, m))
