@@ -35,7 +35,11 @@ VLLM_QSA_KV_OFFLOAD = EnvVar(
     "QSA main K/V in pinned host memory (seed 000's base patch); read by the patch series once that "
     "patch is ported (not yet in this release).")
 
-ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD)
+VLLM_MTP_DRAFTS_PER_REQUEST = EnvVar(
+    "VLLM_MTP_DRAFTS_PER_REQUEST", "1",
+    "Patch mtp-03: 0 restores vLLM's single-batch DraftTokensHandler.")
+
+ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_MTP_DRAFTS_PER_REQUEST)
 
 # Variables that serving profiles set and that neither vLLM (vllm.envs) nor the patch series reads,
 # with the library that does.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from flashnext import __version__
-from flashnext.tools import demo_checkpoint, doctor, make_mtp_int4, overlay, ple, repack_int6, serve
+from flashnext.tools import demo_checkpoint, doctor, make_mtp_int4, overlay, patches, ple, repack_int6, serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -21,6 +21,7 @@ main.add_command(ple.main)
 main.add_command(overlay.main)
 main.add_command(doctor.main)
 main.add_command(repack_int6.main)
+main.add_command(patches.main)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,158 @@
+"""The vLLM patch series: ``serving/patches/series.json`` and its zero-fuzz check.
+
+Each patch is a unified diff against vllm==0.33.0 with, in the series file, its order, id, what it
+fixes and the seed's measured effect, the env switch that turns it off, the files it touches, the
+library hook it calls, a probe that proves it applied, and its upstream status.
+
+``check`` never touches the installed package. It builds a shadow tree: every entry of the
+installed ``vllm`` is symlinked except along the touched paths, where directories are recreated
+and the touched files copied. It applies the series there with ``patch --fuzz=0`` (the first
+refused hunk is named), byte-compiles every touched file, and runs each probe in a fresh
+interpreter that imports the patched tree. ``--vllm`` may also name another vllm directory or a
+vllm wheel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import py_compile
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashnext.quant.errors import FlashnextError
+
+PATCH_DIR = Path(__file__).resolve().parent / "patches"
+SERIES_FILE = PATCH_DIR / "series.json"
+_FIELDS = ("order", "id", "file", "fixes", "seed_effect", "env_switch", "touches", "hook", "probe", "upstream")
+
+
+@dataclass(frozen=True)
+class Patch:
+    order: int
+    id: str
+    file: str
+    fixes: str
+    seed_effect: str
+    env_switch: str
+    touches: tuple[str, ...]
+    hook: str
+    probe: str
+    upstream: str
+
+    @property
+    def path(self) -> Path:
+        return PATCH_DIR / self.file
+
+
+def load_series(series_file: Path = SERIES_FILE) -> list[Patch]:
+    data = json.loads(Path(series_file).read_text())
+    patches = []
+    for entry in data["patches"]:
+        unknown, missing = set(entry) - set(_FIELDS), set(_FIELDS) - set(entry)
+        if unknown or missing:
+            raise FlashnextError(f"{series_file}: patch {entry.get('id')}: unknown {sorted(unknown)}, missing {sorted(missing)}")
+        patches.append(Patch(**{**entry, "touches": tuple(entry["touches"])}))
+    patches.sort(key=lambda p: p.order)
+    for p in patches:
+        touched = {line.split()[1][2:] for line in p.path.read_text().splitlines() if line.startswith("+++ ")}
+        if touched != set(p.touches):
+            raise FlashnextError(f"{p.id}: the series says it touches {sorted(p.touches)}, the diff touches {sorted(touched)}")
+    return patches
+
+
+def installed_vllm_root() -> Path:
+    """The directory holding the installed ``vllm`` package (found without importing it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise FlashnextError("vllm is not installed here: pip install 'flashnext[serve]', or pass --vllm PATH")
+    return Path(spec.origin).parent.parent
+
+
+def _shadow_tree(source_root: Path, touched: set[str], dest: Path) -> None:
+    """``dest/vllm`` mirrors ``source_root/vllm`` by symlinks, with real copies along ``touched``."""
+    needed_dirs = {str(Path(t).parent) for t in touched}
+    needed_dirs |= {str(p) for t in touched for p in Path(t).parents if str(p) != "."}
+
+    def build(rel: str) -> None:
+        src, dst = source_root / rel, dest / rel
+        dst.mkdir(parents=True, exist_ok=True)
+        for entry in os.scandir(src):
+            child = f"{rel}/{entry.name}"
+            if child in needed_dirs and entry.is_dir():
+                build(child)
+            elif child in touched:
+                shutil.copy2(entry.path, dst / entry.name)
+            elif entry.name != "__pycache__":
+                os.symlink(entry.path, dst / entry.name)
+
+    build("vllm")
+
+
+def _apply(patch: Patch, root: Path) -> None:
+    cmd = ["patch", "-p1", "--fuzz=0", "--forward", "--batch", "--no-backup-if-mismatch", "-d", str(root), "-i", str(patch.path)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise FlashnextError("the `patch` program is not installed (apt-get install patch)") from None
+    if out.returncode != 0:
+        failed = [line for line in (out.stdout + out.stderr).splitlines() if "FAILED" in line or "can't find" in line]
+        raise FlashnextError(f"patch {patch.id} does not apply with zero fuzz to this vllm: "
+                             f"{failed[0] if failed else (out.stdout + out.stderr).strip().splitlines()[-1]}")
+
+
+def apply_series(target_root: Path, series_file: Path = SERIES_FILE) -> list[str]:
+    """Apply the series in place to the vllm under ``target_root`` (the serving image's
+    site-packages) and byte-compile the touched files. Run ``check_series`` first."""
+    patches = load_series(series_file)
+    for patch in patches:
+        _apply(patch, Path(target_root))
+        for rel in patch.touches:
+            py_compile.compile(str(Path(target_root) / rel), doraise=True)
+    return [p.id for p in patches]
+
+
+def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE) -> list[dict]:
+    """Apply the series to a shadow copy of ``vllm`` (installed, a directory, or a wheel), compile
+    and probe it. Returns one result per patch; a drifted hunk raises with its name."""
+    patches = load_series(series_file)
+    with tempfile.TemporaryDirectory(prefix="flashnext-patches-") as tmp:
+        tmp = Path(tmp)
+        if vllm is not None and str(vllm).endswith(".whl"):
+            with zipfile.ZipFile(vllm) as whl:
+                whl.extractall(tmp / "wheel", [n for n in whl.namelist() if n.startswith("vllm/")])
+            source = tmp / "wheel"
+        else:
+            source = Path(vllm) if vllm is not None else installed_vllm_root()
+            if (source / "vllm").is_dir() is False and source.name == "vllm":
+                source = source.parent
+        if not (source / "vllm" / "__init__.py").is_file():
+            raise FlashnextError(f"{source}: no vllm package there")
+        root = tmp / "tree"
+        _shadow_tree(source, {t for p in patches for t in p.touches}, root)
+        results = []
+        for patch in patches:
+            _apply(patch, root)
+            for rel in patch.touches:
+                try:
+                    py_compile.compile(str(root / rel), cfile=str(tmp / "pyc" / (rel + "c")), doraise=True)
+                except py_compile.PyCompileError as e:
+                    raise FlashnextError(f"patch {patch.id}: {rel} no longer compiles: {e.msg.strip().splitlines()[-1]}") from None
+            results.append({"id": patch.id, "applied": True, "compiled": list(patch.touches)})
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *sys.path[1:]]), PYTHONDONTWRITEBYTECODE="1",
+                   CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+        for patch, result in zip(patches, results):
+            probe = subprocess.run([sys.executable, "-c", patch.probe], capture_output=True, text=True, env=env,
+                                   cwd=tmp, timeout=600)
+            if probe.returncode != 0:
+                tail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+                raise FlashnextError(f"patch {patch.id} applied but its probe failed: {tail}")
+            result["probe"] = "passed"
+        return results

@@ -1,0 +1,146 @@
+"""The patch series: zero-fuzz application to a shadow of the installed vLLM 0.33.0, probes, drift,
+and patch mtp-03's scenario (seed 000 §8) on the CPU."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from flashnext.quant.errors import FlashnextError
+from flashnext.serving.hooks.draft_tokens import LatestDraftTokens
+from flashnext.serving.patch_series import apply_series, check_series, installed_vllm_root, load_series
+from flashnext.tools.cli import main as cli
+
+pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+
+
+def test_series_metadata_is_complete():
+    series = load_series()
+    assert [p.id for p in series] == ["mtp-03"]
+    for p in series:
+        assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.quant.envs", fromlist=["ALL"]).ALL}
+        assert p.path.is_file() and p.probe and p.upstream
+    listing = CliRunner().invoke(cli, ["patches", "list", "--json"])
+    assert listing.exit_code == 0 and json.loads(listing.stdout)[0]["id"] == "mtp-03"
+
+
+def test_check_applies_with_zero_fuzz_and_probes_without_touching_the_install():
+    root = installed_vllm_root()
+    target = root / "vllm/v1/worker/gpu/spec_decode/utils.py"
+    before = target.read_bytes()
+    result = CliRunner().invoke(cli, ["patches", "check", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == [{"id": "mtp-03", "applied": True,
+                                          "compiled": list(load_series()[0].touches), "probe": "passed"}]
+    assert target.read_bytes() == before
+
+
+def _copy_touched(tmp_path: Path) -> Path:
+    root = installed_vllm_root()
+    fake = tmp_path / "site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text("")
+    for rel in load_series()[0].touches:
+        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / rel, fake / rel)
+    return fake
+
+
+def test_a_drifted_hunk_is_named(tmp_path):
+    fake = _copy_touched(tmp_path)
+    utils = fake / "vllm/v1/worker/gpu/spec_decode/utils.py"
+    utils.write_text(utils.read_text().replace("self.num_draft_tokens: int = 0", "self.num_draft_tokens = 0"))
+    with pytest.raises(FlashnextError, match=r"mtp-03 does not apply with zero fuzz.*Hunk #1 FAILED"):
+        check_series(fake)
+
+
+def test_the_probe_fails_on_an_unpatched_tree(tmp_path, monkeypatch):
+    import flashnext.serving.patch_series as ps
+
+    monkeypatch.setattr(ps, "_apply", lambda patch, root: None)  # as if the patch silently did nothing
+    with pytest.raises(FlashnextError, match="probe failed"):
+        check_series()
+
+
+def test_apply_in_place_to_a_copy(tmp_path):
+    fake = _copy_touched(tmp_path)
+    assert apply_series(fake) == ["mtp-03"]
+    assert "self.draft_tokens_handler.drop(finished_req_ids)" in (fake / "vllm/v1/worker/gpu/model_runner.py").read_text()
+
+
+# --- mtp-03: two requests alternating batches under PP (seed 000 §8) -----------------------------
+
+SCENARIO = textwrap.dedent('''
+    import json, sys
+    import numpy as np, torch
+
+    class CpuEvent:  # the CUDA runtime is what this machine lacks; nothing of vLLM's is replaced
+        def __init__(self, *a, **k): pass
+        def synchronize(self): pass
+        def record(self, *a, **k): pass
+    torch.cuda.Stream = CpuEvent
+    torch.cuda.Event = CpuEvent
+    from vllm.v1.worker.gpu.spec_decode.utils import DraftTokensHandler
+
+    handler = DraftTokensHandler(None)
+    def sampled(req_ids, drafts):  # the state set_draft_tokens leaves after its async copy
+        handler.req_ids, handler.num_draft_tokens = req_ids, len(drafts[0])
+        handler.draft_tokens_np = np.array(drafts)
+
+    # PP=2: request A is decoded on even steps and B on odd steps, so consecutive batches alternate.
+    rejected = 0
+    gpu_drafts = {}
+    for step in range(8):
+        req = "A" if step % 2 == 0 else "B"
+        draft = [100 + step]
+        gpu_drafts[req] = draft          # what the GPU will verify for req next time
+        sampled([req], [draft])
+        # with structured output the engine takes the draft tokens after every step, then builds
+        # the bitmask for the request scheduled next: under PP, the *other* one
+        got = handler.get_draft_tokens()
+        other = "B" if req == "A" else "A"
+        if other in gpu_drafts:
+            seen = dict(zip(got.req_ids, got.draft_token_ids)).get(other, [-1])
+            if seen != gpu_drafts[other]:
+                rejected += 1            # bitmask for the pre-draft state: accept_tokens rejects
+    if hasattr(handler, "drop"):
+        handler.drop({"A"})
+        assert "A" not in handler.get_draft_tokens().req_ids
+    print(json.dumps({"rejected": rejected}))
+''')
+
+
+def _run_scenario(pythonpath: str | None, extra_env: dict | None = None) -> dict:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1", **(extra_env or {}))
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, *sys.path[1:]])
+    out = subprocess.run([sys.executable, "-c", SCENARIO], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_mtp03_scenario_rejects_before_and_not_after(tmp_path):
+    from flashnext.serving import patch_series as ps
+
+    assert _run_scenario(None)["rejected"] == 7  # stock vLLM 0.33.0: every alternate lookup misses
+    tree = tmp_path / "tree"
+    patches = load_series()
+    ps._shadow_tree(installed_vllm_root(), {t for p in patches for t in p.touches}, tree)
+    for p in patches:
+        ps._apply(p, tree)
+    assert _run_scenario(str(tree))["rejected"] == 0
+    assert _run_scenario(str(tree), {"VLLM_MTP_DRAFTS_PER_REQUEST": "0"})["rejected"] == 7  # the switch
+
+
+def test_latest_draft_tokens_unit():
+    latest = LatestDraftTokens()
+    assert latest.collect(["A"], [[5, 6]]) == (["A"], [[5, 6]])
+    assert latest.collect(["B"], [[-1, -1]]) == (["B", "A"], [[-1, -1], [5, 6]])
+    latest.drop(["A", "zzz"])
+    assert len(latest) == 0

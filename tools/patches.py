@@ -1,0 +1,63 @@
+"""``flashnext patches``: the vLLM patch series."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from flashnext.tools._common import emit_json, json_option, user_errors
+
+
+@click.group("patches")
+def main() -> None:
+    """The vLLM 0.33.0 patch series that the serving image applies."""
+
+
+@main.command("list")
+@json_option
+@user_errors
+def list_cmd(as_json: bool) -> None:
+    """Every patch, in order: what it fixes, its switch, the files it touches, upstream status."""
+    from dataclasses import asdict
+
+    from flashnext.serving.patch_series import load_series
+
+    series = load_series()
+    if as_json:
+        emit_json([{k: v for k, v in asdict(p).items() if k != "probe"} for p in series])
+        return
+    for p in series:
+        click.echo(f"{p.order:2d}. {p.id}: {p.fixes}")
+        click.echo(f"    effect: {p.seed_effect}")
+        click.echo(f"    off:    {p.env_switch}; touches {', '.join(p.touches)}")
+        click.echo(f"    status: {p.upstream}")
+
+
+@main.command("check")
+@click.option("--vllm", type=click.Path(path_type=Path), default=None,
+              help="A vllm install directory or wheel (default: the installed vllm, never modified).")
+@json_option
+@user_errors
+def check(vllm: Path | None, as_json: bool) -> None:
+    """Apply the series with zero fuzz to a shadow copy of vllm, byte-compile, run the probes."""
+    from flashnext.serving.patch_series import check_series
+
+    results = check_series(vllm)
+    if as_json:
+        emit_json(results)
+    else:
+        for r in results:
+            click.echo(f"ok: {r['id']} applied, compiled, probe {r['probe']}")
+
+
+@main.command("apply")
+@click.option("--target", type=click.Path(path_type=Path), required=True,
+              help="The site-packages directory whose vllm is modified in place (the serving image's).")
+@user_errors
+def apply(target: Path) -> None:
+    """Apply the series in place (the serving image's build step; run `check` first)."""
+    from flashnext.serving.patch_series import apply_series
+
+    for patch_id in apply_series(target):
+        click.echo(f"applied {patch_id}")
