@@ -21,7 +21,7 @@ def user_errors(fn):
         except FlashnextError as e:
             raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
         except KeyboardInterrupt:
-            click.echo("interrupted; nothing was left at the output path", err=True)
+            click.echo("interrupted", err=True)
             sys.exit(130)
 
     return wrapper
