@@ -189,8 +189,6 @@ def _module_weights(prefix: str, c: dict, layer: int, layer_type: str) -> list[P
     H = c["hidden_size"]
     hc = c["hc_count"] * H
     low = c["hc_lowrank"]
-    I, S = c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
-    E = c["num_experts"]
     p = f"{prefix}.layers.{layer}"
     out: list[PlannedTensor] = []
     for hcname in ("attn_hyper_connection", "mlp_hyper_connection"):
@@ -301,7 +299,6 @@ def _mtp_weights(c: dict) -> list[PlannedTensor]:
 
 def _vision_weights(v: dict) -> list[PlannedTensor]:
     D, F = v["hidden_size"], v["intermediate_size"]
-    patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
     merged = D * v["spatial_merge_size"] ** 2
     out = [PlannedTensor("model.visual.patch_embed.proj.weight",
                          (D, v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"]))]
@@ -315,7 +312,6 @@ def _vision_weights(v: dict) -> list[PlannedTensor]:
     out += [PlannedTensor("model.visual.merger.norm.weight", (D,)),
             PlannedTensor("model.visual.merger.linear_fc1.weight", (merged, merged)),
             PlannedTensor("model.visual.merger.linear_fc2.weight", (v["out_hidden_size"], merged))]
-    del patch
     return out
 
 

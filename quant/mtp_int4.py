@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from flashnext.quant.ct_config import with_mtp_experts_quantized
 from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import atomic_directory, check_free_space, is_within, sha256_file
+from flashnext.quant.fsutil import atomic_directory, check_free_space, is_within
 from flashnext.quant.mse_rtn import MseSearch, check_group_size, dequantize, quantize_absmax_rtn, quantize_mse_rtn
 from flashnext.quant.overlay import OverlayManifest
 from flashnext.quant.packing import pack_int32, packed_words

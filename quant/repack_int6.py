@@ -32,7 +32,7 @@ from flashnext.quant.errors import FlashnextError
 from flashnext.quant.fsutil import atomic_directory, check_free_space, is_within
 from flashnext.quant.overlay import OverlayManifest
 from flashnext.quant.packing import packed_words
-from flashnext.quant.safetensors_io import (DTYPE_NAMES, ShardWriter, TensorSpec, copy_tensor_bytes, read_rows,
+from flashnext.quant.safetensors_io import (ShardWriter, TensorSpec, copy_tensor_bytes, read_rows,
                                            shard_size)
 from flashnext.quant.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
 

@@ -3,7 +3,6 @@
 import hashlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import torch
 from click.testing import CliRunner
 from compressed_tensors.compressors import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationScheme
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from flashnext.quant import fsutil
@@ -21,9 +19,10 @@ from flashnext.quant.errors import FlashnextError
 from flashnext.quant.mse_rtn import dequantize, quantize_mse_rtn
 from flashnext.quant.mtp_int4 import MtpInt4Options, make_mtp_int4
 from flashnext.quant.packing import unpack_int32
-from flashnext.quant.safetensors_io import ShardWriter, read_header, spec_of
+from flashnext.quant.safetensors_io import read_header
 from flashnext.tools.cli import main as flashnext_cli
 from flashnext.tools.make_mtp_int4 import main as make_mtp_int4_cli
+from support.shards import rewrite_shard, write_shard
 
 E = DEMO_TEXT_CONFIG["num_experts"]
 H = DEMO_TEXT_CONFIG["hidden_size"]
@@ -147,10 +146,7 @@ def test_per_expert_source_layout(snapshot_copy, tmp_path):
         tensors[f"{EXPERTS}.{e}.gate_proj.weight"] = gate_up[e, :I].clone()
         tensors[f"{EXPERTS}.{e}.up_proj.weight"] = gate_up[e, I:].clone()
         tensors[f"{EXPERTS}.{e}.down_proj.weight"] = down[e].clone()
-    specs = [spec_of(k, v) for k, v in tensors.items()]
-    with ShardWriter(shard, specs, {"format": "pt"}) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
+    write_shard(shard, tensors)
     index_path = snapshot_copy / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     wm = {k: v for k, v in index["weight_map"].items() if not k.startswith(EXPERTS + ".")}
@@ -205,15 +201,6 @@ def test_umbrella_has_every_command():
 
 # --- bad input: one line, non-zero exit, nothing at --out ---------------------------------------
 
-def _rewrite_shard(path: Path, edit) -> None:
-    tensors = {k: v.clone() for k, v in load_file(path).items()}  # detach from the mmap first
-    edit(tensors)
-    specs = [spec_of(k, v) for k, v in tensors.items()]
-    with ShardWriter(path, specs, {"format": "pt"}) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
-
-
 def _edit_json(path: Path, edit) -> None:
     data = json.loads(path.read_text())
     edit(data)
@@ -246,11 +233,11 @@ BREAKAGES = {
     "missing config": (lambda s: (s / "config.json").unlink(), "config.json"),
     "no MTP tensors": (lambda s: _edit_json(s / "model.safetensors.index.json", lambda i: [
         i["weight_map"].pop(k) for k in list(i["weight_map"]) if k.startswith(EXPERTS)]), "no MTP routed experts"),
-    "index names a tensor the shard lacks": (lambda s: _rewrite_shard(s / MTP_SHARD, _drop_fused), "missing"),
+    "index names a tensor the shard lacks": (lambda s: rewrite_shard(s / MTP_SHARD, _drop_fused), "missing"),
     "shape disagrees with config": (lambda s: _edit_json(s / "config.json", _shape_config), "config.json implies"),
     "num_experts disagrees": (lambda s: _edit_json(s / "config.json", _experts_config), "config.json implies"),
-    "NaN weight": (lambda s: _rewrite_shard(s / MTP_SHARD, _nan), "NaN or Inf"),
-    "Inf weight": (lambda s: _rewrite_shard(s / MTP_SHARD, _inf), "NaN or Inf"),
+    "NaN weight": (lambda s: rewrite_shard(s / MTP_SHARD, _nan), "NaN or Inf"),
+    "Inf weight": (lambda s: rewrite_shard(s / MTP_SHARD, _inf), "NaN or Inf"),
     "truncated shard": (lambda s: os.truncate(s / MTP_SHARD, 1000), "truncated"),
     "not compressed-tensors": (lambda s: _edit_json(s / "config.json", lambda c: c.pop("quantization_config")),
                                "quantization_config"),
@@ -280,9 +267,7 @@ def test_k_not_divisible_by_group_size(tmp_path):
     (snap / "config.json").write_text(json.dumps(cfg))
     tensors = {f"{EXPERTS}.gate_up_proj": torch.zeros(2, 192, 256, dtype=torch.bfloat16),
                f"{EXPERTS}.down_proj": torch.zeros(2, 256, 96, dtype=torch.bfloat16)}
-    with ShardWriter(snap / "m.safetensors", [spec_of(k, v) for k, v in tensors.items()]) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
+    write_shard(snap / "m.safetensors", tensors)
     (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "m.safetensors" for k in tensors}}))
     with pytest.raises(FlashnextError, match="K=96 is not divisible by the group size 128"):
         make_mtp_int4(snap, tmp_path / "ov", progress=False)

@@ -15,9 +15,9 @@ from flashnext.quant.errors import FlashnextError
 from flashnext.quant.mtp_int4 import make_mtp_int4
 from flashnext.quant.overlay import OverlayManifest
 from flashnext.quant.overlay_view import apply_overlays, verify_overlay
-from flashnext.quant.safetensors_io import ShardWriter, spec_of
 from flashnext.quant.snapshot import Snapshot
 from flashnext.tools.cli import main as cli
+from support.shards import rewrite_shard, write_shard
 
 MTP_SHARD = "model-00005-of-00005.safetensors"
 OTHER_SHARD = "model-00002-of-00005.safetensors"
@@ -32,19 +32,11 @@ def test_verify_ok(demo_snapshot, demo_overlay):
     assert result.exit_code == 0 and "ok:" in result.output
 
 
-def _rewrite(path: Path, edit):
-    tensors = {k: v.clone() for k, v in load_file(path).items()}
-    edit(tensors)
-    with ShardWriter(path, [spec_of(k, v) for k, v in tensors.items()], {"format": "pt"}) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
-
-
 def test_base_header_change_is_found_by_default(snapshot_copy, demo_overlay):
     def edit(t):
         t["mtp.norm.weight"] = t["mtp.norm.weight"][:-1].clone()
 
-    _rewrite(snapshot_copy / MTP_SHARD, edit)
+    rewrite_shard(snapshot_copy / MTP_SHARD, edit)
     result = run("overlay", "verify", demo_overlay, "--base", snapshot_copy)
     assert result.exit_code == 3
     lines = result.output.strip().splitlines()
@@ -126,9 +118,7 @@ def _second_overlay(base: Path, out: Path, config_change: dict, shard: str = OTH
     tensors = {k: v.clone() for k, v in load_file(base / shard).items()}
     name = next(k for k in tensors if k.endswith("norm.weight"))
     tensors[name] = tensors[name] * 2
-    with ShardWriter(out / shard, [spec_of(k, v) for k, v in tensors.items()], {"format": "pt"}) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
+    write_shard(out / shard, tensors)
     config = json.loads((base / "config.json").read_text())
     config.update(config_change)
     (out / "config.json").write_text(json.dumps(config))

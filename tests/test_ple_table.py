@@ -14,9 +14,9 @@ from flashnext.quant import fsutil
 from flashnext.quant.errors import FlashnextError
 from flashnext.quant.ple_layout import ple_layout
 from flashnext.quant.ple_table import build_table, find_ple_source, verify_table
-from flashnext.quant.safetensors_io import ShardWriter, spec_of
 from flashnext.quant.snapshot import Snapshot
 from flashnext.tools.cli import main as cli
+from support.shards import rewrite_shard
 
 PREFIX = "model.language_model.layers.1.ple.ple_embedding"
 PLE_SHARD = "model-00003-of-00005.safetensors"
@@ -83,13 +83,12 @@ def test_resume_after_interruption(demo_snapshot, tmp_path, monkeypatch):
 
 
 def test_buffers_in_the_checkpoint_win(snapshot_copy):
-    shard = snapshot_copy / "model-00001-of-00005.safetensors"
-    tensors = {k: v.clone() for k, v in load_file(shard).items()}
     name = f"{PREFIX}.layer_multipliers"
-    tensors[name] = tensors[name] + 2  # still odd, just not the formula's
-    with ShardWriter(shard, [spec_of(k, v) for k, v in tensors.items()], {"format": "pt"}) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
+
+    def edit(t):
+        t[name] = t[name] + 2  # still odd, just not the formula's
+
+    tensors = rewrite_shard(snapshot_copy / "model-00001-of-00005.safetensors", edit)
     source = find_ple_source(Snapshot.open(snapshot_copy))
     assert list(source.layout.multipliers) == tensors[name].tolist()
     assert len(source.differences) == 1 and "layer_multipliers" in source.differences[0]
@@ -110,24 +109,17 @@ def _drop_shard(snap):
 
 
 def _extra_shard(snap):
-    path = snap / PLE_SHARD
-    tensors = {k: v.clone() for k, v in load_file(path).items()}
-    tensors[f"{PREFIX}.ngram_embedding.shard_4.weight"] = torch.zeros(8, 16, dtype=torch.bfloat16)
-    with ShardWriter(path, [spec_of(k, v) for k, v in tensors.items()]) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
+    def edit(t):
+        t[f"{PREFIX}.ngram_embedding.shard_4.weight"] = torch.zeros(8, 16, dtype=torch.bfloat16)
+
+    rewrite_shard(snap / PLE_SHARD, edit)
     index = _index(snap)
     index["weight_map"][f"{PREFIX}.ngram_embedding.shard_4.weight"] = PLE_SHARD
     _write_index(snap, index)
 
 
 def _rewrite(snap, edit):
-    path = snap / PLE_SHARD
-    tensors = {k: v.clone() for k, v in load_file(path).items()}
-    edit(tensors)
-    with ShardWriter(path, [spec_of(k, v) for k, v in tensors.items()]) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
+    rewrite_shard(snap / PLE_SHARD, edit)
 
 
 def _rows(t):
@@ -197,16 +189,14 @@ def test_ids_command(demo_snapshot):
 
 
 def _to_fp8(snap, with_scale=True):
-    path = snap / PLE_SHARD
-    tensors = {k: v.clone() for k, v in load_file(path).items()}
-    for k in list(tensors):
-        if ".ngram_embedding.shard_" in k:
-            tensors[k] = tensors[k].float().clamp(-400, 400).to(torch.float8_e4m3fn)
-    if with_scale:
-        tensors[f"{PREFIX}.ngram_embedding.weight_scale"] = torch.tensor([0.015625], dtype=torch.float32)
-    with ShardWriter(path, [spec_of(k, v) for k, v in tensors.items()]) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
+    def edit(tensors):
+        for k in list(tensors):
+            if ".ngram_embedding.shard_" in k:
+                tensors[k] = tensors[k].float().clamp(-400, 400).to(torch.float8_e4m3fn)
+        if with_scale:
+            tensors[f"{PREFIX}.ngram_embedding.weight_scale"] = torch.tensor([0.015625], dtype=torch.float32)
+
+    tensors = rewrite_shard(snap / PLE_SHARD, edit)
     if with_scale:
         index = _index(snap)
         index["weight_map"][f"{PREFIX}.ngram_embedding.weight_scale"] = PLE_SHARD

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,8 +18,8 @@ from flashnext.quant.bitplane import bitplane_to_codes, codes_to_bitplane, dense
 from flashnext.quant.errors import FlashnextError
 from flashnext.quant.packing import pack_int32, packed_words, unpack_int32
 from flashnext.quant.repack_int6 import repack_int6
-from flashnext.quant.safetensors_io import ShardWriter, spec_of
 from flashnext.tools.cli import main as cli
+from support.shards import rewrite_shard
 
 SHARED = "model.language_model.layers.0.mlp.shared_expert.gate_proj"
 
@@ -110,14 +109,12 @@ def test_widening_to_int8_is_lossless_and_resolves_to_8_bits(demo_snapshot, tmp_
 
 
 def test_padded_017_layout_is_refused(snapshot_copy, tmp_path):
-    path = snapshot_copy / "model-00001-of-00005.safetensors"
-    tensors = {k: v.clone() for k, v in load_file(path).items()}
-    n, k = tensors[f"{SHARED}.weight_shape"].tolist()
-    codes = unpack_int32(tensors[f"{SHARED}.weight_packed"], 6, k)
-    tensors[f"{SHARED}.weight_packed"] = ct_pack(codes, 6)  # compressed-tensors 0.17: 5 values per word
-    with ShardWriter(path, [spec_of(a, b) for a, b in tensors.items()], {"format": "pt"}) as w:
-        for a, b in tensors.items():
-            w.write(a, b)
+    def edit(tensors):
+        n, k = tensors[f"{SHARED}.weight_shape"].tolist()
+        codes = unpack_int32(tensors[f"{SHARED}.weight_packed"], 6, k)
+        tensors[f"{SHARED}.weight_packed"] = ct_pack(codes, 6)  # compressed-tensors 0.17: 5 values per word
+
+    rewrite_shard(snapshot_copy / "model-00001-of-00005.safetensors", edit)
     with pytest.raises(FlashnextError, match="padded 6-bit layout"):
         repack_int6(snapshot_copy, tmp_path / "ov")
     assert not (tmp_path / "ov").exists()
