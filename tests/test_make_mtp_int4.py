@@ -194,7 +194,14 @@ def test_cli_end_to_end_with_report_and_json(demo_snapshot, tmp_path):
 
 
 def test_umbrella_has_every_command():
-    for args in (["--help"], ["make-mtp-int4", "--help"], ["demo-checkpoint", "--help"], ["serve", "--help"]):
+    for args in (["--help"], ["make-mtp-int4", "--help"], ["demo-checkpoint", "--help"], ["serve", "--help"],
+                 ["serve", "down", "--help"], ["serve", "logs", "--help"], ["doctor", "--help"],
+                 ["repack-int6", "--help"], ["overlay", "--help"], ["overlay", "verify", "--help"],
+                 ["overlay", "apply", "--help"], ["overlay", "upload", "--help"], ["overlay", "fetch", "--help"],
+                 ["ple", "--help"], ["ple", "ids", "--help"], ["ple", "layout", "--help"], ["ple", "build", "--help"],
+                 ["ple", "verify", "--help"], ["ple", "residency", "--help"], ["ple", "drive-check", "--help"],
+                 ["patches", "--help"], ["patches", "list", "--help"], ["patches", "check", "--help"],
+                 ["patches", "apply", "--help"]):
         result = CliRunner().invoke(flashnext_cli, args)
         assert result.exit_code == 0, (args, result.output)
 
