@@ -82,7 +82,7 @@ def main():
                         y = gemv_tc(x, planes, s, bn, warps)
                         err = ((y.float() - ref).abs() / ref.abs().clamp_min(1)).max().item()
                         t = triton.testing.do_bench_cudagraph(lambda: gemv_tc(x, planes, s, bn, warps), rep=50) * 1e3
-                    except Exception as e:
+                    except Exception:  # a config the compiler refuses
                         continue
                     if best is None or t < best[0]:
                         best = (round(t, 2), bn, warps, err)
