@@ -327,3 +327,11 @@ def test_unusable_device(demo_snapshot, tmp_path):
         pytest.skip("this machine has a GPU")
     with pytest.raises(FlashnextError, match="not usable"):
         make_mtp_int4(demo_snapshot, tmp_path / "ov", MtpInt4Options(device="cuda"), progress=False)
+
+
+def test_os_errors_are_one_line(demo_snapshot, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = CliRunner().invoke(make_mtp_int4_cli, ["--src", str(demo_snapshot), "--out", str(blocker / "sub" / "ov")])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert "Traceback" not in result.output

@@ -20,6 +20,9 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except FlashnextError as e:
             raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        except OSError as e:  # a permission, a full disk, a vanished file: one line, not a traceback
+            where = f": {e.filename}" if getattr(e, "filename", None) else ""
+            raise click.ClickException(f"{e.strerror or type(e).__name__}{where}") from None
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
