@@ -1,0 +1,90 @@
+"""Exact-size pinned host memory (the library half of patch host-pool).
+
+PyTorch's caching host allocator rounds a pinned allocation up to a power of two: a 4.24 GiB QSA
+K/V pool per layer became 8 GiB, 96 GiB for 12 layers (seed 000 §2). This pool takes exactly the
+bytes asked for with an anonymous ``mmap`` and pins them with ``cudaHostRegister``, and keeps them
+until the process ends, so no allocator cache is needed.
+
+Before pinning it checks free RAM and refuses with the size it needs. Pipeline ranks allocate at
+the same moment, so the check and the pinning happen under one file lock (``VLLM_HOST_POOL_LOCK``);
+without it two ranks could both pass the check and then both run out of memory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from flashnext.quant import envs
+from flashnext.quant.errors import FlashnextError
+
+# Left free beyond the pool: the page cache of the PLE table and the rest of the process.
+DEFAULT_HEADROOM = 4 << 30
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """MemAvailable, lowered to the cgroup's remaining allowance when a limit applies."""
+    avail = 0
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            avail = int(line.split()[1]) * 1024
+    limit, current = cgroup / "memory.max", cgroup / "memory.current"
+    if limit.exists() and current.exists():
+        text = limit.read_text().strip()
+        if text != "max":
+            avail = min(avail, int(text) - int(current.read_text().strip()))
+    return avail
+
+
+@contextmanager
+def host_pool_lock(path: str | None = None):
+    """An exclusive lock shared by every process on the host (the pipeline ranks)."""
+    fd = os.open(path or envs.VLLM_HOST_POOL_LOCK.get(), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+class PinnedHostPool:
+    """``nbytes`` of page-locked host memory, exactly (rounded to the page size only)."""
+
+    def __init__(self, nbytes: int, *, register: bool = True, headroom: int = DEFAULT_HEADROOM,
+                 lock_path: str | None = None, meminfo: Path = Path("/proc/meminfo")):
+        if nbytes <= 0:
+            raise FlashnextError(f"a host pool needs a positive size, got {nbytes}")
+        self.nbytes = nbytes
+        self.registered = False
+        with host_pool_lock(lock_path):
+            free = available_bytes(meminfo)
+            if nbytes + headroom > free:
+                raise FlashnextError(
+                    f"the pinned host pool needs {nbytes / 2**30:.2f} GiB plus {headroom / 2**30:.0f} GiB headroom; "
+                    f"only {free / 2**30:.2f} GiB of RAM is available: lower --kv-cache-memory-bytes or free memory")
+            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+            # Touch every page now, under the lock, so the memory is really taken before the next rank checks.
+            self.tensor.zero_()
+            if register:
+                err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+                if int(err) != 0:
+                    raise FlashnextError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (error {int(err)}); "
+                                         "is `ulimit -l` unlimited?")
+                self.registered = True
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+        """A tensor over ``[offset, offset + size)`` of the pool."""
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"view of {nbytes} B at {offset} exceeds the pool's {self.nbytes} B")
+        return self.tensor[offset:offset + nbytes].view(dtype).view(shape)

@@ -1,0 +1,58 @@
+"""The exact-size pinned host pool: size, the free-RAM check, the cross-process lock; pinning on a GPU."""
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from flashnext.quant.errors import FlashnextError
+from flashnext.serving.hooks.host_pool import PinnedHostPool, available_bytes, host_pool_lock
+
+
+def test_exact_size_and_views(tmp_path):
+    pool = PinnedHostPool(10_000_000, register=False, headroom=0, lock_path=str(tmp_path / "lock"))
+    assert pool.tensor.numel() == 10_000_000  # not 16 MiB, as a power-of-two allocator would take
+    v = pool.view(torch.bfloat16, (1000, 4000))
+    v.fill_(1.5)
+    assert pool.view(torch.bfloat16, (2,), offset=0).tolist() == [1.5, 1.5]
+    with pytest.raises(ValueError):
+        pool.view(torch.float32, (3_000_000,))
+
+
+def test_free_ram_check_names_the_size(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 131072000 kB\nMemAvailable: 2097152 kB\n")  # 2 GiB available
+    with pytest.raises(FlashnextError, match=r"needs 3\.96 GiB plus 4 GiB headroom; only 2\.00 GiB"):
+        PinnedHostPool(int(3.96 * 2**30), register=False, lock_path=str(tmp_path / "lock"), meminfo=meminfo)
+    assert available_bytes(meminfo, tmp_path / "no-cgroup") == 2 * 2**30
+
+
+def _hold(lock_path, seconds, queue):
+    with host_pool_lock(lock_path):
+        queue.put(("in", time.monotonic()))
+        time.sleep(seconds)
+        queue.put(("out", time.monotonic()))
+
+
+def test_the_lock_serialises_ranks(tmp_path):
+    lock = str(tmp_path / "lock")
+    q = mp.get_context("fork").Queue()
+    procs = [mp.get_context("fork").Process(target=_hold, args=(lock, 0.3, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(10)
+    events = sorted((q.get() for _ in range(4)), key=lambda e: e[1])
+    assert [e[0] for e in events] == ["in", "out", "in", "out"]  # never two inside at once
+
+
+@pytest.mark.gpu
+def test_pinned_on_the_gpu(tmp_path):
+    pool = PinnedHostPool(64 << 20, headroom=0, lock_path=str(tmp_path / "lock"))
+    host = pool.view(torch.float32, (16 << 20,))
+    assert pool.registered and host.is_pinned()
+    host.copy_(torch.arange(16 << 20, dtype=torch.float32))
+    dev = host.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), host)
