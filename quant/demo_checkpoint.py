@@ -345,7 +345,7 @@ def _materialise(t: PlannedTensor, stream: int) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one planned weight."""
     if t.fmt == "int64":
         return {t.name: torch.tensor(t.values, dtype=torch.int64)}
-    if t.name.endswith(("norm.weight", "_norm.weight", "layernorm.weight")) or t.name.endswith(("A_log", "dt_bias")):
+    if t.name.endswith(("norm.weight", "A_log", "dt_bias")):
         w = (1.0 + heavy_tailed(stream, t.shape, std=0.05).float()).to(torch.bfloat16)
         return {t.name: w}
     w = heavy_tailed(stream, t.shape)

@@ -142,8 +142,7 @@ def upload_overlay(overlay: Path, repo_id: str, private: bool = False, revision:
                              "run the same command again: files already on the Hub are not sent twice") from None
     published = {"repo_id": repo_id, "revision": revision or "main", "commit": info.oid,
                  "commit_url": info.commit_url,
-                 "files": {name: f["sha256"] for f in manifest["replaces"] + manifest["adds"]
-                           for name in [f["path"]]}}
+                 "files": {f["path"]: f["sha256"] for f in manifest["replaces"] + manifest["adds"]}}
     write_text_atomic(overlay / PUBLISHED_FILE, json.dumps(published, indent=2) + "\n")
     return plan | {"commit": info.oid, "commit_url": info.commit_url, "published_record": str(overlay / PUBLISHED_FILE)}
 

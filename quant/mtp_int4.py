@@ -225,9 +225,9 @@ def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options
         raise FlashnextError(f"device {options.device!r} is not usable here: {str(e).splitlines()[0]}") from None
     per_batch = options.experts_per_batch or (4 if device.type == "cpu" else 32)
 
-    draft_indices = sorted({0, int(snap.text_config.get("num_hidden_layers", 0))}
-                           | {layer.layer for layer in layers}
-                           | {int(snap.text_config.get("num_hidden_layers", 0)) + layer.layer for layer in layers})
+    # Check the rewritten config both as the checkpoint names the draft layers and as vLLM does.
+    offset = int(snap.text_config.get("num_hidden_layers", 0))
+    draft_indices = sorted({idx for layer in layers for idx in (layer.layer, offset + layer.layer)})
     new_qc = with_mtp_experts_quantized(snap.quantization_config, BITS, gs, draft_indices)
 
     # Plan the replaced shards: their other tensors in file order, then the new expert tensors.

@@ -25,10 +25,12 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from flashnext.quant import envs
+from flashnext.quant.errors import FlashnextError
 from flashnext.quant.ple_hash import NgramHasher
 
 log = logging.getLogger(__name__)
@@ -85,13 +87,21 @@ def merge_pages(pages: np.ndarray) -> PageRanges:
     return PageRanges(pages[starts], ends - starts)
 
 
-def plan_prompt(hasher: NgramHasher, tokens, row_bytes: int, context=None,
-                window: int = WINDOW_TOKENS) -> list[PageRanges]:
-    """For each window of ``window`` tokens: the merged ranges of the pages its rows need."""
+def plan_windows(hasher: NgramHasher, tokens, row_bytes: int, context=None,
+                 window: int = WINDOW_TOKENS) -> Iterator[PageRanges]:
+    """For each window of ``window`` tokens, in order: the merged ranges of the pages its rows need.
+    A generator, so a consumer can stop between windows."""
     tokens = np.asarray(tokens, dtype=np.int64)
     ctx = None if context is None else np.asarray(context, dtype=np.int64).reshape(1, -1)
     ids = hasher.ids(tokens, None, ctx)
-    return [merge_pages(row_pages(ids[w:w + window], row_bytes)) for w in range(0, len(tokens), window)]
+    for w in range(0, len(tokens), window):
+        yield merge_pages(row_pages(ids[w:w + window], row_bytes))
+
+
+def plan_prompt(hasher: NgramHasher, tokens, row_bytes: int, context=None,
+                window: int = WINDOW_TOKENS) -> list[PageRanges]:
+    """Every window's page ranges at once (see :func:`plan_windows`)."""
+    return list(plan_windows(hasher, tokens, row_bytes, context, window))
 
 
 class TableMapping:
@@ -102,6 +112,9 @@ class TableMapping:
         self.row_bytes = row_bytes
         self._fd = os.open(self.path, os.O_RDONLY)
         self.size = os.fstat(self._fd).st_size
+        if self.size == 0:
+            os.close(self._fd)
+            raise FlashnextError(f"{self.path} is empty: not a PLE table")
         self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
         self._mm.madvise(mmap.MADV_RANDOM)
         self.bytes = np.frombuffer(self._mm, dtype=np.uint8)
@@ -229,14 +242,11 @@ class PromptPrefetcher:
                 if job is None:
                     return
                 request_id, tokens, context = job
-                ids = self.hasher.ids(np.asarray(tokens, dtype=np.int64), None,
-                                      None if context is None else np.asarray(context).reshape(1, -1))
-                for w in range(0, len(ids), self.window):
+                for ranges in plan_windows(self.hasher, tokens, self.mapping.row_bytes, context, self.window):
                     with self._lock:
                         if request_id in self._cancelled:
                             break
-                    self.mapping.advise_ranges(merge_pages(row_pages(ids[w:w + self.window],
-                                                                     self.mapping.row_bytes)))
+                    self.mapping.advise_ranges(ranges)
                     self.windows_advised += 1
             except Exception:  # prefetch is advice: a failure must never reach the engine
                 log.exception("PLE prompt prefetch failed")

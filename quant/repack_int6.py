@@ -113,7 +113,7 @@ def _convert(snap: Snapshot, t: Target, mode: str) -> torch.Tensor:
 
 
 def _group_size(snap: Snapshot, module: str) -> int:
-    path, entry = snap.entry(f"{module}.weight_scale")
+    _, entry = snap.entry(f"{module}.weight_scale")
     cols = int(_read(snap, f"{module}.weight_shape")[1])
     return cols // entry.shape[1]
 

@@ -131,7 +131,7 @@ def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE) -> l
             source = tmp / "wheel"
         else:
             source = Path(vllm) if vllm is not None else installed_vllm_root()
-            if (source / "vllm").is_dir() is False and source.name == "vllm":
+            if source.name == "vllm":  # the package directory itself rather than its parent
                 source = source.parent
         if not (source / "vllm" / "__init__.py").is_file():
             raise FlashnextError(f"{source}: no vllm package there")

@@ -175,3 +175,14 @@ def test_drive_check_command(table):
     info = json.loads(result.stdout)
     assert info["qd1"]["reads"] > 0 and info["deep"]["iops"] > 0
     assert result.exit_code == (0 if info["ok"] else 2)
+
+
+def test_residency_of_an_empty_file_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from flashnext.tools.cli import main as cli
+
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    result = CliRunner().invoke(cli, ["ple", "residency", str(empty)])
+    assert result.exit_code == 1 and result.output.strip() == f"Error: {empty} is empty: not a PLE table"
