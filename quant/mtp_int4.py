@@ -237,10 +237,7 @@ def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options
         for proj in PROJECTIONS:
             plans.setdefault(layer.source_shard(proj), [])
     for filename in plans:
-        header = snap.header(filename)
-        kept = sorted((e for e in header.entries.values() if e.name not in replaced_names),
-                      key=lambda e: e.begin)
-        plans[filename] = [TensorSpec(e.name, e.dtype, e.shape) for e in kept]
+        plans[filename] = [s for s in snap.header(filename).specs_in_file_order() if s.name not in replaced_names]
     for layer in layers:
         for proj in PROJECTIONS:
             plans[layer.source_shard(proj)] += _expert_specs(layer, gs, proj)

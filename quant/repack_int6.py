@@ -155,9 +155,8 @@ def repack_int6(src: Path, out: Path, targets: str = DEFAULT_TARGETS, mode: str 
         by_shard.setdefault(t.shard, {})[f"{t.module}.weight_packed"] = t
     plans: dict[str, list[TensorSpec]] = {}
     for filename, replaced in by_shard.items():
-        header = snap.header(filename)
-        plans[filename] = [_new_spec(replaced[e.name], mode) if e.name in replaced else TensorSpec(e.name, e.dtype, e.shape)
-                           for e in sorted(header.entries.values(), key=lambda e: e.begin)]
+        plans[filename] = [_new_spec(replaced[s.name], mode) if s.name in replaced else s
+                           for s in snap.header(filename).specs_in_file_order()]
     needed = sum(shard_size(specs, snap.header(f).metadata) for f, specs in plans.items()) + (1 << 20)
     check_free_space(Path(out).absolute().parent, needed, f"the overlay {out}")
     kinds = {"bitplane": "int6-bitplane", "int8": "int6-to-int8", "reverse": "int6-dense"}

@@ -62,6 +62,10 @@ class ShardHeader:
     def file_size(self) -> int:
         return max((e.end for e in self.entries.values()), default=self.data_start)
 
+    def specs_in_file_order(self) -> list["TensorSpec"]:
+        """Every tensor's spec, in the order its bytes lie in the file."""
+        return [TensorSpec(e.name, e.dtype, e.shape) for e in sorted(self.entries.values(), key=lambda e: e.begin)]
+
 
 def read_header(path: Path) -> ShardHeader:
     """Parse a safetensors file's header; a malformed file is a :class:`FlashnextError`."""
