@@ -20,7 +20,15 @@ class EnvVar:
         return os.environ.get(self.name, self.default)
 
     def enabled(self) -> bool:
-        return self.get().strip().lower() not in ("0", "false", "no", "off", "")
+        return is_on(self.get())
+
+    def enabled_in(self, env: dict[str, str]) -> bool:
+        """Whether the switch is on in another environment (a profile's, a container's)."""
+        return is_on(env.get(self.name, self.default))
+
+
+def is_on(value: str) -> bool:
+    return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
 VLLM_PLE_PREFETCH = EnvVar(

@@ -1,7 +1,7 @@
 """Preflight: can this machine run a serving profile? Go/no-go, with numbers and the fix for each problem.
 
-Checks: the GPUs (count, model, free VRAM, through NVML); the locked-memory limit, /dev/shm and the
-cgroup memory limit; whether process_madvise is allowed (SYS_PTRACE / seccomp); the PLE table's
+Checks: the GPUs (count, model, free VRAM, through NVML); host RAM against the plan's pinned K/V;
+the locked-memory limit, /dev/shm and the cgroup memory limit; whether process_madvise is allowed (SYS_PTRACE / seccomp); the PLE table's
 drive (tail latency, ``flashnext ple drive-check``); each overlay against the snapshot; the
 serving image. Each failing check has its own exit code.
 """
@@ -143,6 +143,51 @@ def check_cgroup(memory_max: Path = Path("/sys/fs/cgroup/memory.max"), meminfo: 
     return Finding("cgroup", True, f"cgroup memory.max {_gib(limit)} of {_gib(total)}")
 
 
+HOST_RAM_HEADROOM = 4 * 2**30  # the engine's own processes, CUDA contexts and the PLE prefetcher's buffers
+
+
+def _meminfo(meminfo: Path) -> dict[str, int]:
+    out = {}
+    for line in meminfo.read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if rest.strip():
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def check_host_ram(profile: Profile, meminfo: Path = Path("/proc/meminfo"),
+                   memory_max: Path = Path("/sys/fs/cgroup/memory.max")) -> Finding:
+    """Pinned host K/V from the plan, against what this host (and its cgroup) can still give."""
+    from flashnext.quant.errors import FlashnextError
+    from flashnext.serving import capacity
+
+    try:
+        shape = capacity.ServingShape.from_profile(profile)
+        plan = capacity.plan(capacity.load_text_config(), shape)
+    except FlashnextError as e:
+        return Finding("host-ram", False, f"no plan for this profile ({e})", "`flashnext plan --profile "
+                       f"{profile.name}` says why", Exit.MEMORY, blocking=False)
+    info = _meminfo(meminfo)
+    available = info.get("MemAvailable", info.get("MemFree", 0))
+    if memory_max.exists() and memory_max.read_text().strip() != "max":
+        available = min(available, int(memory_max.read_text().strip()))
+    need = plan.pinned_host_bytes_needed
+    rounding = "" if shape.exact_host_pool else f" (PyTorch rounds each pool to a power of two: {_gib(plan.pinned_host_bytes)} exact)"
+    detail = f"pinned QSA K/V {_gib(need)}{rounding} + {_gib(HOST_RAM_HEADROOM)} headroom; {_gib(available)} available"
+    if need + HOST_RAM_HEADROOM <= available:
+        return Finding("host-ram", True, detail)
+    per_block = plan.pinned_host_bytes_needed / plan.blocks
+    fits = max(int((available - HOST_RAM_HEADROOM) // per_block), 0) if shape.exact_host_pool else 0
+    if not shape.exact_host_pool and plan.pinned_host_bytes + HOST_RAM_HEADROOM <= available:
+        fix = "turn the exact-size pool back on: environment `VLLM_EXACT_HOST_POOL: \"1\"`"
+    elif fits:
+        fix = (f"lower --kv-cache-memory-bytes to {fits * max(plan.bytes_per_block):,} ({fits} blocks; "
+               f"`flashnext plan --profile {profile.name} --kv-cache-memory-bytes N` shows the capacity)")
+    else:
+        fix = "free host memory (stop other processes, drop the page cache) or use a larger host"
+    return Finding("host-ram", False, detail, fix, Exit.MEMORY)
+
+
 def check_process_madvise() -> Finding:
     """Probe process_madvise on a scratch mapping, as the PLE prefetcher does."""
     from flashnext.quant.ple_prefetch import TableMapping
@@ -212,6 +257,8 @@ def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_ta
 
     findings = [check_gpus(profile, nvml_devices() if devices is None else devices),
                 check_memlock(profile), check_shm(profile), check_cgroup(), check_process_madvise()]
+    if profile.model_family == "qwen4_exp":
+        findings.insert(1, check_host_ram(profile))
     if ple_table is not None:
         findings.append(check_ple_drive(ple_table))
     if model is not None:

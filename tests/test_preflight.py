@@ -26,6 +26,39 @@ def test_gpu_findings():
     assert not finding.ok and "GPU 1" in finding.detail and "nvidia-smi" in finding.fix
 
 
+def test_host_ram_against_the_plan(tmp_path):
+    """The 3x3090 profile at 783 MB pins 67.8 GiB exact-size (244 blocks x 12,144 tokens x 2 KiB x 12 layers)."""
+    profile = load_profile("3x3090")
+    meminfo = tmp_path / "meminfo"
+    unlimited = tmp_path / "memory.max"
+    unlimited.write_text("max\n")
+    meminfo.write_text(f"MemTotal: {125 * GIB // 1024} kB\nMemAvailable: {118 * GIB // 1024} kB\n")
+    rig = pf.check_host_ram(profile, meminfo, unlimited)
+    assert rig.ok and "67.82 GiB" in rig.detail
+
+    meminfo.write_text(f"MemTotal: {64 * GIB // 1024} kB\nMemAvailable: {60 * GIB // 1024} kB\n")
+    small = pf.check_host_ram(profile, meminfo, unlimited)
+    assert not small.ok and small.exit == pf.Exit.MEMORY
+    # each block pins 12 x 12,144 x 2,048 B = 0.278 GiB: (60 - 4) GiB hold 201 blocks of 3,207,168 B
+    assert "lower --kv-cache-memory-bytes to 644,640,768 (201 blocks" in small.fix
+
+    # a cgroup limit below MemAvailable is what counts
+    unlimited.write_text(str(40 * GIB))
+    meminfo.write_text(f"MemTotal: {125 * GIB // 1024} kB\nMemAvailable: {118 * GIB // 1024} kB\n")
+    assert not pf.check_host_ram(profile, meminfo, unlimited).ok
+
+
+def test_host_ram_counts_pytorch_power_of_two_rounding(tmp_path):
+    """Without the exact-size pool each 5.65 GiB layer pool becomes 8 GiB: 96 GiB for 12 layers (seed 000 §2)."""
+    profile = load_profile("3x3090")
+    off = dataclasses.replace(profile, env={**profile.env, "VLLM_EXACT_HOST_POOL": "0"})
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {125 * GIB // 1024} kB\nMemAvailable: {90 * GIB // 1024} kB\n")
+    finding = pf.check_host_ram(off, meminfo, tmp_path / "absent")
+    assert not finding.ok and "96.00 GiB" in finding.detail and "67.82 GiB exact" in finding.detail
+    assert 'VLLM_EXACT_HOST_POOL: "1"' in finding.fix
+
+
 def test_memlock_for_real():
     profile = load_profile("3x3090")
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -100,7 +133,8 @@ def test_verdict_and_exit_codes(demo_snapshot, demo_overlay, monkeypatch):
     result = CliRunner().invoke(cli, ["doctor", "--profile", "3x3090", "--model", str(demo_snapshot),
                                       "--overlay", str(demo_overlay), "--engine", "native", "--json"])
     report = json.loads(result.stdout)
-    assert [f["check"] for f in report["findings"]] == ["gpus", "memlock", "shm", "cgroup", "ptrace", "overlay"]
+    assert [f["check"] for f in report["findings"]] == ["gpus", "host-ram", "memlock", "shm", "cgroup", "ptrace",
+                                                            "overlay"]
     assert report["findings"][0]["ok"]
     blocking = [f for f in report["findings"] if not f["ok"] and f["blocking"]]
     assert result.exit_code == (blocking[0]["exit"] if blocking else 0) == report["exit_code"]

@@ -1,0 +1,121 @@
+"""``flashnext plan``: vLLM 0.33.0's own KV cache grouping, checked against seed 000's table and by hand."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from flashnext.quant.errors import FlashnextError
+from flashnext.serving import capacity
+from flashnext.serving.profiles import load_profile
+from flashnext.tools.cli import main as cli
+
+pytest.importorskip("vllm.v1.core.kv_cache_planning", reason="vLLM 0.33.0 is installed by .ci/run")
+
+GIB = 2**30
+
+
+def seed_plan(profile: str, kv_bytes: int, prefix_caching: bool) -> capacity.Plan:
+    shape = capacity.ServingShape.from_profile(load_profile(profile), kv_bytes, prefix_caching)
+    return capacity.plan(capacity.load_text_config(), shape)
+
+
+# ../shared/reference/README.md, "The seed's capacity numbers"
+@pytest.mark.parametrize("profile, kv_bytes, prefix, block_size, blocks, per_request, capacity_tokens, times", [
+    ("3x3090", 550_000_000, False, 12_144, 171, 42, 1_067_300, "4.07"),
+    ("3x3090", 550_000_000, True, 12_144, 171, 61, 734_862, "2.80"),
+    ("3x3090", 783_000_000, True, 12_144, 244, 61, 1_048_576, "4.00"),
+    ("3x3090-mtp", 550_000_000, True, 9_776, 170, 85, 524_288, "2.00"),
+    ("3x3090-mtp", 783_000_000, True, 9_776, 242, 85, 746_339, "2.85"),
+])
+def test_the_seed_table(profile, kv_bytes, prefix, block_size, blocks, per_request, capacity_tokens, times):
+    p = seed_plan(profile, kv_bytes, prefix)
+    assert (p.block_size, p.blocks, p.blocks_per_request, p.capacity_tokens) == (
+        block_size, blocks, per_request, capacity_tokens)
+    assert f"{p.concurrency:.2f}" == times
+
+
+def test_the_seed_structure():
+    p = seed_plan("3x3090", 550_000_000, True)
+    assert p.state_page_bytes == 3_207_168 == 3_145_728 + 61_440
+    assert p.bytes_per_block == [3_207_168] * 3
+    kinds = [g.kind for g in p.groups]
+    # two gated delta-net states share a group because the 12-layer QSA group spans ~3 pages
+    assert kinds.count("gdn") == 18 and kinds.count("ple_short_conv") == 1
+    assert [g.blocks_per_request for g in p.groups if g.kind in ("gdn", "ple_short_conv")] == [2] * 19
+    assert [(g.kind, g.blocks_per_request) for g in p.groups if g.kind.startswith("qsa")] == [
+        ("qsa_compressed_key", 22), ("qsa_key_ring", 1)]
+    # no rank holds two states of one group, so a block is one state page on every rank
+    assert all(max(g.layers_per_rank) == 1 for g in p.groups if g.kind == "gdn")
+    assert p.qsa_layers_per_rank == [4, 4, 4]
+    # 171 x 12,144 x 2 KiB = 3.96 GiB per QSA layer, 47.5 GiB for 12; PyTorch would round each to 4 GiB
+    assert p.pinned_host_bytes == 12 * 171 * 12_144 * 2048
+    assert p.pinned_host_bytes_pow2 == 12 * 4 * GIB
+    assert round(p.tokens_per_mib_vram) == 1_405 and round(p.tokens_per_gib_host, -1) == 15_460
+
+
+def test_mtp_structure():
+    p = seed_plan("3x3090-mtp", 550_000_000, True)
+    assert p.state_page_bytes == 3_227_648  # the conv state grows by one draft token, 20,480 B
+    assert p.qsa_layers_per_rank == [4, 4, 5] and p.layers_per_rank == [16, 17, 15]
+    assert 5 * 66 * p.block_size <= p.state_page_bytes < 5 * 66 * (p.block_size + 16)
+    assert round(p.pinned_host_bytes / GIB, 1) == 41.2
+
+
+def test_another_config_by_hand(demo_snapshot):
+    """The demo checkpoint's small config at PP 2, every number worked out by hand.
+
+    4 layers: GDN, GDN (+ PLE short conv, the layer before ple_layer_ids [2]), GDN, QSA.
+    - GDN state: conv (2*32*2 + 4*32 = 256 channels) x 3 x 2 B = 1,536 + ssm 4 x 32 x 32 x 4 B = 16,384 -> 17,920 B.
+    - PLE short conv: 256 x 4 hc = 1,024 channels x (3 x 3 = 9) x 2 B = 18,432 B: the state page.
+    - QSA in VRAM: (32 x 2 + 8) / 4 = 18 B/token; one QSA layer on the busiest rank:
+      block size = 18,432 / 18 = 1,024 tokens (a multiple of 16).
+    - vLLM's grouping: the QSA group is one page, which holds one GDN state, so 3 GDN groups,
+      1 PLE group, 1 compressed-key group, 1 ring group. A block is 18,432 B on either rank.
+    - 1,000,000 B -> 54 blocks. One 8,192-token request: 3 + 1 + 8 + 1 = 13 blocks
+      (align mode: 3 x 2 + 2 + 8 + 1 = 17). Capacity 54 x 8,192 / 13 = 34,028 (26,021).
+    - Host K/V: 2 x 2 heads x 64 x 2 B = 512 B/token: 54 x 1,024 x 512 = 28,311,552 B; 32 MiB rounded.
+    """
+    text = capacity.load_text_config(demo_snapshot)
+    shape = capacity.ServingShape(pipeline_parallel_size=2, max_model_len=8192, kv_cache_memory_bytes=1_000_000,
+                                  prefix_caching=False, num_speculative_tokens=0, layer_partition=None,
+                                  qsa_kv_offload=True, exact_host_pool=True)
+    p = capacity.plan(text, shape)
+    assert p.layers_per_rank == [2, 2] and p.qsa_layers_per_rank == [0, 1]
+    assert (p.state_page_bytes, p.block_size, p.bytes_per_block) == (18_432, 1_024, [18_432, 18_432])
+    assert [g.kind for g in p.groups] == ["gdn"] * 3 + ["ple_short_conv", "qsa_compressed_key", "qsa_key_ring"]
+    assert (p.blocks, p.blocks_per_request, p.capacity_tokens) == (54, 13, 34_028)
+    assert (p.pinned_host_bytes, p.pinned_host_bytes_pow2) == (28_311_552, 32 * 2**20)
+
+    aligned = capacity.plan(text, capacity.ServingShape(**{**shape.__dict__, "prefix_caching": True}))
+    assert (aligned.blocks_per_request, aligned.capacity_tokens) == (17, 26_021)
+
+
+def test_bad_inputs(demo_snapshot, tmp_path):
+    text = capacity.load_text_config(demo_snapshot)
+    shape = capacity.ServingShape(2, 8192, 1_000_000, False, 0, (3, 3), True, True)
+    with pytest.raises(FlashnextError, match="does not split 4 layers into 2 ranks"):
+        capacity.plan(text, shape)
+    with pytest.raises(FlashnextError, match="VLLM_QSA_KV_OFFLOAD"):
+        capacity.plan(text, capacity.ServingShape(2, 8192, 1_000_000, False, 0, None, False, True))
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4}}))
+    with pytest.raises(FlashnextError, match="the text config has no 'full_attention_interval'"):
+        capacity.load_text_config(tmp_path)
+
+
+def test_cli_json_and_text():
+    r = CliRunner().invoke(cli, ["plan", "--profile", "3x3090", "--kv-cache-memory-bytes", "550000000",
+                                 "--no-prefix-caching", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert {k: out[k] for k in ("block_size", "blocks", "blocks_per_request", "capacity_tokens")} == {
+        "block_size": 12_144, "blocks": 171, "blocks_per_request": 42, "capacity_tokens": 1_067_300}
+    assert round(out["concurrency"], 2) == 4.07 and out["pinned_host_bytes"] == 12 * 171 * 12_144 * 2048
+    r = CliRunner().invoke(cli, ["plan", "--profile", "3x3090-mtp"])
+    assert r.exit_code == 0 and "blocks per rank      170" in r.stdout and "(2.00x)" in r.stdout
+    assert "85 = 18 gdn x 3 + 1 ple_short_conv x 3 + 1 qsa_compressed_key x 27 + 1 qsa_key_ring x 1" in r.stdout
+
+
+def test_cli_refuses_other_families():
+    r = CliRunner().invoke(cli, ["plan", "--profile", "8xh200-glm53-hisparse"])
+    assert r.exit_code == 1 and r.output.count("\n") == 1 and "qwen4_exp" in r.output

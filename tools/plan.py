@@ -1,0 +1,64 @@
+"""``flashnext plan``: the KV cache layout a profile will get, before starting anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from flashnext.tools._common import emit_json, json_option, user_errors
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _print(profile: str, p) -> None:
+    mode = "on (mamba align)" if p.prefix_caching else "off"
+    spec = f", {p.num_speculative_tokens} draft token(s)" if p.num_speculative_tokens else ""
+    click.echo(f"profile {profile}: --kv-cache-memory-bytes {p.kv_cache_memory_bytes:,}, prefix caching {mode}{spec}")
+    click.echo(f"  layers per rank      {p.layers_per_rank} (QSA {p.qsa_layers_per_rank})")
+    click.echo(f"  state page           {p.state_page_bytes:,} B; a block is {max(p.bytes_per_block):,} B per rank")
+    click.echo(f"  attention block size {p.block_size:,} tokens")
+    click.echo(f"  blocks per rank      {p.blocks}")
+    kinds: dict[str, list] = {}
+    for g in p.groups:
+        kinds.setdefault(g.kind, []).append(g)
+    parts = " + ".join(f"{len(gs)} {kind} x {gs[0].blocks_per_request}" for kind, gs in kinds.items())
+    click.echo(f"  blocks per request   {p.blocks_per_request} = {parts}  (one {p.max_model_len:,}-token request)")
+    click.echo(f"  capacity             {p.capacity_tokens:,} tokens ({p.concurrency:.2f}x)")
+    click.echo(f"  VRAM per rank        {', '.join(f'{v:,}' for v in p.vram_bytes)} B")
+    click.echo(f"  pinned host K/V      {_gib(p.pinned_host_bytes)} exact-size; {_gib(p.pinned_host_bytes_pow2)} "
+               "with PyTorch's power-of-two rounding")
+    click.echo(f"  marginal             {p.tokens_per_mib_vram:,.0f} tokens per MiB of VRAM, "
+               f"{p.tokens_per_gib_host:,.0f} per GiB of host RAM")
+
+
+@click.command("plan")
+@click.option("--profile", required=True, help="Serving profile (serving/profiles/NAME.json).")
+@click.option("--kv-cache-memory-bytes", type=click.IntRange(min=1), default=None,
+              help="Override the profile's --kv-cache-memory-bytes.")
+@click.option("--prefix-caching/--no-prefix-caching", default=None,
+              help="Override the profile's prefix caching (on means --mamba-cache-mode align).")
+@click.option("--model", type=click.Path(path_type=Path), default=None,
+              help="A snapshot directory or config.json to plan for; default: the pinned base checkpoint's config.")
+@json_option
+@user_errors
+def main(profile: str, kv_cache_memory_bytes: int | None, prefix_caching: bool | None, model: Path | None,
+         as_json: bool) -> None:
+    """KV cache plan for a profile: attention block size, state page, blocks per rank, blocks for one
+    max-length request, token capacity and concurrency, pinned host memory and VRAM. The grouping is
+    vLLM 0.33.0's own (`pip install 'flashnext[serve]'`)."""
+    from flashnext.quant.errors import FlashnextError
+    from flashnext.serving import capacity
+    from flashnext.serving.profiles import load_profile
+
+    loaded = load_profile(profile)
+    if loaded.model_family != "qwen4_exp":
+        raise FlashnextError(f"profile {profile} serves {loaded.model_family}; plan models qwen4_exp profiles only")
+    shape = capacity.ServingShape.from_profile(loaded, kv_cache_memory_bytes, prefix_caching)
+    result = capacity.plan(capacity.load_text_config(model), shape)
+    if as_json:
+        emit_json({"profile": profile, **result.to_json()})
+    else:
+        _print(profile, result)
