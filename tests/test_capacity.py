@@ -119,3 +119,11 @@ def test_cli_json_and_text():
 def test_cli_refuses_other_families():
     r = CliRunner().invoke(cli, ["plan", "--profile", "8xh200-glm53-hisparse"])
     assert r.exit_code == 1 and r.output.count("\n") == 1 and "qwen4_exp" in r.output
+
+
+def test_serve_prints_the_plan_line():
+    from flashnext.tools.plan import summary_line
+
+    line = summary_line(load_profile("3x3090"))
+    assert line.startswith("plan: 244 blocks per rank, 61 per 262,144-token request: 1,048,576 tokens (4.00x)")
+    assert summary_line(load_profile("8xh200-glm53-hisparse")) is None

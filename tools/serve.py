@@ -141,6 +141,10 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     if subprocess.run([engine, "image", "inspect", image], capture_output=True).returncode != 0:
         click.echo(f"building {image} (vLLM 0.33.0 with the patch series) ...", err=True)
         _run(_compose(engine, compose_file, "build"))
+    from flashnext.tools.plan import summary_line
+
+    if line := summary_line(prof):
+        click.echo(line, err=True)
     _run(_compose(engine, compose_file, "up", "-d"))
     url = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{req.host_port}"
     models = wait_ready(url, prof.healthcheck.start_period_s,
