@@ -321,19 +321,28 @@ def _is_qsa(layer_type: str) -> bool:
     return layer_type in ("full_attention", "qwen_sparse_attention")
 
 
-def plan(text: TextConfig, shape: ServingShape) -> Plan:
-    """Lay out the KV cache for ``text`` served as ``shape``, with vLLM 0.33.0's grouping."""
+@dataclass
+class KVCacheLayout:
+    """What vLLM 0.33.0 makes of the model's KV cache specs: the whole-model groups and each
+    rank's projection of them, with the inputs that produced them."""
+
+    block_size: int
+    state_page_bytes: int
+    ranks: list[range]
+    qsa_layers_per_rank: list[int]
+    rank_specs: list[dict]  # layer name -> KVCacheSpec, per rank
+    groups: list  # vLLM KVCacheGroupSpec, whole model
+    projected: list[list]  # per rank
+    vllm_config: object
+
+
+def kv_cache_layout(text: TextConfig, shape: ServingShape) -> KVCacheLayout:
+    """Build every rank's layer specs and group them with vLLM 0.33.0's ``get_kv_cache_groups``."""
     if not shape.qsa_kv_offload:
         raise FlashnextError(
             "the plan models the QSA K/V offload of seed 000 (VLLM_QSA_KV_OFFLOAD=1); this profile does not set it")
     import_vllm()
-    from vllm.utils.math_utils import cdiv
-    from vllm.v1.core.kv_cache_planning import (
-        _pool_bytes_per_block,
-        _project_kv_cache_groups_to_worker,
-        get_kv_cache_groups,
-    )
-    from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, MambaSpec
+    from vllm.v1.core.kv_cache_planning import _project_kv_cache_groups_to_worker, get_kv_cache_groups
 
     pp = shape.pipeline_parallel_size
     ranks = rank_layers(text.num_hidden_layers, pp, shape.layer_partition)
@@ -377,6 +386,20 @@ def plan(text: TextConfig, shape: ServingShape) -> Plan:
     merged = {name: spec for specs in rank_specs for name, spec in specs.items()}
     groups = get_kv_cache_groups(config, dict(merged))
     projected = [_project_kv_cache_groups_to_worker(groups, specs) for specs in rank_specs]
+    return KVCacheLayout(block_size, state_page, ranks, qsa_per_rank, rank_specs, groups, projected, config)
+
+
+def plan(text: TextConfig, shape: ServingShape) -> Plan:
+    """Lay out the KV cache for ``text`` served as ``shape``, with vLLM 0.33.0's grouping."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.kv_cache_planning import _pool_bytes_per_block
+    from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, MambaSpec
+
+    layout = kv_cache_layout(text, shape)
+    config, groups, projected = layout.vllm_config, layout.groups, layout.projected
+    block_size, qsa_per_rank = layout.block_size, layout.qsa_layers_per_rank
+    merged = {name: spec for specs in layout.rank_specs for name, spec in specs.items()}
+    gdn, ple = _state_specs(text, shape)
     bytes_per_block = [_pool_bytes_per_block(config, g) for g in projected]
     blocks = min(shape.kv_cache_memory_bytes // b for b in bytes_per_block)
 
@@ -401,7 +424,7 @@ def plan(text: TextConfig, shape: ServingShape) -> Plan:
     tokens_per_block = shape.max_model_len / per_request
     return Plan(
         block_size=block_size,
-        state_page_bytes=state_page,
+        state_page_bytes=layout.state_page_bytes,
         bytes_per_block=bytes_per_block,
         blocks=blocks,
         blocks_per_request=per_request,
@@ -411,7 +434,7 @@ def plan(text: TextConfig, shape: ServingShape) -> Plan:
         kv_cache_memory_bytes=shape.kv_cache_memory_bytes,
         prefix_caching=shape.prefix_caching,
         num_speculative_tokens=shape.num_speculative_tokens,
-        layers_per_rank=[len(r) for r in ranks],
+        layers_per_rank=[len(r) for r in layout.ranks],
         qsa_layers_per_rank=qsa_per_rank,
         vram_bytes=[blocks * b for b in bytes_per_block],
         pinned_host_bytes=exact,

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
 def test_series_metadata_is_complete():
     series = load_series()
-    assert [p.id for p in series] == ["mtp-03"]
+    assert [p.id for p in series] == ["mtp-03", "pp-ple"]
     for p in series:
         assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.quant.envs", fromlist=["ALL"]).ALL}
         assert p.path.is_file() and p.probe and p.upstream
@@ -36,8 +36,8 @@ def test_check_applies_with_zero_fuzz_and_probes_without_touching_the_install():
     before = target.read_bytes()
     result = CliRunner().invoke(cli, ["patches", "check", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == [{"id": "mtp-03", "applied": True,
-                                          "compiled": list(load_series()[0].touches), "probe": "passed"}]
+    assert json.loads(result.stdout) == [{"id": p.id, "applied": True, "compiled": list(p.touches), "probe": "passed"}
+                                         for p in load_series()]
     assert target.read_bytes() == before
 
 
@@ -46,7 +46,7 @@ def _copy_touched(tmp_path: Path) -> Path:
     fake = tmp_path / "site"
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text("")
-    for rel in load_series()[0].touches:
+    for rel in {t for p in load_series() for t in p.touches}:
         (fake / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(root / rel, fake / rel)
     return fake
@@ -70,7 +70,7 @@ def test_the_probe_fails_on_an_unpatched_tree(tmp_path, monkeypatch):
 
 def test_apply_in_place_to_a_copy(tmp_path):
     fake = _copy_touched(tmp_path)
-    assert apply_series(fake) == ["mtp-03"]
+    assert apply_series(fake) == ["mtp-03", "pp-ple"]
     assert "self.draft_tokens_handler.drop(finished_req_ids)" in (fake / "vllm/v1/worker/gpu/model_runner.py").read_text()
 
 
@@ -116,24 +116,32 @@ SCENARIO = textwrap.dedent('''
 ''')
 
 
-def _run_scenario(pythonpath: str | None, extra_env: dict | None = None) -> dict:
+def _run_scenario(pythonpath: str | None, extra_env: dict | None = None, script: str = SCENARIO,
+                  args: tuple = ()) -> dict:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1", **(extra_env or {}))
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, *sys.path[1:]])
-    out = subprocess.run([sys.executable, "-c", SCENARIO], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_mtp03_scenario_rejects_before_and_not_after(tmp_path):
+@pytest.fixture(scope="module")
+def patched_tree(tmp_path_factory) -> Path:
+    """The installed vLLM with the whole series applied, as a shadow tree to put on PYTHONPATH."""
     from flashnext.serving import patch_series as ps
 
-    assert _run_scenario(None)["rejected"] == 7  # stock vLLM 0.33.0: every alternate lookup misses
-    tree = tmp_path / "tree"
+    tree = tmp_path_factory.mktemp("patched") / "tree"
     patches = load_series()
     ps._shadow_tree(installed_vllm_root(), {t for p in patches for t in p.touches}, tree)
     for p in patches:
         ps._apply(p, tree)
+    return tree
+
+
+def test_mtp03_scenario_rejects_before_and_not_after(patched_tree):
+    assert _run_scenario(None)["rejected"] == 7  # stock vLLM 0.33.0: every alternate lookup misses
+    tree = patched_tree
     assert _run_scenario(str(tree))["rejected"] == 0
     assert _run_scenario(str(tree), {"VLLM_MTP_DRAFTS_PER_REQUEST": "0"})["rejected"] == 7  # the switch
 
@@ -144,3 +152,45 @@ def test_latest_draft_tokens_unit():
     assert latest.collect(["B"], [[-1, -1]]) == (["B", "A"], [[-1, -1], [5, 6]])
     latest.drop(["A", "zzz"])
     assert len(latest) == 0
+
+
+# --- pp-ple: the PLE model under PP=3 --------------------------------------------------------------
+
+PP_PLE_SCENARIO = textwrap.dedent('''
+    import json, os, sys
+    import torch
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.worker.utils import allocate_kv_cache
+    from flashnext.serving import capacity
+    from flashnext.serving.profiles import load_profile
+
+    out = {}
+    # vLLM's own config hooks on the demo checkpoint's qwen4_exp config at PP=3
+    model = ModelConfig(model=sys.argv[1], max_model_len=4096, skip_tokenizer_init=True)
+    try:
+        VllmConfig(model_config=model, parallel_config=ParallelConfig(pipeline_parallel_size=3))
+        out["config"] = "accepted"
+    except NotImplementedError:
+        out["config"] = "refused"
+    # the 3x3090 layout: rank 1 holds no layer of the PLE short-conv group, nor of 6 GDN groups
+    shape = capacity.ServingShape.from_profile(load_profile("3x3090"), 20 * 3207168, True)
+    layout = capacity.kv_cache_layout(capacity.load_text_config(), shape)
+    rank1 = layout.projected[1]
+    assert 0 in [len(g.layer_names) for g in rank1]
+    config = get_kv_cache_config_from_groups(layout.vllm_config, rank1, 20 * 3207168)
+    try:
+        views = allocate_kv_cache(config, torch.device("cpu"), layout.vllm_config.cache_config.get_resolved_kv_cache_layout())
+        out["rank1"] = sorted(views) == sorted(layout.rank_specs[1])
+    except StopIteration:
+        out["rank1"] = "StopIteration"
+    print(json.dumps(out))
+''')
+
+
+def test_pp_ple_scenario(patched_tree, demo_snapshot):
+    env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    run = lambda tree, **extra: _run_scenario(tree, {**env, **extra}, PP_PLE_SCENARIO, (str(demo_snapshot),))
+    assert run(None) == {"config": "refused", "rank1": "StopIteration"}  # stock vLLM 0.33.0
+    assert run(str(patched_tree)) == {"config": "accepted", "rank1": True}  # every rank-1 layer gets its view
+    assert run(str(patched_tree), VLLM_PP_PLE="0") == {"config": "refused", "rank1": "StopIteration"}
