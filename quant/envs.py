@@ -33,10 +33,13 @@ def is_on(value: str) -> bool:
 
 VLLM_PLE_PREFETCH = EnvVar(
     "VLLM_PLE_PREFETCH", "1",
-    "PLE page prefetch: 0 turns off the prompt prefetcher and the per-step decode advice.")
+    "Patch ttft-01: 0 turns off the prompt prefetcher (each admitted prompt's PLE pages, advised ahead).")
+VLLM_PLE_DECODE_ADVICE = EnvVar(
+    "VLLM_PLE_DECODE_ADVICE", "1",
+    "Patch decode-06: 0 turns off the per-step advice of a decode step's PLE rows before the gather.")
 VLLM_PLE_MMAP_PATH = EnvVar(
     "VLLM_PLE_MMAP_PATH", "",
-    "Path of the PLE table file made by `flashnext ple build`; empty: the patch is inactive.")
+    "Patch ple-mmap: the PLE table file made by `flashnext ple build`; empty: vLLM's own table.")
 
 VLLM_QSA_KV_OFFLOAD = EnvVar(
     "VLLM_QSA_KV_OFFLOAD", "0",
@@ -58,7 +61,7 @@ VLLM_HOST_POOL_LOCK = EnvVar(
     "VLLM_HOST_POOL_LOCK", "/tmp/flashnext-host-pool.lock",
     "The lock file that serialises the free-RAM check and pinning across pipeline ranks.")
 
-ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_MTP_DRAFTS_PER_REQUEST,
+ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_DECODE_ADVICE, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_MTP_DRAFTS_PER_REQUEST,
        VLLM_PP_PLE, VLLM_EXACT_HOST_POOL, VLLM_HOST_POOL_LOCK)
 
 # Variables that serving profiles set and that neither vLLM (vllm.envs) nor the patch series reads,

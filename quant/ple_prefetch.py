@@ -11,7 +11,8 @@ rows right before the gather with a preallocated ``iovec``.
 ``process_madvise`` is refused with EPERM in a container without CAP_SYS_PTRACE (podman's default
 seccomp profile) and with ENOSYS before Linux 5.10; then advice falls back to one ``madvise`` per
 range, which reads the same pages at a higher CPU cost, and this is logged once.
-``VLLM_PLE_PREFETCH=0`` turns all of it off.
+``VLLM_PLE_PREFETCH=0`` turns the prompt prefetcher off (patch ttft-01), ``VLLM_PLE_DECODE_ADVICE=0``
+the per-step advice (patch decode-06).
 """
 
 from __future__ import annotations
@@ -255,23 +256,33 @@ class PromptPrefetcher:
 
 
 class DecodeAdvisor:
-    """Advise one decode token's rows (first and last page of each) in one system call."""
+    """Advise a decode step's rows (first and last page of each) in one system call.
 
-    def __init__(self, mapping: TableMapping, hasher: NgramHasher):
+    ``advise_rows`` takes row ids the engine already computed (the serving patch's case);
+    ``advise`` hashes one token itself (for callers that only have tokens).
+    """
+
+    def __init__(self, mapping: TableMapping, hasher: NgramHasher | None = None, max_rows: int = 64):
         self.mapping = mapping
         self.hasher = hasher
         self.row_bytes = mapping.row_bytes
-        self.iov = (_Iovec * (2 * hasher.layout.num_heads))()
+        self.iov = (_Iovec * max_rows)()
         self.base = mapping.address
 
-    def advise(self, token: int, prev: tuple[int, ...]) -> None:
+    def advise_rows(self, rows) -> None:
+        rb, base = self.row_bytes, self.base
+        if len(rows) > len(self.iov):
+            self.iov = (_Iovec * len(rows))()
+        iov = self.iov
         n = 0
-        rb, base, iov = self.row_bytes, self.base, self.iov
-        for row in self.hasher.token_ids(token, prev):
-            start = row * rb
+        for row in rows:
+            start = int(row) * rb
             page = start - start % PAGE_SIZE
             end = start + rb
             iov[n].iov_base = base + page
             iov[n].iov_len = end - page + (-(end - page) % PAGE_SIZE)
             n += 1
         self.mapping.advise_iovecs(iov, n)
+
+    def advise(self, token: int, prev: tuple[int, ...]) -> None:
+        self.advise_rows(self.hasher.token_ids(token, prev))

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
 def test_series_metadata_is_complete():
     series = load_series()
-    assert [p.id for p in series] == ["mtp-03", "pp-ple"]
+    assert [p.id for p in series] == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01"]
     for p in series:
         assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.quant.envs", fromlist=["ALL"]).ALL}
         assert p.path.is_file() and p.probe and p.upstream
@@ -70,7 +70,7 @@ def test_the_probe_fails_on_an_unpatched_tree(tmp_path, monkeypatch):
 
 def test_apply_in_place_to_a_copy(tmp_path):
     fake = _copy_touched(tmp_path)
-    assert apply_series(fake) == ["mtp-03", "pp-ple"]
+    assert apply_series(fake) == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01"]
     assert "self.draft_tokens_handler.drop(finished_req_ids)" in (fake / "vllm/v1/worker/gpu/model_runner.py").read_text()
 
 
@@ -194,3 +194,41 @@ def test_pp_ple_scenario(patched_tree, demo_snapshot):
     assert run(None) == {"config": "refused", "rank1": "StopIteration"}  # stock vLLM 0.33.0
     assert run(str(patched_tree)) == {"config": "accepted", "rank1": True}  # every rank-1 layer gets its view
     assert run(str(patched_tree), VLLM_PP_PLE="0") == {"config": "refused", "rank1": "StopIteration"}
+
+
+# --- ple-mmap, decode-06, ttft-01: vLLM's own PLE layer on the CPU, served from the table file -----
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def demo_table(tmp_path_factory, demo_snapshot) -> Path:
+    from flashnext.quant.ple_table import build_table
+
+    table = tmp_path_factory.mktemp("ple") / "table.bin"
+    build_table(demo_snapshot, table, progress=False)
+    return table
+
+
+def test_ple_file_backend_matches_vllm_and_obeys_its_switches(patched_tree, demo_snapshot, demo_table):
+    script = (Path(__file__).parent / "support" / "ple_file_scenario.py").read_text()
+    env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+
+    def run(tree, **extra):
+        return _run_scenario(tree, {**env, **extra}, script, (str(demo_snapshot), _free_port()))
+
+    stock = run(None)  # vLLM 0.33.0 with the table in (CPU) device memory, loaded from the shards
+    assert stock["backend"] == "Qwen4ExpPLEDeviceEmbedding"
+    served = run(str(patched_tree), VLLM_PLE_MMAP_PATH=str(demo_table))
+    assert served["backend"] == "FileBackedPLEEmbedding" and served["weight_is_the_file"]
+    assert served["sha256"] == stock["sha256"]  # the same embeddings, bit for bit
+    assert served["advised_prefill"] == 0 and served["advised_decode"] == 1  # decode-06: small steps only
+    assert served["prompt_windows"] == 3  # ttft-01: a 3,000-token prompt in 1,024-token windows
+    off = run(str(patched_tree), VLLM_PLE_MMAP_PATH=str(demo_table), VLLM_PLE_DECODE_ADVICE="0", VLLM_PLE_PREFETCH="0")
+    assert (off["advised_decode"], off["prompt_windows"], off["sha256"]) == (0, 0, stock["sha256"])
+    assert run(str(patched_tree), VLLM_PLE_MMAP_PATH="")["backend"] == "Qwen4ExpPLEDeviceEmbedding"

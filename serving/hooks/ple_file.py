@@ -1,0 +1,250 @@
+"""Hooks of patches ple-mmap, ttft-01 and decode-06: the PLE table served from the file that
+``flashnext ple build`` writes.
+
+vLLM 0.33.0 holds this model's 95 GiB table either on the GPU or in pinned host memory (its
+default here, ``engram_config.cpu_offload``), which a 125 GiB host that also pins the QSA K/V
+cannot give. With ``VLLM_PLE_MMAP_PATH=FILE`` (patch ple-mmap) the table is instead a read-only
+shared mapping of the file, advised ``MADV_RANDOM`` (readahead multiplies NVMe traffic 23x, seed
+000 §1). A step's rows are gathered on the host in the model state's ``prepare_inputs``, outside
+any CUDA graph, into a fixed device buffer that the captured forward reads.
+
+- ttft-01 (``VLLM_PLE_PREFETCH``): when a request is admitted, a worker thread advises its
+  prompt's pages a window at a time with ``process_madvise`` (``flashnext.quant.ple_prefetch``).
+- decode-06 (``VLLM_PLE_DECODE_ADVICE``): before a small step's gather (decode, MTP verify),
+  the first and last page of each of its rows in one ``process_madvise``, so the page faults
+  are served in parallel instead of one at a time.
+
+>>> serving = attach(model)          # doctest: +SKIP  (Qwen4ExpModelState.__init__)
+>>> serving.admitted("req-1", prompt_token_ids)    # add_request
+>>> ids = serving.ngram_ids(input_ids, query_start_loc, ngram_context)    # prepare_inputs
+>>> serving.advise(ids)
+>>> serving.stage(ids)
+>>> serving.finished("req-1")        # remove_request
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from flashnext.quant import envs
+from flashnext.quant.errors import FlashnextError
+from flashnext.quant.ple_hash import NgramHasher
+from flashnext.quant.ple_layout import PleLayout
+from flashnext.quant.ple_prefetch import DecodeAdvisor, PromptPrefetcher, TableMapping
+
+log = logging.getLogger(__name__)
+
+DECODE_ADVICE_MAX_ROWS = 256  # 4 sequences x 16 heads x (1 + draft tokens): per-step advice
+
+
+def table_path() -> Path | None:
+    """The table file patch ple-mmap serves from, or None when the patch is off."""
+    value = envs.VLLM_PLE_MMAP_PATH.get().strip()
+    return Path(value) if value else None
+
+
+class PleTableFile:
+    """The table file as ``[rows, row_bytes]``: mapped read-only, advised, gathered."""
+
+    def __init__(self, path: Path, num_rows: int, row_bytes: int):
+        if not Path(path).is_file():
+            raise FlashnextError(f"VLLM_PLE_MMAP_PATH={path}: no such file; make it with `flashnext ple build`")
+        self.mapping = TableMapping(Path(path), row_bytes)
+        expected = num_rows * row_bytes
+        if self.mapping.size != expected:
+            size = self.mapping.size
+            self.mapping.close()
+            raise FlashnextError(
+                f"{path} is {size:,} bytes; this model's PLE table is {expected:,} ({num_rows:,} rows of "
+                f"{row_bytes} B): rebuild it from this checkpoint with `flashnext ple build`")
+        self.path = Path(path)
+        self.num_rows = num_rows
+        self.row_bytes = row_bytes
+        self.decode_advisor = DecodeAdvisor(self.mapping) if envs.VLLM_PLE_DECODE_ADVICE.enabled() else None
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.mapping.rows
+
+    def gather(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``ids`` (any shape of int64) as ``[n, row_bytes]`` bytes, into ``out`` if given."""
+        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.num_rows):
+            raise IndexError(f"PLE row id out of range [0, {self.num_rows})")
+        return np.take(self.mapping.rows, flat, axis=0, out=None if out is None else out[: flat.size])
+
+    def advise_step(self, ids: np.ndarray) -> bool:
+        """decode-06: advise a small step's rows before the gather; True if it did."""
+        if self.decode_advisor is None or ids.size > DECODE_ADVICE_MAX_ROWS:
+            return False
+        self.decode_advisor.advise_rows(ids.reshape(-1).tolist())
+        return True
+
+    def as_tensor(self, dtype):
+        """The table as a read-only ``torch`` view ``[rows, row_bytes // itemsize]`` of ``dtype``."""
+        import torch
+
+        with warnings.catch_warnings():  # the mapping is read-only on purpose: nothing writes the table
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(self.mapping.rows)
+        return raw.view(dtype)
+
+    def close(self) -> None:
+        self.mapping.close()
+
+
+def hasher_of(owner) -> NgramHasher:
+    """The numpy twin of ``owner``'s (a ``Qwen4ExpNGramEmbedding``) n-gram hash, from its loaded buffers."""
+    sizes = tuple(int(v) for v in owner.ngram_heads_vocab_sizes.tolist())
+    layout = PleLayout(
+        vocab_size=int(owner.unigram_vocab_size), ngram_size=int(owner.ngram_size),
+        heads_per_ngram=int(owner.heads_per_ngram), head_dim=int(owner.head_dim),
+        multipliers=tuple(int(v) for v in owner.layer_multipliers.tolist()), head_sizes=sizes,
+        head_offsets=tuple(int(v) for v in owner.ngram_heads_offsets.tolist()), rows=sum(sizes),
+        padded_rows=int(owner.ngram_embedding.table.num_rows), split_parts=int(owner.split_ngram_parts),
+        eos_token_id=int(owner.eos_token_id))
+    return NgramHasher(layout)
+
+
+_EMBEDDING_CLASS = None
+
+
+def embedding_class():
+    """The vLLM PLE embedding backend over the table file (a ``Qwen4ExpPLEEmbedding``)."""
+    global _EMBEDDING_CLASS
+    if _EMBEDDING_CLASS is not None:
+        return _EMBEDDING_CLASS
+    import torch
+    from vllm.models.qwen4_exp.common.ngram_embedding import (
+        Qwen4ExpPLEEmbedding,
+        Qwen4ExpPLEUnquantizedEmbeddingMethod,
+    )
+
+    class FileBackedPLEEmbedding(Qwen4ExpPLEEmbedding):
+        """PLE rows from the table file, staged by the host into a fixed device buffer."""
+
+        supports_prefetch = False
+
+        def __init__(self, num_embeddings: int, embedding_dim: int, *, num_ngram_heads: int = 1,
+                     max_total_tokens: int = 0, **kwargs) -> None:
+            super().__init__(num_embeddings, embedding_dim, num_ngram_heads=num_ngram_heads,
+                             max_total_tokens=max_total_tokens, **kwargs)
+            if not isinstance(self.embedding_method, Qwen4ExpPLEUnquantizedEmbeddingMethod):
+                raise FlashnextError(f"VLLM_PLE_MMAP_PATH serves BF16 PLE tables; this checkpoint's is "
+                                     f"{type(self.embedding_method).__name__}")
+            if self.tp_size != 1:
+                raise FlashnextError("VLLM_PLE_MMAP_PATH needs the PLE table unsharded (engram TP size 1)")
+            # the checkpoint's shards are already in the file: spot-check them instead of copying
+            self.weight.weight_loader = self._check_shard
+            # a fixed address, so CUDA graphs captured over the forward read each step's rows
+            self.staged_rows = torch.zeros(max(max_total_tokens, 1), num_ngram_heads, embedding_dim,
+                                           dtype=self.weight.dtype)
+            self.staged_tokens = -1
+            self._staging = None
+            self._copied = None
+
+        def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dtype) -> torch.Tensor:
+            row_bytes = embedding_dim * torch.empty((), dtype=dtype).element_size()
+            self.table = PleTableFile(table_path(), num_embeddings, row_bytes)
+            log.info("PLE table served from %s (%d rows of %d B, MADV_RANDOM)", self.table.path,
+                     num_embeddings, row_bytes)
+            return self.table.as_tensor(dtype)
+
+        def _check_shard(self, param, loaded_weight: torch.Tensor, checkpoint_start: int = 0) -> None:
+            n = loaded_weight.shape[0]
+            for r in sorted({0, n - 1}) if n else []:
+                if not torch.equal(param.data[checkpoint_start + r], loaded_weight[r].to(param.dtype)):
+                    raise FlashnextError(f"{self.table.path} differs from the checkpoint at row "
+                                         f"{checkpoint_start + r}: rebuild it with `flashnext ple build`")
+
+        def stage(self, ids: np.ndarray) -> None:
+            """Gather the rows of ``ids [T, heads]`` (host int64) into ``staged_rows[:T]``."""
+            tokens = ids.shape[0]
+            if tokens > self.staged_rows.shape[0]:
+                raise ValueError(f"{tokens} tokens exceed the PLE staging buffer ({self.staged_rows.shape[0]})")
+            on_gpu = self.staged_rows.is_cuda
+            if self._staging is None:
+                self._staging = torch.empty((self.staged_rows.shape[0] * self.staged_rows.shape[1],
+                                             self.table.row_bytes), dtype=torch.uint8, pin_memory=on_gpu)
+            if self._copied is not None:
+                self._copied.synchronize()  # the previous step's copy has left the staging buffer
+            self.table.gather(ids, out=self._staging.numpy())
+            rows = self._staging[: ids.size].view(self.staged_rows.dtype).view(tokens, *self.staged_rows.shape[1:])
+            self.staged_rows[:tokens].copy_(rows, non_blocking=on_gpu)
+            if on_gpu:
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+            self.staged_tokens = tokens
+
+        def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
+            return None
+
+        def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
+            raise RuntimeError("the file-backed PLE embedding stages rows in prepare_inputs, not by prefetch")
+
+        def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
+            tokens = ngram_ids.shape[0]
+            capturing = self.staged_rows.is_cuda and torch.cuda.is_current_stream_capturing()
+            if not capturing and self.staged_tokens != tokens:
+                # a forward that prepare_inputs did not stage for (a dummy or profiling run)
+                self.stage(ngram_ids.to("cpu", torch.int64).numpy())
+            self.staged_tokens = -1
+            return self.staged_rows[:tokens]
+
+    _EMBEDDING_CLASS = FileBackedPLEEmbedding
+    return FileBackedPLEEmbedding
+
+
+class PleFileServing:
+    """The file-backed PLE layers of one model, driven by its model state."""
+
+    def __init__(self, owners: list):
+        self.owners = owners
+        self._prefetchers: list[PromptPrefetcher] | None = None
+
+    def _prompt_prefetchers(self) -> list[PromptPrefetcher]:
+        if self._prefetchers is None:  # after weight loading, when the hash buffers hold their values
+            self._prefetchers = [PromptPrefetcher(o.ngram_embedding.table.mapping, hasher_of(o)) for o in self.owners]
+        return self._prefetchers
+
+    def admitted(self, request_id: str, prompt_token_ids) -> None:
+        """ttft-01: advise the prompt's pages while the request waits for its prefill."""
+        if not prompt_token_ids or not envs.VLLM_PLE_PREFETCH.enabled():
+            return
+        for prefetcher in self._prompt_prefetchers():
+            prefetcher.submit(request_id, np.asarray(prompt_token_ids, dtype=np.int64))
+
+    def finished(self, request_id: str) -> None:
+        if self._prefetchers is not None:
+            for prefetcher in self._prefetchers:
+                prefetcher.cancel(request_id)
+
+    def ngram_ids(self, input_ids, query_start_loc, ngram_context) -> list[np.ndarray]:
+        """ple-mmap: each PLE layer's row ids for this step, on the host (vLLM's own hash kernel)."""
+        import torch
+
+        return [o.compute_ngram_ids(input_ids, query_start_loc, ngram_context).to("cpu", torch.int64).numpy()
+                for o in self.owners]
+
+    def advise(self, step_ids: list[np.ndarray]) -> int:
+        """decode-06: a small step's pages, asked for together right before the gather; returns
+        how many layers were advised (none for a prefill-sized step, whose prompt ttft-01 covers)."""
+        return sum(owner.ngram_embedding.table.advise_step(ids) for owner, ids in zip(self.owners, step_ids))
+
+    def stage(self, step_ids: list[np.ndarray]) -> None:
+        """ple-mmap: gather each layer's rows into its device buffer for the forward to read."""
+        for owner, ids in zip(self.owners, step_ids):
+            owner.ngram_embedding.stage(ids)
+
+
+def attach(model) -> PleFileServing | None:
+    """The model's file-backed PLE layers, or None when ple-mmap is off or they live on another rank."""
+    if table_path() is None:
+        return None
+    cls = embedding_class()
+    owners = [m for m in model.modules() if isinstance(getattr(m, "ngram_embedding", None), cls)]
+    return PleFileServing(owners) if owners else None
