@@ -88,3 +88,24 @@ class PinnedHostPool:
         if offset < 0 or offset + nbytes > self.nbytes:
             raise ValueError(f"view of {nbytes} B at {offset} exceeds the pool's {self.nbytes} B")
         return self.tensor[offset:offset + nbytes].view(dtype).view(shape)
+
+
+# Held for the process's lifetime, as vLLM holds the pinned tensors made from them.
+_POOLS: list[PinnedHostPool] = []
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, *, register: bool = True) -> torch.Tensor:
+    """Patch host-pool: an uninitialised pinned host tensor of exactly its size.
+
+    With ``VLLM_EXACT_HOST_POOL=0`` it is PyTorch's ``torch.empty(..., pin_memory=True)`` instead,
+    which the caching host allocator rounds up to a power of two (a 95.4 GiB PLE table: 128 GiB).
+    """
+    if not envs.VLLM_EXACT_HOST_POOL.enabled():
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+    count = 1
+    for d in shape:
+        count *= d
+    pool = PinnedHostPool(max(count * torch.empty(0, dtype=dtype).element_size(), 1), register=register,
+                          lock_path=envs.VLLM_HOST_POOL_LOCK.get())
+    _POOLS.append(pool)
+    return pool.view(dtype, tuple(shape))
