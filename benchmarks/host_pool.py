@@ -32,6 +32,7 @@ def _h2d_gbps(host: torch.Tensor, nbytes: int = 1 << 30, repeat: int = 5) -> flo
 
 def measure(gib: float) -> dict:
     nbytes = int(gib * 2**30)
+    torch.empty(1, pin_memory=True)  # the allocator's statistics start with its first block
     stats = torch.cuda.host_memory_stats
     before = stats().get("allocated_bytes.current", 0)
     t0 = time.perf_counter()
@@ -47,7 +48,10 @@ def measure(gib: float) -> dict:
     exact = host_pool.pinned_empty((nbytes,), torch.uint8)
     exact_s = time.perf_counter() - t0
     exact_bw = _h2d_gbps(exact)
-    return {"requested_bytes": nbytes, "torch_pinned_bytes": torch_bytes, "exact_pinned_bytes": host_pool._POOLS[-1].nbytes,
+    exact_bytes = host_pool._POOLS[-1].nbytes
+    del exact
+    host_pool._POOLS.pop().close()
+    return {"requested_bytes": nbytes, "torch_pinned_bytes": torch_bytes, "exact_pinned_bytes": exact_bytes,
             "torch_alloc_s": round(torch_s, 3), "exact_alloc_s": round(exact_s, 3),
             "torch_h2d_gbps": round(torch_bw, 1), "exact_h2d_gbps": round(exact_bw, 1)}
 

@@ -79,6 +79,23 @@ class PinnedHostPool:
                                          "is `ulimit -l` unlimited?")
                 self.registered = True
 
+    def close(self) -> None:
+        """Unpin and unmap. The driver keeps a registration past ``munmap``, and a later mapping at
+        the same address could then not be registered, so a pool is always unregistered first."""
+        if getattr(self, "registered", False):
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.registered = False
+        if getattr(self, "_map", None) is not None:
+            self.tensor = None
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a view still refers to it; the mapping goes when that does
+            self._map = None
+
+    def __del__(self):
+        self.close()
+
     def view(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
         """A tensor over ``[offset, offset + size)`` of the pool."""
         count = 1
