@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
 def test_series_metadata_is_complete():
     series = load_series()
-    assert [p.id for p in series] == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01"]
+    assert [p.id for p in series] == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01"]
     for p in series:
         assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.quant.envs", fromlist=["ALL"]).ALL}
         assert p.path.is_file() and p.probe and p.upstream
@@ -70,7 +70,7 @@ def test_the_probe_fails_on_an_unpatched_tree(tmp_path, monkeypatch):
 
 def test_apply_in_place_to_a_copy(tmp_path):
     fake = _copy_touched(tmp_path)
-    assert apply_series(fake) == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01"]
+    assert apply_series(fake) == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01"]
     assert "self.draft_tokens_handler.drop(finished_req_ids)" in (fake / "vllm/v1/worker/gpu/model_runner.py").read_text()
 
 
@@ -232,3 +232,29 @@ def test_ple_file_backend_matches_vllm_and_obeys_its_switches(patched_tree, demo
     off = run(str(patched_tree), VLLM_PLE_MMAP_PATH=str(demo_table), VLLM_PLE_DECODE_ADVICE="0", VLLM_PLE_PREFETCH="0")
     assert (off["advised_decode"], off["prompt_windows"], off["sha256"]) == (0, 0, stock["sha256"])
     assert run(str(patched_tree), VLLM_PLE_MMAP_PATH="")["backend"] == "Qwen4ExpPLEDeviceEmbedding"
+
+
+# --- mem-01: embed_tokens and lm_head only where they are used ------------------------------------
+
+def _two_ranks(extra_env: dict) -> list[dict]:
+    script = Path(__file__).parent / "support" / "pp_ranks_scenario.py"
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", **extra_env)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_mem01_places_embed_and_lm_head_on_their_ranks():
+    """Two gloo ranks with vLLM's own pipeline groups and weight loader."""
+    first, last = _two_ranks({})
+    assert (first["embed_tokens"], first["lm_head"]) == ("VocabParallelEmbedding", "PPMissingLayer")
+    assert (last["embed_tokens"], last["lm_head"]) == ("PPMissingLayer", "ParallelLMHead")
+    assert first["loaded"] == ["model.embed_tokens.weight"] and last["loaded"] == ["lm_head.weight"]
+    first, last = _two_ranks({"VLLM_PP_MISSING_LAYERS": "0"})  # the switch: both everywhere again
+    assert first["parameters"] == last["parameters"] == 2 * 64 * 16

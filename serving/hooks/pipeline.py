@@ -25,3 +25,26 @@ def owned_layer_specs(group) -> list:
         return list(specs.items())
     owned = set(group.layer_names)
     return [(name, spec) for name, spec in specs.items() if name in owned]
+
+
+def on_first_rank(make):
+    """Patch mem-01: ``make()`` on the first pipeline rank, a ``PPMissingLayer`` elsewhere.
+
+    vLLM 0.33.0's qwen4_exp builds ``embed_tokens`` and ``lm_head`` on every rank although only
+    the first embeds and only the last computes logits: 0.60 GiB each at INT8 (seed 000 §5).
+    """
+    return _on_rank(make, "is_first_rank")
+
+
+def on_last_rank(make):
+    """Patch mem-01: ``make()`` on the last pipeline rank, a ``PPMissingLayer`` elsewhere."""
+    return _on_rank(make, "is_last_rank")
+
+
+def _on_rank(make, which: str):
+    from vllm.distributed import get_pp_group
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    if not envs.VLLM_PP_MISSING_LAYERS.enabled() or getattr(get_pp_group(), which):
+        return make()
+    return PPMissingLayer()
