@@ -289,9 +289,8 @@ def _qsa_specs(text: TextConfig, shape: ServingShape, block_size: int, is_draft:
     from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec
 
     ratio = text.indexer_compress_ratio
-    state_bytes = text.indexer_head_dim * KV_DTYPE_BYTES + QSA_STATE_POSITION_BYTES
     compressed = MLAAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=state_bytes // KV_DTYPE_BYTES,
+        block_size=block_size, num_kv_heads=1, head_size=qsa_state_bytes(text) // KV_DTYPE_BYTES,
         dtype=torch.bfloat16, tokens_per_state=ratio, is_draft=is_draft)
     # The ring holds an open compression group plus the draft rows, in whole groups (QSAKeyStateCache).
     ring_head = -(-text.indexer_head_dim // 4) * 4 + (12 if text.uses_mrope else 0)
@@ -306,8 +305,13 @@ def ring_capacity(text: TextConfig, shape: ServingShape) -> int:
     return -(-(ratio + shape.num_speculative_tokens) // ratio) * ratio
 
 
+def qsa_state_bytes(text: TextConfig) -> int:
+    """One compressed QSA key as the seed's offload keeps it in VRAM: the key and its position."""
+    return text.indexer_head_dim * KV_DTYPE_BYTES + QSA_STATE_POSITION_BYTES
+
+
 def qsa_vram_bytes_per_token(text: TextConfig) -> int:
-    state_bytes = text.indexer_head_dim * KV_DTYPE_BYTES + QSA_STATE_POSITION_BYTES
+    state_bytes = qsa_state_bytes(text)
     if state_bytes % text.indexer_compress_ratio:
         raise FlashnextError(f"a {state_bytes}-byte QSA state does not split over {text.indexer_compress_ratio} tokens")
     return state_bytes // text.indexer_compress_ratio
@@ -331,6 +335,7 @@ class KVCacheLayout:
     ranks: list[range]
     qsa_layers_per_rank: list[int]
     rank_specs: list[dict]  # layer name -> KVCacheSpec, per rank
+    state_specs: tuple  # the gated delta-net and PLE short-conv MambaSpecs
     groups: list  # vLLM KVCacheGroupSpec, whole model
     projected: list[list]  # per rank
     vllm_config: object
@@ -386,7 +391,8 @@ def kv_cache_layout(text: TextConfig, shape: ServingShape) -> KVCacheLayout:
     merged = {name: spec for specs in rank_specs for name, spec in specs.items()}
     groups = get_kv_cache_groups(config, dict(merged))
     projected = [_project_kv_cache_groups_to_worker(groups, specs) for specs in rank_specs]
-    return KVCacheLayout(block_size, state_page, ranks, qsa_per_rank, rank_specs, groups, projected, config)
+    return KVCacheLayout(block_size, state_page, ranks, qsa_per_rank, rank_specs, (gdn, ple), groups, projected,
+                         config)
 
 
 def plan(text: TextConfig, shape: ServingShape) -> Plan:
@@ -399,7 +405,7 @@ def plan(text: TextConfig, shape: ServingShape) -> Plan:
     config, groups, projected = layout.vllm_config, layout.groups, layout.projected
     block_size, qsa_per_rank = layout.block_size, layout.qsa_layers_per_rank
     merged = {name: spec for specs in layout.rank_specs for name, spec in specs.items()}
-    gdn, ple = _state_specs(text, shape)
+    gdn, ple = layout.state_specs
     bytes_per_block = [_pool_bytes_per_block(config, g) for g in projected]
     blocks = min(shape.kv_cache_memory_bytes // b for b in bytes_per_block)
 
