@@ -50,6 +50,13 @@ VLLM_MTP_DRAFTS_PER_REQUEST = EnvVar(
     "VLLM_MTP_DRAFTS_PER_REQUEST", "1",
     "Patch mtp-03: 0 restores vLLM's single-batch DraftTokensHandler.")
 
+VLLM_MTP_PP = EnvVar(
+    "VLLM_MTP_PP", "1",
+    "Patch mtp-01: 0 lets the MTP draft ask the global pipeline group whether to embed (stock vLLM).")
+VLLM_MTP_SLIM_DRAFT = EnvVar(
+    "VLLM_MTP_SLIM_DRAFT", "1",
+    "Patch mtp-02: 0 gives the draft head its own lm_head copy and a device embedding again under PP.")
+
 VLLM_PP_PLE = EnvVar(
     "VLLM_PP_PLE", "1",
     "Patch pp-ple: 0 restores vLLM's refusal of pipeline parallelism for PLE models.")
@@ -66,6 +73,7 @@ VLLM_HOST_POOL_LOCK = EnvVar(
     "The lock file that serialises the free-RAM check and pinning across pipeline ranks.")
 
 ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_DECODE_ADVICE, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_MTP_DRAFTS_PER_REQUEST,
+       VLLM_MTP_PP, VLLM_MTP_SLIM_DRAFT,
        VLLM_PP_PLE, VLLM_PP_MISSING_LAYERS, VLLM_EXACT_HOST_POOL, VLLM_HOST_POOL_LOCK)
 
 # Variables that serving profiles set and that neither vLLM (vllm.envs) nor the patch series reads,

@@ -67,35 +67,6 @@ def test_pinned_empty_is_exact(tmp_path, monkeypatch):
     assert host_pool._POOLS[-1].nbytes == 1000 * 160 * 2  # the table's bytes, nothing rounded
 
 
-def _uva_view(host: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over ``host``'s pages through unified addressing (what vLLM's pinned PLE
-    lookup reads), via cudaHostGetDevicePointer."""
-    import ctypes
-
-    import torch.cuda
-
-    cudart = ctypes.CDLL(next(p for p in ("libcudart.so", "libcudart.so.13", "libcudart.so.12")
-                              if _loads(p)))
-    device_ptr = ctypes.c_void_p()
-    assert cudart.cudaHostGetDevicePointer(ctypes.byref(device_ptr), ctypes.c_void_p(host.data_ptr()), 0) == 0
-
-    class Interface:
-        __cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<f4", "data": (device_ptr.value, False),
-                                    "version": 3, "strides": None}
-
-    return torch.as_tensor(Interface(), device="cuda")
-
-
-def _loads(name: str) -> bool:
-    import ctypes
-
-    try:
-        ctypes.CDLL(name)
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.gpu
 def test_pinned_empty_on_the_gpu(tmp_path, monkeypatch):
     """The exact pool is pinned, mapped for UVA reads like vLLM's pinned PLE lookup, and not rounded."""
@@ -106,7 +77,7 @@ def test_pinned_empty_on_the_gpu(tmp_path, monkeypatch):
     exact = host_pool.pinned_empty((n,), torch.float32)
     assert exact.is_pinned() and host_pool._POOLS[-1].nbytes == 4 * n
     exact.copy_(torch.arange(n, dtype=torch.float32))
-    gathered = _uva_view(exact)[torch.tensor([0, 7, n - 1], device="cuda")]
+    gathered = host_pool.uva_view(exact)[torch.tensor([0, 7, n - 1], device="cuda")]
     assert gathered.tolist() == [0.0, 7.0, float(n - 1)]
     before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     monkeypatch.setenv("VLLM_EXACT_HOST_POOL", "0")
@@ -114,3 +85,19 @@ def test_pinned_empty_on_the_gpu(tmp_path, monkeypatch):
     assert rounded.is_pinned()
     after = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     assert after - before == 32 << 20  # the power of two above 4n bytes
+
+
+@pytest.mark.gpu
+def test_draft_embedding_read_through_uva(tmp_path, monkeypatch):
+    """mtp-02: after loading, the draft's embedding rows sit in pinned host memory and the GPU
+    gathers them through a UVA view, taking no device memory."""
+    from flashnext.serving.hooks.mtp import finish_draft_embedding
+
+    monkeypatch.setenv("VLLM_HOST_POOL_LOCK", str(tmp_path / "lock"))
+    embed = torch.nn.Embedding(4096, 256, dtype=torch.bfloat16)  # built on the CPU, as draft_embedding does
+    rows = embed.weight.detach().clone()
+    before = torch.cuda.memory_allocated()
+    finish_draft_embedding(embed)
+    assert embed.weight.is_cuda and torch.cuda.memory_allocated() == before
+    ids = torch.tensor([[0, 17, 4095]], device="cuda")
+    assert torch.equal(embed(ids).cpu(), rows[ids.cpu()])

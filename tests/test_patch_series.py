@@ -22,7 +22,8 @@ pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
 def test_series_metadata_is_complete():
     series = load_series()
-    assert [p.id for p in series] == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01"]
+    assert [p.id for p in series] == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
+                                       "mtp-02"]
     for p in series:
         assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.quant.envs", fromlist=["ALL"]).ALL}
         assert p.path.is_file() and p.probe and p.upstream
@@ -70,7 +71,8 @@ def test_the_probe_fails_on_an_unpatched_tree(tmp_path, monkeypatch):
 
 def test_apply_in_place_to_a_copy(tmp_path):
     fake = _copy_touched(tmp_path)
-    assert apply_series(fake) == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01"]
+    assert apply_series(fake) == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
+                                       "mtp-02"]
     assert "self.draft_tokens_handler.drop(finished_req_ids)" in (fake / "vllm/v1/worker/gpu/model_runner.py").read_text()
 
 
@@ -258,3 +260,14 @@ def test_mem01_places_embed_and_lm_head_on_their_ranks():
     assert first["loaded"] == ["model.embed_tokens.weight"] and last["loaded"] == ["lm_head.weight"]
     first, last = _two_ranks({"VLLM_PP_MISSING_LAYERS": "0"})  # the switch: both everywhere again
     assert first["parameters"] == last["parameters"] == 2 * 64 * 16
+
+
+# --- mtp-01 and mtp-02: the draft head on the last of two pipeline ranks ---------------------------
+
+def test_mtp01_mtp02_the_draft_under_pp():
+    first, last = _two_ranks({})
+    assert first["draft_embeds"] and last["draft_embeds"]  # mtp-01: the draft embeds on its own rank
+    assert last["draft_lm_head"] == "PPMissingLayer" and last["draft_loaded"] == []  # mtp-02: no copy built
+    first, last = _two_ranks({"VLLM_MTP_PP": "0", "VLLM_MTP_SLIM_DRAFT": "0"})
+    assert (first["draft_embeds"], last["draft_embeds"]) == (True, False)  # stock: the global first rank only
+    assert last["draft_lm_head"] == "ParallelLMHead" and last["draft_loaded"] == ["lm_head.weight"]

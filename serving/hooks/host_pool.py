@@ -12,6 +12,8 @@ without it two ranks could both pass the check and then both run out of memory.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import fcntl
 import mmap
 import os
@@ -126,3 +128,34 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, *, register: bool =
                           lock_path=envs.VLLM_HOST_POOL_LOCK.get())
     _POOLS.append(pool)
     return pool.view(dtype, tuple(shape))
+
+
+def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime PyTorch loaded (a pip wheel's, or the system's)."""
+    names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
+    found = ctypes.util.find_library("cudart")
+    for name in ([found] if found else []) + names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise FlashnextError("the CUDA runtime (libcudart) was not found")
+
+
+class _CudaArray:
+    def __init__(self, pointer: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
+                                         "version": 3, "strides": None}
+
+
+def uva_view(host: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over pinned host memory (unified addressing): kernels read ``host`` over PCIe,
+    nothing is copied and no device memory is taken. ``host`` must stay alive as long as the view."""
+    if not host.is_pinned():
+        raise FlashnextError("a UVA view needs pinned host memory")
+    pointer = ctypes.c_void_p()
+    err = _cudart().cudaHostGetDevicePointer(ctypes.byref(pointer), ctypes.c_void_p(host.data_ptr()), 0)
+    if err != 0:
+        raise FlashnextError(f"cudaHostGetDevicePointer failed (error {err})")
+    nbytes = host.numel() * host.element_size()
+    return torch.as_tensor(_CudaArray(pointer.value, nbytes), device="cuda").view(host.dtype).view(host.shape)
