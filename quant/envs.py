@@ -61,6 +61,9 @@ VLLM_PP_PLE = EnvVar(
     "VLLM_PP_PLE", "1",
     "Patch pp-ple: 0 restores vLLM's refusal of pipeline parallelism for PLE models.")
 
+VLLM_PP_DEFER_RECV = EnvVar(
+    "VLLM_PP_DEFER_RECV", "1",
+    "Patch decode-03: 0 receives the previous pipeline rank's tensors first thing in execute_model again.")
 VLLM_PP_MISSING_LAYERS = EnvVar(
     "VLLM_PP_MISSING_LAYERS", "1",
     "Patch mem-01: 0 builds qwen4_exp's embed_tokens and lm_head on every pipeline rank again.")
@@ -74,7 +77,7 @@ VLLM_HOST_POOL_LOCK = EnvVar(
 
 ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_DECODE_ADVICE, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_MTP_DRAFTS_PER_REQUEST,
        VLLM_MTP_PP, VLLM_MTP_SLIM_DRAFT,
-       VLLM_PP_PLE, VLLM_PP_MISSING_LAYERS, VLLM_EXACT_HOST_POOL, VLLM_HOST_POOL_LOCK)
+       VLLM_PP_PLE, VLLM_PP_DEFER_RECV, VLLM_PP_MISSING_LAYERS, VLLM_EXACT_HOST_POOL, VLLM_HOST_POOL_LOCK)
 
 # Variables that serving profiles set and that neither vLLM (vllm.envs) nor the patch series reads,
 # with the library that does.

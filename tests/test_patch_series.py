@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 def test_series_metadata_is_complete():
     series = load_series()
     assert [p.id for p in series] == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
-                                       "mtp-02"]
+                                       "mtp-02", "decode-03"]
     for p in series:
         assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.quant.envs", fromlist=["ALL"]).ALL}
         assert p.path.is_file() and p.probe and p.upstream
@@ -72,7 +72,7 @@ def test_the_probe_fails_on_an_unpatched_tree(tmp_path, monkeypatch):
 def test_apply_in_place_to_a_copy(tmp_path):
     fake = _copy_touched(tmp_path)
     assert apply_series(fake) == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
-                                       "mtp-02"]
+                                       "mtp-02", "decode-03"]
     assert "self.draft_tokens_handler.drop(finished_req_ids)" in (fake / "vllm/v1/worker/gpu/model_runner.py").read_text()
 
 
@@ -238,8 +238,8 @@ def test_ple_file_backend_matches_vllm_and_obeys_its_switches(patched_tree, demo
 
 # --- mem-01: embed_tokens and lm_head only where they are used ------------------------------------
 
-def _two_ranks(extra_env: dict) -> list[dict]:
-    script = Path(__file__).parent / "support" / "pp_ranks_scenario.py"
+def _two_ranks(extra_env: dict, scenario: str = "pp_ranks_scenario.py") -> list[dict]:
+    script = Path(__file__).parent / "support" / scenario
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", **extra_env)
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), port], stdout=subprocess.PIPE,
@@ -271,3 +271,16 @@ def test_mtp01_mtp02_the_draft_under_pp():
     first, last = _two_ranks({"VLLM_MTP_PP": "0", "VLLM_MTP_SLIM_DRAFT": "0"})
     assert (first["draft_embeds"], last["draft_embeds"]) == (True, False)  # stock: the global first rank only
     assert last["draft_lm_head"] == "ParallelLMHead" and last["draft_loaded"] == ["lm_head.weight"]
+
+
+# --- decode-03: the receive deferred past input preparation ----------------------------------------
+
+def test_decode03_overlaps_preparation_with_the_previous_rank():
+    """Rank 0 sends after 1.0 s of "forward"; rank 1 "prepares" for 0.6 s. Stock 0.33.0 waits for
+    the send before preparing (ready at ~1.6 s); deferred, it prepares meanwhile (ready at ~1.0 s)."""
+    _, deferred = _two_ranks({}, "pp_recv_scenario.py")
+    assert deferred["deferred"] and deferred["equal"]
+    assert deferred["returned_after_s"] < 0.2 and deferred["forward_ready_after_s"] < 1.4
+    _, stock = _two_ranks({"VLLM_PP_DEFER_RECV": "0"}, "pp_recv_scenario.py")
+    assert not stock["deferred"] and stock["equal"]
+    assert stock["returned_after_s"] >= 0.9 and stock["forward_ready_after_s"] >= 1.5

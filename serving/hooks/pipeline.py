@@ -48,3 +48,55 @@ def _on_rank(make, which: str):
     if not envs.VLLM_PP_MISSING_LAYERS.enabled() or getattr(get_pp_group(), which):
         return make()
     return PPMissingLayer()
+
+
+def deferred_intermediate_tensors(pp_group, tp_group):
+    """Patch decode-03: the previous rank's hidden states, received when first read.
+
+    vLLM 0.33.0's worker calls ``irecv_tensor_dict`` first thing in ``execute_model``; its
+    metadata ``recv_object`` blocks until the previous rank has launched its forward and sent, and
+    only then does this rank prepare inputs and attention metadata (3.2-3.5 ms of Python for this
+    model). Deferred, the preparation overlaps the previous rank's GPU work; the receive happens
+    when the model runner reads ``.tensors`` right before the forward, so the device order stays
+    receive, forward, send. Returns None with ``VLLM_PP_DEFER_RECV=0`` (the stock path).
+    """
+    if not envs.VLLM_PP_DEFER_RECV.enabled():
+        return None
+    return _deferred_class()(lambda: pp_group.irecv_tensor_dict(all_gather_group=tp_group))
+
+
+_DEFERRED = None
+
+
+def _deferred_class():
+    global _DEFERRED
+    if _DEFERRED is not None:
+        return _DEFERRED
+    from vllm.sequence import IntermediateTensors
+
+    class DeferredRecvIntermediateTensors(IntermediateTensors):
+        def __init__(self, receive) -> None:
+            object.__setattr__(self, "_receive", receive)
+            object.__setattr__(self, "_received", False)
+
+        def wait_for_comm(self) -> None:
+            """Receive now if not yet (idempotent); the worker calls it after every step, so a step
+            whose runner never read ``.tensors`` still matches the previous rank's send."""
+            if object.__getattribute__(self, "_received"):
+                return
+            object.__setattr__(self, "_received", True)
+            tensors, handles, postprocess = object.__getattribute__(self, "_receive")()
+            assert tensors is not None
+            for handle in handles:
+                handle.wait()
+            for fn in postprocess:
+                fn()
+            object.__setattr__(self, "tensors", tensors)
+
+        def __getattribute__(self, name: str):
+            if name == "tensors" and not object.__getattribute__(self, "_received"):
+                object.__getattribute__(self, "wait_for_comm")()
+            return object.__getattribute__(self, name)
+
+    _DEFERRED = DeferredRecvIntermediateTensors
+    return _DEFERRED
