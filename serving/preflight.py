@@ -1,11 +1,11 @@
 """Preflight: can this machine run a serving profile? Go/no-go, with numbers and the fix for each problem.
 
 Checks: the GPUs (count, model, free VRAM, through NVML); host RAM against the plan's pinned K/V;
-the locked-memory limit, /dev/shm and the cgroup memory limit; whether process_madvise is allowed (SYS_PTRACE / seccomp); the PLE table's
-drive (tail latency, ``flashnext ple drive-check``); each overlay against the snapshot; the
-serving image. Each failing check has its own exit code.
+the locked-memory limit, /dev/shm and the cgroup memory limit; whether process_madvise is allowed
+(SYS_PTRACE / seccomp); the PLE table file (whole, and built from this snapshot) and its drive
+(tail latency, ``flashnext ple drive-check``); each overlay against the snapshot; the serving
+image. Each failing check has its own exit code.
 """
-
 from __future__ import annotations
 
 import enum
@@ -24,7 +24,7 @@ class Exit(enum.IntEnum):
     GPU = 10
     MEMORY = 11
     PTRACE = 12
-    PLE_DRIVE = 13
+    PLE = 13
     OVERLAY = 14
     IMAGE = 15
 
@@ -214,13 +214,38 @@ def check_ple_drive(table: Path, seconds: float = 3.0) -> Finding:
     try:
         r = drive_check(table, seconds)
     except FlashnextError as e:
-        return Finding("ple-drive", False, str(e), "check the path given to --ple-table", Exit.PLE_DRIVE)
+        return Finding("ple-drive", False, str(e), "check the path given to --ple-table", Exit.PLE)
     q = r["qd1"]
     detail = f"{table}: QD1 p50 {q['p50_ms']:.3f} ms, p99 {q['p99_ms']:.3f} ms, max {q['max_ms']:.1f} ms; deep queue {r['deep']['iops']:.0f} IOPS"
     if not r["ok"]:
         return Finding("ple-drive", False, detail, "move the PLE table to a drive with a short tail "
-                       "(seed 000 §3.7: a DRAM-less QLC drive stalled decode for seconds)", Exit.PLE_DRIVE)
+                       "(seed 000 §3.7: a DRAM-less QLC drive stalled decode for seconds)", Exit.PLE)
     return Finding("ple-drive", True, detail)
+
+
+def check_ple_table(table: Path, model: Path | None) -> Finding:
+    """The table file is whole (size, sampled hashes against its sidecar) and, given the snapshot,
+    built from it: patch ple-mmap refuses a wrong-sized file only after the engine has started."""
+    from flashnext.quant.errors import FlashnextError
+    from flashnext.quant.ple_table import find_ple_source, read_sidecar, verify_table
+    from flashnext.quant.snapshot import Snapshot
+
+    rebuild = f"flashnext ple build --src {model or 'SNAPSHOT'} --out {table} --force"
+    try:
+        result = verify_table(table, samples=4)
+        if model is not None:
+            sidecar = read_sidecar(table)
+            source = find_ple_source(Snapshot.open(model), sidecar.get("dense_layer_id", 0))
+            layout = source.layout
+            if (sidecar["rows"], sidecar["row_bytes"], sidecar["dtype"], sidecar["layout"]["multipliers"],
+                    sidecar["layout"]["head_sizes"]) != (layout.padded_rows, source.row_bytes, source.dtype,
+                                                         list(layout.multipliers), list(layout.head_sizes)):
+                return Finding("ple-table", False, f"{table} was built from another checkpoint than {model}",
+                               rebuild, Exit.PLE)
+    except FlashnextError as e:
+        return Finding("ple-table", False, str(e), rebuild, Exit.PLE)
+    return Finding("ple-table", True, f"{table}: {result['file_size']:,} bytes, {result['bytes_checked']:,} "
+                                      "checked against its sidecar" + (f", built from {model}" if model else ""))
 
 
 def check_overlays(model: Path, overlays: list[Path]) -> Finding:
@@ -260,6 +285,7 @@ def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_ta
     if profile.model_family == "qwen4_exp":
         findings.insert(1, check_host_ram(profile))
     if ple_table is not None:
+        findings.append(check_ple_table(ple_table, model))
         findings.append(check_ple_drive(ple_table))
     if model is not None:
         findings.append(check_overlays(model, overlays))

@@ -107,10 +107,10 @@ def test_ple_drive_for_real(tmp_path):
     finding = pf.check_ple_drive(table, seconds=1)
     if "O_DIRECT" in finding.detail:
         pytest.skip("this filesystem does not support O_DIRECT")
-    assert "p99" in finding.detail and finding.exit in (pf.Exit.GO, pf.Exit.PLE_DRIVE)
+    assert "p99" in finding.detail and finding.exit in (pf.Exit.GO, pf.Exit.PLE)
     small = tmp_path / "small.bin"
     small.write_bytes(b"\1" * 4096)
-    assert pf.check_ple_drive(small).exit == pf.Exit.PLE_DRIVE
+    assert pf.check_ple_drive(small).exit == pf.Exit.PLE
 
 
 def test_overlay_findings(demo_snapshot, demo_overlay, tmp_path):
@@ -144,3 +144,22 @@ def test_verdict_and_exit_codes(demo_snapshot, demo_overlay, monkeypatch):
     result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(demo_snapshot), "--check",
                                       "--engine", "native"])
     assert result.exit_code == pf.Exit.GPU and "NO-GO (exit 10)" in result.output and "fix:" in result.output
+
+
+def test_ple_table_findings(demo_snapshot, tmp_path):
+    from flashnext.quant.ple_table import build_table
+
+    table = tmp_path / "table.bin"
+    build_table(demo_snapshot, table, progress=False)
+    good = pf.check_ple_table(table, demo_snapshot)
+    assert good.ok and "built from" in good.detail
+    assert pf.check_ple_table(table, None).ok
+    with open(table, "r+b") as f:  # a byte changed on disk
+        f.seek(5)
+        f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+    changed = pf.check_ple_table(table, demo_snapshot)
+    assert not changed.ok and changed.exit == pf.Exit.PLE and "differs from its source" in changed.detail
+    assert f"flashnext ple build --src {demo_snapshot} --out {table} --force" == changed.fix
+    table.write_bytes(b"\0" * 64)
+    short = pf.check_ple_table(table, demo_snapshot)
+    assert not short.ok and "needs exactly" in short.detail

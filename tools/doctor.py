@@ -43,5 +43,5 @@ def main(profile: str, model: Path | None, overlays: tuple[Path, ...], ple_table
          as_json: bool) -> None:
     """Preflight for a serving profile: GPUs, memory limits, ptrace, the PLE drive, overlays, the
     image. Prints go/no-go with the fix for each problem; exit 0 (go), 10 GPU, 11 memory,
-    12 ptrace, 13 PLE drive, 14 overlay, 15 image."""
+    12 ptrace, 13 PLE table or its drive, 14 overlay, 15 image."""
     report(profile, model, overlays, ple_table, engine, as_json)
