@@ -81,6 +81,10 @@ def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | 
         return
     if shutil.which("vllm") is None:
         raise FlashnextError("vllm is not installed here: pip install 'flashnext[serve]', or use --engine docker")
+    from flashnext.tools.plan import summary_line
+
+    if line := summary_line(profile):
+        click.echo(line, err=True)
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
 
 
