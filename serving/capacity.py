@@ -209,6 +209,7 @@ class Plan:
     tokens_per_mib_vram: float
     tokens_per_gib_host: float
     groups: list[GroupPlan] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -450,4 +451,15 @@ def plan(text: TextConfig, shape: ServingShape) -> Plan:
         tokens_per_mib_vram=tokens_per_block / (max(bytes_per_block) / 2**20),
         tokens_per_gib_host=tokens_per_block / (sum(qsa_per_rank) * block_size * qsa_host_bytes_per_token(text) / 2**30),
         groups=group_plans,
+        notes=offload_notes(),
     )
+
+
+def offload_notes() -> list[str]:
+    """What the plan assumes that the serving image does not yet provide."""
+    from flashnext.serving.patch_series import load_series
+
+    if any(p.id == "qsa-offload" for p in load_series()):
+        return []
+    return ["the QSA K/V offload this plan models (seed 000) is not in vLLM 0.33.0 nor yet in flashnext's "
+            "patch series: until it is, the image keeps QSA K/V in VRAM and holds fewer tokens than planned"]

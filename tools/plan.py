@@ -32,6 +32,8 @@ def _print(profile: str, p) -> None:
                "with PyTorch's power-of-two rounding")
     click.echo(f"  marginal             {p.tokens_per_mib_vram:,.0f} tokens per MiB of VRAM, "
                f"{p.tokens_per_gib_host:,.0f} per GiB of host RAM")
+    for note in p.notes:
+        click.echo(f"note: {note}")
 
 
 def summary_line(profile) -> str | None:
