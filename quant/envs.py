@@ -43,8 +43,8 @@ VLLM_PLE_MMAP_PATH = EnvVar(
 
 VLLM_QSA_KV_OFFLOAD = EnvVar(
     "VLLM_QSA_KV_OFFLOAD", "0",
-    "QSA main K/V in pinned host memory (seed 000's base patch); read by the patch series once that "
-    "patch is ported (not yet in this release).")
+    "QSA main K/V in pinned host memory (seed 000's base patch). `flashnext plan` models it; no patch "
+    "of this series implements it yet, and plan says so.")
 
 VLLM_MTP_DRAFTS_PER_REQUEST = EnvVar(
     "VLLM_MTP_DRAFTS_PER_REQUEST", "1",
