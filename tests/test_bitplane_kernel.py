@@ -78,3 +78,37 @@ def test_real_shapes_on_the_gpu():
         planes, s, w = weights(n, k, 64, 3)
         x = randn(1, k).to(torch.bfloat16)
         close(bitplane_gemv(x, planes, s), x.float() @ w.T, torch.bfloat16)
+
+
+@pytest.fixture
+def wide_loads(monkeypatch):
+    """The eight-weights-per-load path (the large matrices' default) at the small test shapes."""
+    from flashnext.quant.kernels import bitplane_gemv as kernels
+
+    monkeypatch.setitem(kernels._LAUNCH, "small", {**kernels._LAUNCH["small"], "wide": True, "block_n": 8,
+                                                   "block_k": 512})
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_wide_loads(wide_loads, m):
+    for n, k, gs in SHAPES:
+        planes, s, w = weights(n, k, gs, n + m)
+        x = randn(m, k, seed=m)
+        close(bitplane_gemv(x, planes, s), x @ w.T, torch.float32)
+    n, k, gs = SHAPES[0]
+    planes, s, w = weights(2 * n, k, gs, 7)
+    x = randn(m, k, seed=m)
+    g, u = (x @ w.T).split(n, dim=1)
+    close(bitplane_gate_up_silu(x, planes, s), torch.nn.functional.silu(g) * u, torch.float32,
+          scale=(g.abs() + 1) * (u.abs() + 1))
+    routed, gate = randn(m, 2 * n, seed=11), randn(m, 1, seed=12)
+    close(bitplane_down_combine(x, planes, s, routed, gate), routed + torch.sigmoid(gate) * (x @ w.T), torch.float32)
+
+
+@pytest.mark.gpu
+def test_large_shape_on_the_gpu():
+    """A matrix in the "large" class (eight weights per load) with bf16 activations, on CUDA."""
+    planes, s, w = weights(4096, 4096, 64, 5)
+    for m in (1, 4):
+        x = randn(m, 4096, seed=m).to(torch.bfloat16)
+        close(bitplane_gemv(x, planes, s), x.float() @ w.T, torch.bfloat16)

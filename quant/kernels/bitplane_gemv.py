@@ -66,27 +66,87 @@ def _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, str
 
 
 @triton.jit
+def _dot_rows_wide(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+                   M_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`_dot_rows` with eight weights per load: a 32-bit word of the low plane and a 16-bit
+    word of the high plane, and the activations read as one contiguous vector split into eight
+    strided streams in registers. Fewer, wider L1 accesses (the quad kernel is L1-bound, not DRAM-
+    bound, at large shapes); needs K % 16 == 0 so that every row's words are aligned."""
+    OCTS: tl.constexpr = BLOCK_K // 8
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    PER_GROUP: tl.constexpr = GROUP // 8
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    lo_ptr = w_ptr.to(tl.pointer_type(tl.uint32))
+    hi_ptr = w_ptr.to(tl.pointer_type(tl.uint16))
+    tokens = tl.arange(0, M_PAD)
+    t_mask = tokens < M
+    octs = tl.arange(0, OCTS)
+    for k0 in range(0, K, BLOCK_K):
+        lo = tl.load(lo_ptr + rows[:, None] * (stride_wn // 4) + (k0 // 8 + octs)[None, :],
+                     mask=n_mask[:, None], other=0)
+        hi = tl.load(hi_ptr + rows[:, None] * (stride_wn // 2) + (K // 4 + k0 // 8 + octs)[None, :],
+                     mask=n_mask[:, None], other=0).to(tl.uint32)
+        xv = tl.load(x_ptr + tokens[:, None] * stride_xm + k0 + tl.arange(0, BLOCK_K)[None, :],
+                     mask=t_mask[:, None], other=0).to(tl.float32)
+        c0, c1 = tl.split(tl.reshape(xv, [M_PAD, OCTS, 2, 2, 2]))  # [.., a, b, c]: element 8o + 4a + 2b + c
+        b00, b01 = tl.split(c0)
+        b10, b11 = tl.split(c1)
+        x0, x4 = tl.split(b00)
+        x2, x6 = tl.split(b01)
+        x1, x5 = tl.split(b10)
+        x3, x7 = tl.split(b11)
+        prod = tl.zeros([M_PAD, BLOCK_N, OCTS], dtype=tl.float32)
+        prod += ((((lo & 15) | ((hi & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x0[:, None]
+        prod += (((((lo >> 4) & 15) | (((hi >> 2) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x1[:, None]
+        prod += (((((lo >> 8) & 15) | (((hi >> 4) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x2[:, None]
+        prod += (((((lo >> 12) & 15) | (((hi >> 6) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x3[:, None]
+        prod += (((((lo >> 16) & 15) | (((hi >> 8) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x4[:, None]
+        prod += (((((lo >> 20) & 15) | (((hi >> 10) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x5[:, None]
+        prod += (((((lo >> 24) & 15) | (((hi >> 12) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x6[:, None]
+        prod += ((((lo >> 28) | ((hi >> 14) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x7[:, None]
+        partial = tl.sum(tl.reshape(prod, [M_PAD, BLOCK_N, GROUPS, PER_GROUP]), axis=3)
+        g_cols = k0 // GROUP + tl.arange(0, GROUPS)
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + g_cols[None, :], mask=n_mask[:, None], other=0).to(tl.float32)
+        acc += tl.sum(partial * s[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _dot(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+         M_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+         WIDE: tl.constexpr):
+    if WIDE:
+        return _dot_rows_wide(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+                              M_PAD, GROUP, BLOCK_N, BLOCK_K)
+    else:
+        return _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+                         M_PAD, GROUP, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                 M_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 M_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 WIDE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
     tokens = tl.arange(0, M_PAD)
-    acc = _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
-                    M_PAD, GROUP, BLOCK_N, BLOCK_K)
+    acc = _dot(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+               M_PAD, GROUP, BLOCK_N, BLOCK_K, WIDE)
     mask = (tokens < M)[:, None] & n_mask[None, :]
     tl.store(y_ptr + tokens[:, None] * stride_ym + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, I, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                    M_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    M_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    WIDE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < I
     tokens = tl.arange(0, M_PAD)
-    g = _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
-                  M_PAD, GROUP, BLOCK_N, BLOCK_K)
-    u = _dot_rows(x_ptr, w_ptr, s_ptr, rows + I, n_mask, M, K, stride_xm, stride_wn, stride_sn,
-                  M_PAD, GROUP, BLOCK_N, BLOCK_K)
+    g = _dot(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+             M_PAD, GROUP, BLOCK_N, BLOCK_K, WIDE)
+    u = _dot(x_ptr, w_ptr, s_ptr, rows + I, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+             M_PAD, GROUP, BLOCK_N, BLOCK_K, WIDE)
     # bf16 rounding where the unfused path rounds: after each GEMM
     g = g.to(y_ptr.dtype.element_ty).to(tl.float32)
     u = u.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -98,12 +158,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, I, K, stride_xm, stride_wn, s
 @triton.jit
 def _down_combine_kernel(x_ptr, w_ptr, s_ptr, routed_ptr, gate_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
                          stride_sn, stride_rm, stride_ym, M_PAD: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
     tokens = tl.arange(0, M_PAD)
-    acc = _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
-                    M_PAD, GROUP, BLOCK_N, BLOCK_K)
+    acc = _dot(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
+               M_PAD, GROUP, BLOCK_N, BLOCK_K, WIDE)
     shared = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
     mask = (tokens < M)[:, None] & n_mask[None, :]
     gate = tl.load(gate_ptr + tokens, mask=tokens < M, other=0).to(tl.float32)
@@ -127,12 +187,12 @@ def _check(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> tuple
     return M, N, K
 
 
-# Launch parameters (block rows, block K, warps, pipeline stages); measured on an H200, see
-# docs/benchmarks.md. Override for experiments with set_launch_config().
-# Matrices of at least LARGE weights use the "large" entry.
+# Launch parameters (block rows, block K, warps, pipeline stages, and whether to read eight weights
+# per load); measured on an H200, see docs/benchmarks.md. Override for experiments with
+# set_launch_config(). Matrices of at least LARGE weights use the "large" entry.
 LARGE = 1 << 24
-_LAUNCH = {"small": {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 3},
-           "large": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}}
+_LAUNCH = {"small": {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 3, "wide": False},
+           "large": {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 3, "wide": True}}
 
 
 def set_launch_config(size: str, **kw) -> None:
@@ -151,7 +211,7 @@ def _launch(N: int, K: int, group: int, M: int) -> dict:
     else:
         raise ValueError(f"K={K} with group {group}: need K divisible by a block of 64..512 that holds whole groups")
     return {"M_PAD": triton.next_power_of_2(M), "GROUP": group, "BLOCK_N": cfg["block_n"], "BLOCK_K": bk,
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+            "WIDE": cfg["wide"] and K % 16 == 0, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
 def bitplane_gemv(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
