@@ -15,9 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.bitplane_kernel import bench, copy_bandwidth
-from flashnext.quant.bitplane import codes_to_bitplane
-from flashnext.quant.kernels.bitplane_gemv import bitplane_gemv
+from benchmarks.bitplane_kernel import side_by_side
 
 
 @triton.jit
@@ -76,42 +74,9 @@ def v4_gemv(x, planes, scales, bn, gpi, warps, stages, magic):
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    copy_bw = copy_bandwidth()
-    out = {"device": torch.cuda.get_device_name(), "copy_gb_s": round(copy_bw / 1e9, 1), "shapes": []}
-    for n, k, m in ((16384, 16384, 1), (16384, 16384, 4), (1280, 2560, 1), (2560, 640, 1), (1280, 2560, 4)):
-        q = torch.randint(-32, 32, (n, k), dtype=torch.int8, device="cuda")
-        scales = (torch.randn(n, k // 64, device="cuda") * 0.02).to(torch.bfloat16)
-        planes = codes_to_bitplane(q)
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        ref = x.float() @ (q.float() * scales.float().repeat_interleave(64, 1)).T
-        nbytes = planes.numel() + scales.numel() * 2
-        row = {"n": n, "k": k, "m": m, "library_us": round(bench(lambda: bitplane_gemv(x, planes, scales)), 2),
-               "variants": []}
-        for bn, gpi, warps, stages, magic in itertools.product((4, 8, 16, 32), (2, 4, 8), (4, 8), (3,), (False, True)):
-            if k % (gpi * 64):
-                continue
-            try:
-                y = v4_gemv(x, planes, scales, bn, gpi, warps, stages, magic)
-                err = ((y.float() - ref).abs() / ref.abs().clamp_min(1)).max().item()
-                us = bench(lambda: v4_gemv(x, planes, scales, bn, gpi, warps, stages, magic))
-            except Exception as e:  # resources the compiler refuses
-                row["variants"].append({"bn": bn, "gpi": gpi, "warps": warps, "magic": magic, "error": type(e).__name__})
-                continue
-            row["variants"].append({"bn": bn, "gpi": gpi, "warps": warps, "magic": magic, "us": round(us, 2),
-                                    "fraction_of_copy_bw": round(nbytes / (us / 1e6) / copy_bw, 3),
-                                    "max_rel_err": err})
-        ok = [v for v in row["variants"] if "us" in v]
-        row["best"] = min(ok, key=lambda v: v["us"])
-        row["best_plain"] = min((v for v in ok if not v["magic"]), key=lambda v: v["us"])
-        row["library_fraction_of_copy_bw"] = round(nbytes / (row["library_us"] / 1e6) / copy_bw, 3)
-        variants = row.pop("variants")
-        row["variants_tried"] = len(variants)
-        out["shapes"].append(row)
-        out.setdefault("all", []).append(variants)
-    print(json.dumps({k: v for k, v in out.items() if k != "all"}, indent=2))
-    with open("/tmp/v4_all.json", "w") as f:
-        json.dump(out, f)
+    configs = [{"bn": bn, "gpi": gpi, "warps": w, "stages": 3, "magic": magic}
+               for bn, gpi, w, magic in itertools.product((4, 8, 16, 32), (2, 4, 8), (4, 8), (False, True))]
+    print(json.dumps(side_by_side(v4_gemv, configs, lambda c, k: k % (c["gpi"] * 64) == 0), indent=2))
 
 
 if __name__ == "__main__":

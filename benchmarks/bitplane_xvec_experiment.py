@@ -14,9 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.bitplane_kernel import bench, copy_bandwidth
-from flashnext.quant.bitplane import codes_to_bitplane
-from flashnext.quant.kernels.bitplane_gemv import bitplane_gemv
+from benchmarks.bitplane_kernel import side_by_side
 
 
 @triton.jit
@@ -69,36 +67,9 @@ def xvec_gemv(x, planes, scales, bn, bk, warps):
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    copy_bw = copy_bandwidth()
-    out = {"device": torch.cuda.get_device_name(), "copy_gb_s": round(copy_bw / 1e9, 1), "shapes": []}
-    configs = [(4, 1024, 4), (8, 512, 4), (16, 512, 4), (16, 1024, 4), (32, 512, 4), (16, 512, 8), (32, 512, 8)]
-    for n, k, m in ((16384, 16384, 1), (16384, 16384, 4), (1280, 2560, 1), (2560, 640, 1), (1280, 2560, 4)):
-        q = torch.randint(-32, 32, (n, k), dtype=torch.int8, device="cuda")
-        scales = (torch.randn(n, k // 64, device="cuda") * 0.02).to(torch.bfloat16)
-        planes = codes_to_bitplane(q)
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        ref = x.float() @ (q.float() * scales.float().repeat_interleave(64, 1)).T
-        nbytes = planes.numel() + scales.numel() * 2
-        lib = bench(lambda: bitplane_gemv(x, planes, scales))
-        rows = []
-        for bn, bk, warps in configs:
-            if k % bk:
-                continue
-            try:
-                y = xvec_gemv(x, planes, scales, bn, bk, warps)
-                err = ((y.float() - ref).abs() / ref.abs().clamp_min(1)).max().item()
-                us = bench(lambda: xvec_gemv(x, planes, scales, bn, bk, warps))
-                rows.append({"bn": bn, "bk": bk, "warps": warps, "us": round(us, 2), "max_rel_err": err,
-                             "fraction_of_copy_bw": round(nbytes / (us / 1e6) / copy_bw, 3)})
-            except Exception as e:
-                rows.append({"bn": bn, "bk": bk, "warps": warps, "error": f"{type(e).__name__}: {e}"[:200]})
-        ok = [r for r in rows if "us" in r]
-        out["shapes"].append({"n": n, "k": k, "m": m, "library_us": round(lib, 2),
-                              "library_fraction_of_copy_bw": round(nbytes / (lib / 1e6) / copy_bw, 3),
-                              "best_xvec": min(ok, key=lambda r: r["us"]) if ok else None,
-                              "errors": [r for r in rows if "error" in r][:2]})
-    print(json.dumps(out, indent=2))
+    configs = [{"bn": bn, "bk": bk, "warps": w} for bn, bk, w in
+               ((4, 1024, 4), (8, 512, 4), (16, 512, 4), (16, 1024, 4), (32, 512, 4), (16, 512, 8), (32, 512, 8))]
+    print(json.dumps(side_by_side(xvec_gemv, configs, lambda c, k: k % c["bk"] == 0), indent=2))
 
 
 if __name__ == "__main__":

@@ -33,17 +33,29 @@ def randn(*shape, seed=0):
 SHAPES = [(48, 256, 64), (32, 512, 128)] if DEVICE == "cpu" else [(1280, 2560, 64), (2560, 640, 64), (96, 4096, 128)]
 
 
+@pytest.fixture(params=["quad", "wide"])
+def loads(request, monkeypatch):
+    """Both decode paths at the test shapes: four weights per load (the small matrices' default)
+    and eight (the large matrices' default)."""
+    from flashnext.quant.kernels import bitplane_gemv as kernels
+
+    if request.param == "wide":
+        monkeypatch.setitem(kernels._LAUNCH, "small", {**kernels._LAUNCH["small"], "wide": True, "block_n": 8,
+                                                       "block_k": 512})
+    return request.param
+
+
 @pytest.mark.parametrize("n,k,gs", SHAPES)
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv(n, k, gs, m, dtype):
+def test_gemv(n, k, gs, m, dtype, loads):
     planes, s, w = weights(n, k, gs, n + k + m)
     x = randn(m, k, seed=m).to(dtype)
     close(bitplane_gemv(x, planes, s), x.float() @ w.T, dtype)
 
 
 @pytest.mark.parametrize("m", [1, 3])
-def test_gate_up_silu(m):
+def test_gate_up_silu(m, loads):
     n, k, gs = SHAPES[0]
     planes, s, w = weights(2 * n, k, gs, 7)
     x = randn(m, k, seed=m)
@@ -54,7 +66,7 @@ def test_gate_up_silu(m):
 
 
 @pytest.mark.parametrize("m", [1, 2])
-def test_down_combine(m):
+def test_down_combine(m, loads):
     n, k, gs = SHAPES[-1]
     planes, s, w = weights(n, k, gs, 9)
     x = randn(m, k, seed=m)
@@ -78,31 +90,6 @@ def test_real_shapes_on_the_gpu():
         planes, s, w = weights(n, k, 64, 3)
         x = randn(1, k).to(torch.bfloat16)
         close(bitplane_gemv(x, planes, s), x.float() @ w.T, torch.bfloat16)
-
-
-@pytest.fixture
-def wide_loads(monkeypatch):
-    """The eight-weights-per-load path (the large matrices' default) at the small test shapes."""
-    from flashnext.quant.kernels import bitplane_gemv as kernels
-
-    monkeypatch.setitem(kernels._LAUNCH, "small", {**kernels._LAUNCH["small"], "wide": True, "block_n": 8,
-                                                   "block_k": 512})
-
-
-@pytest.mark.parametrize("m", [1, 4])
-def test_wide_loads(wide_loads, m):
-    for n, k, gs in SHAPES:
-        planes, s, w = weights(n, k, gs, n + m)
-        x = randn(m, k, seed=m)
-        close(bitplane_gemv(x, planes, s), x @ w.T, torch.float32)
-    n, k, gs = SHAPES[0]
-    planes, s, w = weights(2 * n, k, gs, 7)
-    x = randn(m, k, seed=m)
-    g, u = (x @ w.T).split(n, dim=1)
-    close(bitplane_gate_up_silu(x, planes, s), torch.nn.functional.silu(g) * u, torch.float32,
-          scale=(g.abs() + 1) * (u.abs() + 1))
-    routed, gate = randn(m, 2 * n, seed=11), randn(m, 1, seed=12)
-    close(bitplane_down_combine(x, planes, s, routed, gate), routed + torch.sigmoid(gate) * (x @ w.T), torch.float32)
 
 
 @pytest.mark.gpu

@@ -24,6 +24,22 @@ MAX_TOKENS = 4
 
 
 @triton.jit
+def _scaled_groups(prod, s_ptr, rows, n_mask, stride_sn, k0, M_PAD: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PER_GROUP: tl.constexpr):
+    """``prod [M_PAD, BLOCK_N, GROUPS*PER_GROUP]`` summed per group, then scaled once per group."""
+    partial = tl.sum(tl.reshape(prod, [M_PAD, BLOCK_N, GROUPS, PER_GROUP]), axis=3)
+    g_cols = k0 // GROUP + tl.arange(0, GROUPS)
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + g_cols[None, :], mask=n_mask[:, None], other=0).to(tl.float32)
+    return tl.sum(partial * s[None, :, :], axis=2)
+
+
+@triton.jit
+def _weight(lo, hi, J: tl.constexpr):
+    """Weight ``J`` of eight: nibble ``J`` of the low-plane word, crumb ``J`` of the high-plane word."""
+    return ((((lo >> (4 * J)) & 15) | (((hi >> (2 * J)) & 3) << 4)).to(tl.int32) - 32).to(tl.float32)
+
+
+@triton.jit
 def _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, stride_sn,
               M_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 ``[M_PAD, BLOCK_N]`` dot products of every token with weight ``rows``.
@@ -58,10 +74,7 @@ def _dot_rows(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn, str
         x3 = tl.load(xb + 3, mask=t_mask[:, None], other=0).to(tl.float32)
         prod = (u0[None, :, :] * x0[:, None, :] + u1[None, :, :] * x1[:, None, :]
                 + u2[None, :, :] * x2[:, None, :] + u3[None, :, :] * x3[:, None, :])
-        partial = tl.sum(tl.reshape(prod, [M_PAD, BLOCK_N, GROUPS, PER_GROUP]), axis=3)
-        g_cols = k0 // GROUP + tl.arange(0, GROUPS)
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + g_cols[None, :], mask=n_mask[:, None], other=0).to(tl.float32)
-        acc += tl.sum(partial * s[None, :, :], axis=2)
+        acc += _scaled_groups(prod, s_ptr, rows, n_mask, stride_sn, k0, M_PAD, GROUP, BLOCK_N, GROUPS, PER_GROUP)
     return acc
 
 
@@ -95,19 +108,11 @@ def _dot_rows_wide(x_ptr, w_ptr, s_ptr, rows, n_mask, M, K, stride_xm, stride_wn
         x2, x6 = tl.split(b01)
         x1, x5 = tl.split(b10)
         x3, x7 = tl.split(b11)
-        prod = tl.zeros([M_PAD, BLOCK_N, OCTS], dtype=tl.float32)
-        prod += ((((lo & 15) | ((hi & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x0[:, None]
-        prod += (((((lo >> 4) & 15) | (((hi >> 2) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x1[:, None]
-        prod += (((((lo >> 8) & 15) | (((hi >> 4) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x2[:, None]
-        prod += (((((lo >> 12) & 15) | (((hi >> 6) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x3[:, None]
-        prod += (((((lo >> 16) & 15) | (((hi >> 8) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x4[:, None]
-        prod += (((((lo >> 20) & 15) | (((hi >> 10) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x5[:, None]
-        prod += (((((lo >> 24) & 15) | (((hi >> 12) & 3) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x6[:, None]
-        prod += ((((lo >> 28) | ((hi >> 14) << 4)).to(tl.int32) - 32).to(tl.float32))[None] * x7[:, None]
-        partial = tl.sum(tl.reshape(prod, [M_PAD, BLOCK_N, GROUPS, PER_GROUP]), axis=3)
-        g_cols = k0 // GROUP + tl.arange(0, GROUPS)
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + g_cols[None, :], mask=n_mask[:, None], other=0).to(tl.float32)
-        acc += tl.sum(partial * s[None, :, :], axis=2)
+        prod = (_weight(lo, hi, 0)[None] * x0[:, None] + _weight(lo, hi, 1)[None] * x1[:, None]
+                + _weight(lo, hi, 2)[None] * x2[:, None] + _weight(lo, hi, 3)[None] * x3[:, None]
+                + _weight(lo, hi, 4)[None] * x4[:, None] + _weight(lo, hi, 5)[None] * x5[:, None]
+                + _weight(lo, hi, 6)[None] * x6[:, None] + _weight(lo, hi, 7)[None] * x7[:, None])
+        acc += _scaled_groups(prod, s_ptr, rows, n_mask, stride_sn, k0, M_PAD, GROUP, BLOCK_N, GROUPS, PER_GROUP)
     return acc
 
 
