@@ -12,9 +12,10 @@ from __future__ import annotations
 import copy
 import re
 
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
 from flashnext.quant.errors import FlashnextError
+
+# The modules `repack-int6` rewrites by default: the shared experts (seed 000 §3.3, decode-05).
+DEFAULT_INT6_TARGETS = r".*mlp\.shared_expert\.(gate|up|down)_proj$"
 
 MTP_EXPERT_GROUP = "flashnext_mtp_routed_experts"
 # Any MTP routed-expert projection, whatever layer index vLLM gives the draft layer.
@@ -26,6 +27,8 @@ MTP_OTHER_IGNORE = "re:^mtp\\.(?!" + MTP_EXPERT_PATTERN[len("mtp\\."):] + ")"
 
 def weight_scheme(targets: list[str], bits: int, group_size: int) -> dict:
     """A weight-only symmetric INT group scheme, serialised by compressed-tensors itself."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
     scheme = QuantizationScheme(
         targets=targets,
         weights=QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group",
@@ -33,6 +36,19 @@ def weight_scheme(targets: list[str], bits: int, group_size: int) -> dict:
         format="pack-quantized",
     )
     return scheme.model_dump(mode="json")
+
+
+def checked_quantization_config(quantization_config: object, where: str) -> dict:
+    """``quantization_config`` validated by compressed-tensors' own ``QuantizationConfig`` (one line
+    naming ``where`` and the bad key otherwise); returned unchanged, as the plain document."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from flashnext.quant.jsonfile import validate
+
+    if not isinstance(quantization_config, dict):
+        raise FlashnextError(f"{where}: quantization_config must be a JSON object")
+    validate(quantization_config, QuantizationConfig, f"{where}: quantization_config")
+    return quantization_config
 
 
 def _matches(entry: str, name: str) -> bool:
@@ -62,7 +78,7 @@ def with_mtp_experts_quantized(quantization_config: dict | None, bits: int, grou
         raise FlashnextError(
             f"quantization_config.quant_method is {quantization_config.get('quant_method')!r}: "
             "only compressed-tensors snapshots are supported")
-    qc = copy.deepcopy(quantization_config)
+    qc = copy.deepcopy(checked_quantization_config(quantization_config, "config.json"))
     groups = qc.get("config_groups") or {}
     if MTP_EXPERT_GROUP in groups:
         raise FlashnextError(

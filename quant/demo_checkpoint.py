@@ -365,7 +365,7 @@ def write_demo_checkpoint(out: Path, force: bool = False) -> dict:
     weight_map: dict[str, str] = {}
     total = 0
     stream = 0
-    with atomic_directory(Path(out), force=force) as tmp:
+    with atomic_directory(Path(out), force=force, made_by="demo-checkpoint") as tmp:
         for filename, planned in shards.items():
             tensors: dict[str, torch.Tensor] = {}
             for t in planned:

@@ -31,6 +31,9 @@ def is_on(value: str) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
+FLASHNEXT_DEBUG = EnvVar(
+    "FLASHNEXT_DEBUG", "0",
+    "1: a command that fails on something unexpected prints the Python traceback, not one line.")
 VLLM_PLE_PREFETCH = EnvVar(
     "VLLM_PLE_PREFETCH", "1",
     "Patch ttft-01: 0 turns off the prompt prefetcher (each admitted prompt's PLE pages, advised ahead).")

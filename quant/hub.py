@@ -19,8 +19,8 @@ from pathlib import Path
 
 from flashnext import __version__
 from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import write_text_atomic
-from flashnext.quant.overlay import MANIFEST_FILE
+from flashnext.quant.fsutil import confined, write_text_atomic
+from flashnext.quant.overlay import MANIFEST_FILE, OverlayManifest
 from flashnext.quant.overlay_view import apply_overlays, load_manifest, overlay_file_problems, verify_overlay
 
 PUBLISHED_FILE = "overlay.published.json"
@@ -33,10 +33,10 @@ def overlay_files(overlay: Path) -> list[tuple[str, Path]]:
     """(path in repo, local file) for every file an upload sends, except the generated card."""
     overlay = Path(overlay)
     manifest = load_manifest(overlay)
-    names = [e["path"] for e in manifest["replaces"] + manifest["adds"]] + [MANIFEST_FILE]
+    names = [e.path for e in manifest.files] + [MANIFEST_FILE]
     files = []
     for name in names:
-        local = overlay / name
+        local = confined(overlay, name, str(overlay / MANIFEST_FILE))
         if local.is_symlink():
             raise FlashnextError(f"{local} is a symlink; an overlay uploads real files only")
         if not local.is_file():
@@ -45,10 +45,10 @@ def overlay_files(overlay: Path) -> list[tuple[str, Path]]:
     return files
 
 
-def render_model_card(manifest: dict, repo_id: str) -> str:
+def render_model_card(manifest: OverlayManifest, repo_id: str) -> str:
     """The README.md of an overlay repo: front matter, what changed, the report, how to use it."""
-    base = manifest["base"]
-    kind = manifest["kind"]
+    base = manifest.base.model_dump()
+    kind = manifest.kind
     tags = ["flashnext", "overlay", kind] + _TAGS.get(kind, [])
     front = ["---"]
     if base.get("repo_id"):
@@ -56,8 +56,8 @@ def render_model_card(manifest: dict, repo_id: str) -> str:
     front += ["tags:"] + [f"- {t}" for t in tags] + ["---", ""]
     lines = front + [
         f"# {repo_id}", "",
-        f"A flashnext **{kind}** overlay built by `{manifest['builder']['name']}` "
-        f"(flashnext {manifest['builder']['version']}). It is not a full model: its files go over a "
+        f"A flashnext **{kind}** overlay built by `{manifest.builder.name}` "
+        f"(flashnext {manifest.builder.version}). It is not a full model: its files go over a "
         "snapshot of the base model, file by file; everything else is the base's.", "",
         "## Base", "",
         f"- repository: `{base.get('repo_id') or 'not recorded'}`",
@@ -65,15 +65,16 @@ def render_model_card(manifest: dict, repo_id: str) -> str:
         "## What changed", "",
         "| file | size | replaces base file (sha256) |", "|---|---|---|",
     ]
-    for e in manifest["replaces"]:
-        lines.append(f"| `{e['path']}` | {e['size']:,} B | `{e['base_sha256'][:16]}…` ({e['base_size']:,} B) |")
-    for e in manifest["adds"]:
-        lines.append(f"| `{e['path']}` | {e['size']:,} B | (new file) |")
-    report = manifest.get("report") or {}
+    for e in manifest.replaces:
+        lines.append(f"| `{e.path}` | {e.size:,} B | `{e.base_sha256[:16]}…` ({e.base_size:,} B) |")
+    for e in manifest.adds:
+        lines.append(f"| `{e.path}` | {e.size:,} B | (new file) |")
+    report = manifest.report
     if report.get("projections"):
         lines += ["", "## Quantization report", "",
                   f"INT{report.get('bits')} symmetric, group size {report.get('group_size')}, "
-                  f"scales in {report.get('scale_dtype')}, MSE-searched"
+                  f"scales in {report.get('scale_dtype')}, "
+                  + ("MSE-searched" if report.get("scale_search", True) else "absmax round-to-nearest")
                   + (" (positive scales only)" if report.get("positive_scales") else " (signed scales)") + ".", "",
                   "| projection | matrices | relative MSE | vs absmax RTN | negative scales | all-zero groups |",
                   "|---|---|---|---|---|---|"]
@@ -92,9 +93,37 @@ def render_model_card(manifest: dict, repo_id: str) -> str:
     return "\n".join(lines)
 
 
-def _hub_error(e: Exception, action: str) -> FlashnextError:
-    message = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return FlashnextError(f"{action} failed: {message}")
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _hub_error(e: Exception, action: str, repo_id: str) -> FlashnextError:
+    """One line that says what went wrong with the Hub and what to do."""
+    from huggingface_hub import errors
+
+    if isinstance(e, errors.HFValidationError):
+        return FlashnextError(f"{action} failed: {repo_id!r} is not a valid repository id ({_first_line(e)})")
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return FlashnextError(f"{action} failed: {repo_id} does not exist or you cannot see it; if it is "
+                              "private, log in with `hf auth login` or set HF_TOKEN")
+    if isinstance(e, errors.GatedRepoError):
+        return FlashnextError(f"{action} failed: {repo_id} is gated; ask for access on its page, then log in")
+    if isinstance(e, errors.RevisionNotFoundError):
+        return FlashnextError(f"{action} failed: {repo_id} has no such revision (--revision)")
+    if isinstance(e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
+        return FlashnextError(f"{action} failed: the Hub cannot be reached (offline, HF_HUB_OFFLINE, or a wrong "
+                              "HF_ENDPOINT/--endpoint) and the overlay is not in the local cache")
+    return FlashnextError(f"{action} failed: {_first_line(e)}")
+
+
+def _hub_failures() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub raises for a bad id, a refused request or an unreachable server."""
+    import httpx
+    from huggingface_hub import errors
+
+    return (errors.HfHubHTTPError, errors.HFValidationError, errors.LocalEntryNotFoundError,
+            errors.OfflineModeIsEnabled, httpx.HTTPError, OSError, ValueError)
 
 
 def upload_overlay(overlay: Path, repo_id: str, private: bool = False, revision: str | None = None,
@@ -117,7 +146,6 @@ def upload_overlay(overlay: Path, repo_id: str, private: bool = False, revision:
         raise FlashnextError(f"not uploading: {corrupt[0]}")
 
     from huggingface_hub import CommitOperationAdd, HfApi
-    from huggingface_hub.errors import HfHubHTTPError
 
     api = HfApi(endpoint=endpoint, library_name="flashnext", library_version=__version__)
     try:
@@ -131,18 +159,17 @@ def upload_overlay(overlay: Path, repo_id: str, private: bool = False, revision:
                           for name, local in files]
             operations.append(CommitOperationAdd(path_in_repo=CARD_FILE, path_or_fileobj=str(card_path)))
             info = api.create_commit(repo_id, operations=operations, revision=revision,
-                                     commit_message=f"flashnext {manifest['kind']} overlay "
-                                                    f"({manifest['builder']['name']} {manifest['builder']['version']})")
-    except (HfHubHTTPError, OSError, RuntimeError) as e:
+                                     commit_message=f"flashnext {manifest.kind} overlay "
+                                                    f"({manifest.builder.name} {manifest.builder.version})")
+    except (*_hub_failures(), RuntimeError) as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
-        if status is not None and 400 <= status < 500:
-            raise _hub_error(e, f"upload to {repo_id}") from None
-        cause = e.__cause__ or e
-        raise FlashnextError(f"upload to {repo_id} was interrupted ({str(cause).splitlines()[0]}); "
+        if (status is not None and 400 <= status < 500) or isinstance(e, ValueError):
+            raise _hub_error(e, f"upload to {repo_id}", repo_id) from None
+        raise FlashnextError(f"upload to {repo_id} was interrupted ({_first_line(e.__cause__ or e)}); "
                              "run the same command again: files already on the Hub are not sent twice") from None
     published = {"repo_id": repo_id, "revision": revision or "main", "commit": info.oid,
                  "commit_url": info.commit_url,
-                 "files": {f["path"]: f["sha256"] for f in manifest["replaces"] + manifest["adds"]}}
+                 "files": {f.path: f.sha256 for f in manifest.files}}
     write_text_atomic(overlay / PUBLISHED_FILE, json.dumps(published, indent=2) + "\n")
     return plan | {"commit": info.oid, "commit_url": info.commit_url, "published_record": str(overlay / PUBLISHED_FILE)}
 
@@ -151,13 +178,12 @@ def fetch_overlay(repo_id: str, base: Path, out: Path, revision: str | None = No
                   cache_dir: Path | None = None, force: bool = False) -> dict:
     """Download an overlay repo, verify it against ``base`` and apply it as the view ``out``."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
 
     try:
         local = Path(snapshot_download(repo_id, revision=revision, endpoint=endpoint,
                                        cache_dir=str(cache_dir) if cache_dir else None))
-    except HfHubHTTPError as e:
-        raise _hub_error(e, f"download of {repo_id}") from None
+    except _hub_failures() as e:
+        raise _hub_error(e, f"download of {repo_id}", repo_id) from None
     problems = verify_overlay(base, local)
     if problems:
         raise FlashnextError(f"{repo_id} does not verify: {problems[0]}"

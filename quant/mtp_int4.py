@@ -18,6 +18,7 @@ real-size head (docs/benchmarks.md), whatever the number of experts.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import time
@@ -27,7 +28,9 @@ from pathlib import Path
 import torch
 from flashnext.quant.ct_config import with_mtp_experts_quantized
 from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import atomic_directory, check_free_space, is_within
+from flashnext.quant.fsutil import (atomic_directory, check_free_space, existing_ancestor, make_parents,
+                                    output_file, refuse_overlap, write_json, write_text_atomic)
+from flashnext.quant.jsonfile import get_int, read_json
 from flashnext.quant.mse_rtn import MseSearch, check_group_size, dequantize, quantize_absmax_rtn, quantize_mse_rtn
 from flashnext.quant.overlay import OverlayManifest
 from flashnext.quant.packing import pack_int32, packed_words
@@ -70,10 +73,9 @@ class DraftLayerExperts:
 def find_draft_experts(snap: Snapshot) -> list[DraftLayerExperts]:
     """Locate and validate the MTP routed experts against config.json."""
     tc = snap.text_config
-    try:
-        E, H, I = int(tc["num_experts"]), int(tc["hidden_size"]), int(tc["moe_intermediate_size"])
-    except KeyError as e:
-        raise FlashnextError(f"{snap.root / CONFIG_FILE}: text config lacks {e.args[0]}") from None
+    where = f"{snap.root / CONFIG_FILE}: text config"
+    E, H, I = (get_int(tc, key, where, minimum=1)
+               for key in ("num_experts", "hidden_size", "moe_intermediate_size"))
     fused: dict[str, dict[str, str]] = {}
     per_expert: dict[str, dict[str, str]] = {}
     for name in snap.weight_map:
@@ -211,22 +213,16 @@ def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options
     started = time.perf_counter()
     src, out = Path(src), Path(out)
     snap = Snapshot.open(src)
-    if is_within(out, src):
-        raise FlashnextError(f"--out {out} is inside the source snapshot; write the overlay elsewhere")
     layers = find_draft_experts(snap)
     gs = options.group_size
     for layer in layers:
         for proj in PROJECTIONS:
             check_group_size(layer.shape(proj)[1], gs, f"{layer.prefix} {proj}_proj")
-    try:
-        device = torch.device(options.device)
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError) as e:
-        raise FlashnextError(f"device {options.device!r} is not usable here: {str(e).splitlines()[0]}") from None
+    device = usable_device(options.device)
     per_batch = options.experts_per_batch or (4 if device.type == "cpu" else 32)
 
     # Check the rewritten config both as the checkpoint names the draft layers and as vLLM does.
-    offset = int(snap.text_config.get("num_hidden_layers", 0))
+    offset = get_int(snap.text_config, "num_hidden_layers", f"{snap.root / CONFIG_FILE}: text config", minimum=0)
     draft_indices = sorted({idx for layer in layers for idx in (layer.layer, offset + layer.layer)})
     new_qc = with_mtp_experts_quantized(snap.quantization_config, BITS, gs, draft_indices)
 
@@ -243,16 +239,16 @@ def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options
             plans[layer.source_shard(proj)] += _expert_specs(layer, gs, proj)
     metadata = {f: snap.header(f).metadata for f in plans}
     needed = sum(shard_size(specs, metadata[f]) for f, specs in plans.items()) + (16 << 20)
-    check_free_space(out.absolute().parent, needed, f"the overlay {out}")
+    check_free_space(existing_ancestor(out), needed, f"the overlay {out}")
 
     total_weights = sum(layer.num_experts * 3 * layer.intermediate * layer.hidden for layer in layers)
     stats = {p: _ProjectionStats() for p in PROJECTIONS}
     search = MseSearch(positive_scales=options.positive_scales)
     bytes_read = 0
-    manifest = OverlayManifest(kind="mtp-int4", builder="make-mtp-int4", base=snap.origin)
+    manifest = OverlayManifest.new("mtp-int4", "make-mtp-int4", snap.origin)
 
-    with atomic_directory(out, force=force) as tmp:
-        writers = {f: ShardWriter(tmp / f, specs, metadata[f]) for f, specs in plans.items()}
+    with atomic_directory(out, force=force, inputs={"the source snapshot": src}, made_by="make-mtp-int4") as tmp:
+        writers = {f: ShardWriter(output_file(tmp, f), specs, metadata[f]) for f, specs in plans.items()}
         bar = _Progress(total_weights, progress, "make-mtp-int4")
         try:
             for filename, writer in writers.items():
@@ -272,15 +268,15 @@ def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options
         finally:
             bar.close()
 
-        index = json.loads((snap.path(INDEX_FILE)).read_text())
+        index = copy.deepcopy(snap.index)
         index["weight_map"] = _updated_weight_map(snap.weight_map, layers, plans)
         sizes = {f: writers[f].size for f in writers}
         index.setdefault("metadata", {})["total_size"] = _total_size(snap, index["weight_map"], sizes)
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        config = json.loads(snap.path(CONFIG_FILE).read_text())
+        write_json(tmp / INDEX_FILE, index)
+        config = copy.deepcopy(snap.config)
         holder = config if "quantization_config" in config else config.get("text_config", config)
         holder["quantization_config"] = new_qc
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        write_json(tmp / CONFIG_FILE, config)
 
         elapsed = time.perf_counter() - started
         report = {
@@ -305,6 +301,42 @@ def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options
             manifest.replace(tmp, filename, snap.path(filename))
         manifest.write(tmp)
     return report
+
+
+def check_report_path(report: Path, src: Path, out: Path) -> None:
+    """``--report`` may not write into the source or the overlay, nor replace a file that is not an
+    earlier report (checked before the work starts, so a bad path costs nothing)."""
+    refuse_overlap(report, {"the source snapshot": src, "--out": out})
+    if report.is_dir():
+        raise FlashnextError(f"--report {report} is a directory; name a file")
+    if report.exists() or report.is_symlink():
+        try:
+            earlier = read_json(report, "a make-mtp-int4 report")
+        except FlashnextError:
+            earlier = {}
+        if earlier.get("tool") != "make-mtp-int4":
+            raise FlashnextError(f"--report {report} exists and is not a make-mtp-int4 report; "
+                                 "choose another file")
+
+
+def write_report(report: Path, result: dict) -> None:
+    make_parents(report)
+    write_text_atomic(report, json.dumps(result, indent=2) + "\n")
+
+
+def usable_device(name: str) -> torch.device:
+    """The device to quantize on: the CPU or a CUDA device this process can use."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise FlashnextError(f"--device {name!r} is not a device name: {str(e).splitlines()[0]}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise FlashnextError(f"--device {name!r}: make-mtp-int4 runs on cpu or cuda[:N]")
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise FlashnextError(f"--device {name!r} is not usable here: {str(e).splitlines()[0]}") from None
+    return device
 
 
 def _load_batch(snap: Snapshot, layer: DraftLayerExperts, start: int, stop: int,

@@ -3,21 +3,56 @@
 An overlay is a directory of files that are mounted (or linked) over a base snapshot, file by
 file, plus this manifest. The manifest pins the base files each overlay file replaces by sha256, so
 that a mismatch between an overlay and the snapshot it is applied to can be detected.
+
+:class:`OverlayManifest` is both what a builder fills in and what every reader gets back from
+:meth:`OverlayManifest.load`: a typed object that rejects unknown keys, wrong types and file paths
+that would leave the overlay directory.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
 
 from flashnext import __version__
-from flashnext.quant.fsutil import sha256_bytes, sha256_file, write_text_atomic
+from flashnext.quant.errors import FlashnextError
+from flashnext.quant.fsutil import OUTPUT_MARKER, confined, sha256_bytes, sha256_file, write_text_atomic
+from flashnext.quant.jsonfile import Count, Sha256, StrictRecord, read_model
 from flashnext.quant.safetensors_io import read_header
 from flashnext.quant.snapshot import SnapshotOrigin
 
 MANIFEST_FILE = "overlay.json"
 SCHEMA_VERSION = 1
+# Files of flashnext's own bookkeeping that no manifest entry may name.
+RESERVED_NAMES = frozenset({MANIFEST_FILE, OUTPUT_MARKER, ".flashnext-view.json", "overlay.published.json"})
+
+class BuilderInfo(StrictRecord):
+    name: str
+    version: str
+
+
+class BaseInfo(StrictRecord):
+    repo_id: str | None
+    revision: str | None
+
+
+class ReplacedFile(StrictRecord):
+    path: str
+    sha256: Sha256
+    size: Count
+    base_sha256: Sha256
+    base_size: Count
+    # For a .safetensors base file: sha256 of its length prefix and JSON header.
+    base_header_sha256: Sha256 | None
+
+
+class AddedFile(StrictRecord):
+    path: str
+    sha256: Sha256
+    size: Count
 
 
 def header_sha256(path: Path) -> str | None:
@@ -28,38 +63,53 @@ def header_sha256(path: Path) -> str | None:
     return sha256_bytes(read_header(path).header_bytes)
 
 
-@dataclass
-class OverlayManifest:
-    kind: str
-    builder: str
-    base: SnapshotOrigin
-    replaces: list[dict] = field(default_factory=list)
-    adds: list[dict] = field(default_factory=list)
-    report: dict = field(default_factory=dict)
+class OverlayManifest(StrictRecord):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    kind: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]*$")]
+    builder: BuilderInfo
+    base: BaseInfo
+    replaces: list[ReplacedFile] = Field(default_factory=list)
+    adds: list[AddedFile] = Field(default_factory=list)
+    report: dict = Field(default_factory=dict)
+
+    @classmethod
+    def new(cls, kind: str, builder: str, base: SnapshotOrigin) -> "OverlayManifest":
+        return cls(kind=kind, builder=BuilderInfo(name=builder, version=__version__),
+                   base=BaseInfo(repo_id=base.repo_id, revision=base.revision))
+
+    @classmethod
+    def load(cls, overlay: Path) -> "OverlayManifest":
+        """Read and check ``OVERLAY/overlay.json``; every path it names must stay inside OVERLAY."""
+        overlay = Path(overlay)
+        path = overlay / MANIFEST_FILE
+        if not path.is_file():
+            raise FlashnextError(f"{overlay}: no {MANIFEST_FILE}; is this a flashnext overlay?")
+        manifest = read_model(path, cls, "an overlay manifest")
+        seen: set[str] = set()
+        for entry in manifest.files:
+            confined(overlay, entry.path, str(path))
+            if entry.path in RESERVED_NAMES:
+                raise FlashnextError(f"{path}: {entry.path} is flashnext's own file, not an overlay file")
+            if entry.path in seen:
+                raise FlashnextError(f"{path}: {entry.path} is listed twice")
+            seen.add(entry.path)
+        return manifest
+
+    @property
+    def files(self) -> list[ReplacedFile | AddedFile]:
+        return [*self.replaces, *self.adds]
 
     def replace(self, overlay_dir: Path, name: str, base_path: Path, base_sha256: str | None = None,
                 progress=None) -> None:
         """Record that ``name`` in the overlay replaces the base file ``base_path``."""
-        target = overlay_dir / name
-        self.replaces.append({
-            "path": name,
-            "sha256": sha256_file(target, progress),
-            "size": target.stat().st_size,
-            "base_sha256": base_sha256 or sha256_file(base_path, progress),
-            "base_size": base_path.stat().st_size,
-            "base_header_sha256": header_sha256(base_path),
-        })
+        target = confined(overlay_dir, name, "overlay")
+        self.replaces.append(ReplacedFile(
+            path=name, sha256=sha256_file(target, progress), size=target.stat().st_size,
+            base_sha256=base_sha256 or sha256_file(base_path, progress), base_size=base_path.stat().st_size,
+            base_header_sha256=header_sha256(base_path)))
 
     def to_json(self) -> dict:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "kind": self.kind,
-            "builder": {"name": self.builder, "version": __version__},
-            "base": {"repo_id": self.base.repo_id, "revision": self.base.revision},
-            "replaces": self.replaces,
-            "adds": self.adds,
-            "report": self.report,
-        }
+        return self.model_dump(mode="json")
 
     def write(self, overlay_dir: Path) -> Path:
         path = overlay_dir / MANIFEST_FILE

@@ -102,24 +102,46 @@ def head_sizes(base: int, num_heads: int, dense_layer_id: int) -> tuple[int, ...
     return tuple(primes[dense_layer_id * num_heads:])
 
 
-def ple_layout(text_config: dict, dense_layer_id: int = 0) -> PleLayout:
-    """The layout vLLM derives for PLE layer ``dense_layer_id`` from ``text_config``."""
+# The ngram_vocab_size_base past which finding the heads' primes would take minutes, not milliseconds.
+MAX_NGRAM_VOCAB_BASE = 1 << 40
+# More heads than this is no PLE config but a typo (the real model has 16).
+MAX_HEADS = 4096
+
+
+def ple_layout(text_config: dict, dense_layer_id: int = 0, where: str = "text_config") -> PleLayout:
+    """The layout vLLM derives for PLE layer ``dense_layer_id`` from ``text_config``; a missing,
+    mistyped or out-of-range key is a :class:`FlashnextError` naming ``where`` and the key."""
+    from flashnext.quant.errors import FlashnextError
+    from flashnext.quant.jsonfile import get_int
+
     c = text_config
-    ngram_size = int(c["ngram_size"])
-    heads_per_ngram = int(c["heads_per_ngram"])
+    if not isinstance(c, dict):
+        raise FlashnextError(f"{where}: not a JSON object")
+    if dense_layer_id < 0:
+        raise FlashnextError(f"PLE layer {dense_layer_id} does not exist")
+    ngram_size = get_int(c, "ngram_size", where, minimum=2)
+    heads_per_ngram = get_int(c, "heads_per_ngram", where, minimum=1)
     num_heads = (ngram_size - 1) * heads_per_ngram
-    embed_dim = int(c["ple_embed_dim"])
+    if num_heads * (dense_layer_id + 1) > MAX_HEADS:
+        raise FlashnextError(f"{where}: {num_heads} n-gram heads for PLE layer {dense_layer_id} is implausible")
+    embed_dim = get_int(c, "ple_embed_dim", where, minimum=1)
     if embed_dim % num_heads:
-        raise ValueError(f"ple_embed_dim {embed_dim} is not divisible by {num_heads} n-gram heads")
-    vocab = int(c["vocab_size"])
-    mult = layer_multipliers(vocab, ngram_size, int(c.get("seed", DEFAULT_SEED)), dense_layer_id)
-    sizes = head_sizes(int(c["ngram_vocab_size_base"]), num_heads, dense_layer_id)
+        raise FlashnextError(f"{where}: ple_embed_dim {embed_dim} is not divisible by {num_heads} n-gram heads")
+    vocab = get_int(c, "vocab_size", where, minimum=1)
+    if vocab > (1 << 62):
+        raise FlashnextError(f"{where}: vocab_size {vocab} does not fit vLLM's int64 hashing")
+    seed = get_int(c, "seed", where, default=DEFAULT_SEED)
+    mult = layer_multipliers(vocab, ngram_size, seed, dense_layer_id)
+    base = get_int(c, "ngram_vocab_size_base", where, minimum=2)
+    if base > MAX_NGRAM_VOCAB_BASE:
+        raise FlashnextError(f"{where}: ngram_vocab_size_base {base} is implausible")
+    sizes = head_sizes(base, num_heads, dense_layer_id)
     offsets, total = [], 0
     for s in sizes:
         offsets.append(total)
         total += s
-    divisor = int(c.get("make_ngram_vocab_size_divisible_by", 1))
+    divisor = get_int(c, "make_ngram_vocab_size_divisible_by", where, minimum=1, default=1)
     padded = -(-total // divisor) * divisor
     return PleLayout(vocab, ngram_size, heads_per_ngram, embed_dim // num_heads, mult, sizes,
-                     tuple(offsets), total, padded, int(c.get("split_ngram_parts", 512)),
-                     int(c["eos_token_id"]))
+                     tuple(offsets), total, padded, get_int(c, "split_ngram_parts", where, minimum=1, default=512),
+                     get_int(c, "eos_token_id", where, minimum=0))

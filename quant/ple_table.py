@@ -18,19 +18,26 @@ import json
 import os
 import random
 import re
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from flashnext import __version__
 from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import check_free_space, write_text_atomic
+from flashnext.quant.fsutil import (check_free_space, fsync_dir, make_parents, output_lock, refuse_overlap,
+                                    remove_empty, remove_leftovers, write_text_atomic)
+from flashnext.quant.jsonfile import Count, Sha256, StrictRecord, get_int, read_json, validate
+from flashnext.quant.overlay import header_sha256
 from flashnext.quant.ple_layout import PleLayout, ple_layout
 from flashnext.quant.safetensors_io import DTYPE_BYTES, TORCH_DTYPES, TensorEntry, read_rows
 from flashnext.quant.snapshot import Snapshot
 
 FORMAT = "flashnext.ple-table/1"
+JOURNAL_FORMAT = "flashnext.ple-table-journal/1"
 BLOCK_BYTES = 16 << 20
 COPY_CHUNK = 64 << 20
 TABLE_DTYPES = ("BF16", "F8_E4M3")
@@ -80,11 +87,14 @@ def _read_buffer(snap: Snapshot, name: str) -> list[int] | None:
 def find_ple_source(snap: Snapshot, dense_layer_id: int = 0) -> PleSource:
     """Locate the table of PLE layer ``dense_layer_id`` and check it against the config."""
     tc = snap.text_config
-    try:
-        layer_ids = sorted(set(int(i) for i in tc["ple_layer_ids"]))
-        formula = ple_layout(tc, dense_layer_id)
-    except KeyError as e:
-        raise FlashnextError(f"{snap.root / 'config.json'}: text config lacks {e.args[0]}; not a PLE model") from None
+    where = f"{snap.root / 'config.json'}: text config"
+    ids = tc.get("ple_layer_ids")
+    if ids is None:
+        raise FlashnextError(f"{where} lacks ple_layer_ids; not a PLE model")
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 1 for i in ids):
+        raise FlashnextError(f"{where}: ple_layer_ids must be a list of positive integers")
+    layer_ids = sorted(set(ids))
+    formula = ple_layout(tc, dense_layer_id, where)
     if dense_layer_id >= len(layer_ids):
         raise FlashnextError(f"PLE layer {dense_layer_id} does not exist: ple_layer_ids is {layer_ids}")
     layer = layer_ids[dense_layer_id] - 1  # ple_layer_ids is 1-based
@@ -116,7 +126,7 @@ def find_ple_source(snap: Snapshot, dense_layer_id: int = 0) -> PleSource:
     if overrides:
         sizes = overrides.get("head_sizes", formula.head_sizes)
         rows = sum(sizes)
-        divisor = int(tc.get("make_ngram_vocab_size_divisible_by", 1))
+        divisor = get_int(tc, "make_ngram_vocab_size_divisible_by", where, minimum=1, default=1)
         layout = replace(formula, **overrides, rows=rows, padded_rows=-(-rows // divisor) * divisor)
 
     parts = layout.split_parts
@@ -160,6 +170,82 @@ def _scalar(path: Path, entry: TensorEntry) -> float:
     return float(torch.frombuffer(data, dtype=TORCH_DTYPES[entry.dtype]).float()[0])
 
 
+class SidecarShard(StrictRecord):
+    index: Count
+    name: str
+    first_row: Count
+    rows: Count
+    sha256: Sha256
+    block_sha256: list[Sha256]
+
+
+class SidecarLayout(StrictRecord):
+    vocab_size: Count
+    ngram_size: Count
+    heads_per_ngram: Count
+    multipliers: list[int]
+    head_sizes: list[Count]
+    head_offsets: list[Count]
+    rows: Count
+    padded_rows: Count
+    split_parts: Count
+    eos_token_id: int
+
+
+class Builder(StrictRecord):
+    name: str
+    version: str
+
+
+class SourceRecord(StrictRecord):
+    path: str
+    repo_id: str | None
+    revision: str | None
+
+
+class FileStat(StrictRecord):
+    """The table file as it was when written: a later write or copy changes it."""
+
+    size: Count
+    mtime_ns: Count
+    inode: Count
+
+
+class Sidecar(StrictRecord):
+    """``TABLE.json``: how the table file was built, with a hash per 16 MiB block."""
+
+    format: Literal["flashnext.ple-table/1"]
+    builder: Builder
+    source: SourceRecord
+    layer: Count
+    dense_layer_id: Count
+    dtype: Literal["BF16", "F8_E4M3"]
+    scale: float | None
+    rows: Count
+    row_elements: Annotated[int, Field(gt=0)]
+    row_bytes: Annotated[int, Field(gt=0)]
+    file_size: Count
+    block_bytes: Annotated[int, Field(gt=0)]
+    layout: SidecarLayout
+    differences: list[str]
+    shards: list[SidecarShard]
+    table_stat: FileStat | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Sidecar":
+        if self.row_bytes != self.row_elements * DTYPE_BYTES[self.dtype]:
+            raise ValueError(f"row_bytes {self.row_bytes} is not row_elements x {self.dtype}")
+        if self.file_size != self.rows * self.row_bytes:
+            raise ValueError(f"file_size {self.file_size} is not rows x row_bytes")
+        for shard in self.shards:
+            if shard.first_row + shard.rows > self.rows:
+                raise ValueError(f"shard {shard.index} ends past row {self.rows}")
+            blocks = -(-shard.rows * self.row_bytes // self.block_bytes)
+            if len(shard.block_sha256) != blocks:
+                raise ValueError(f"shard {shard.index} has {len(shard.block_sha256)} block hashes, not {blocks}")
+        return self
+
+
 def sidecar_path(table: Path) -> Path:
     return table.with_name(table.name + ".json")
 
@@ -172,8 +258,27 @@ def _partial_path(table: Path) -> Path:
     return table.with_name(table.name + ".partial")
 
 
+IDENTITY_SAMPLES = 16
+IDENTITY_SAMPLE_BYTES = 64 << 10
+
+
+def _content_sample(shard: TableShard) -> str:
+    """sha256 of 64 KiB at 16 evenly spaced places of a shard's bytes, and of its last 64 KiB."""
+    digest = hashlib.sha256()
+    n = shard.entry.nbytes
+    starts = sorted({min(n, i * n // IDENTITY_SAMPLES) for i in range(IDENTITY_SAMPLES)}
+                    | {max(0, n - IDENTITY_SAMPLE_BYTES)})
+    with open(shard.path, "rb", buffering=0) as f:
+        for start in starts:
+            digest.update(os.pread(f.fileno(), min(IDENTITY_SAMPLE_BYTES, n - start), shard.entry.begin + start))
+    return digest.hexdigest()
+
+
 def _source_identity(source: PleSource) -> list:
-    return [[s.index, s.name, s.entry.dtype, list(s.entry.shape), s.path.stat().st_size] for s in source.shards]
+    """What an interrupted build may resume against: each shard's name, dtype and shape, its file's
+    safetensors header hash and a sampled hash of its bytes."""
+    return [[s.index, s.name, s.entry.dtype, list(s.entry.shape), header_sha256(s.path), _content_sample(s)]
+            for s in source.shards]
 
 
 def _copy_shard(shard: TableShard, fd: int, row_bytes: int, progress) -> dict:
@@ -212,29 +317,96 @@ def _copy_shard(shard: TableShard, fd: int, row_bytes: int, progress) -> dict:
             "sha256": whole.hexdigest(), "block_sha256": blocks}
 
 
+def _allocated_bytes(path: Path) -> int:
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def _flashnext_table(out: Path) -> bool:
+    try:
+        read_sidecar(out)
+    except FlashnextError:
+        return False
+    return True
+
+
+def _resumable_shards(out: Path, identity: list, force: bool) -> dict[int, dict]:
+    """The shards an interrupted build of ``out`` already copied, if it was built from this very
+    source. A partial build from another source, or a damaged journal, is refused; ``force`` starts
+    over instead."""
+    partial, journal_path = _partial_path(out), _journal_path(out)
+    if not journal_path.exists():
+        if partial.exists():
+            raise FlashnextError(f"{partial} exists but is no interrupted flashnext build (no {journal_path.name}); "
+                                 "remove it or choose another --out")
+        return {}
+    if not partial.exists():
+        return {}
+    try:
+        journal = read_json(journal_path, "a ple build journal")
+        if journal.get("format") != JOURNAL_FORMAT or not isinstance(journal.get("shards"), dict):
+            raise FlashnextError(f"{journal_path}: not a {JOURNAL_FORMAT} journal")
+        shards = {int(k): validate(v, SidecarShard, str(journal_path)).model_dump()
+                  for k, v in journal["shards"].items()}
+    except (FlashnextError, ValueError) as e:
+        if force:
+            return {}
+        raise FlashnextError(f"{journal_path} is damaged ({e}); pass --force to start over") from None
+    if journal.get("source") != identity:
+        if force:
+            return {}
+        raise FlashnextError(f"{partial} is an interrupted build from a different source (the PLE shards changed "
+                             "since); pass --force to start over")
+    return shards
+
+
 def build_table(src: Path, out: Path, dense_layer_id: int = 0, force: bool = False,
                 progress: bool = True) -> dict:
-    """Write the table file ``out`` and its sidecar from snapshot ``src``; resumes an interrupted build."""
+    """Write the table file ``out`` and its sidecar from snapshot ``src``; resumes an interrupted
+    build from the same source. Only one build of ``out`` runs at a time."""
     snap = Snapshot.open(src)
     source = find_ple_source(snap, dense_layer_id)
     out = Path(out).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    refuse_overlap(out, {"the source snapshot": snap.root})
+    if out.is_dir():
+        raise FlashnextError(f"{out} is a directory; --out names the table file to write")
+    created = make_parents(out)
+    try:
+        with output_lock(out):
+            return _build_locked(snap, source, out, force, progress)
+    except BaseException:
+        remove_empty(created)
+        raise
+
+
+def _build_locked(snap: Snapshot, source: PleSource, out: Path, force: bool, progress: bool) -> dict:
+    for sibling in (out, sidecar_path(out), _journal_path(out)):
+        remove_leftovers(sibling)
     if out.exists() and not force:
         size = out.stat().st_size
         what = "has the right size" if size == source.file_size else \
             f"is {size} bytes, not the {source.file_size} this table needs"
         raise FlashnextError(f"{out} already exists and {what}; pass --force to rebuild it")
+    if (out.exists() or out.is_symlink()) and not _flashnext_table(out):
+        raise FlashnextError(f"{out} exists and was not made by `flashnext ple build` (no valid {sidecar_path(out).name}); "
+                             "--force only replaces flashnext's own table: remove it yourself or choose another --out")
+    if sidecar_path(out).exists() and not out.exists():
+        try:
+            read_sidecar(out)
+        except FlashnextError:
+            raise FlashnextError(f"{sidecar_path(out)} exists and is not a flashnext sidecar; remove it or "
+                                 "choose another --out") from None
     partial, journal_path = _partial_path(out), _journal_path(out)
     identity = _source_identity(source)
-    done: dict[int, dict] = {}
-    if partial.exists() and journal_path.exists():
-        journal = json.loads(journal_path.read_text())
-        if journal.get("source") == identity and partial.stat().st_size == source.file_size:
-            done = {int(k): v for k, v in journal["shards"].items()}
+    done = _resumable_shards(out, identity, force)
     if not done:
         partial.unlink(missing_ok=True)
     remaining = sum(s.entry.nbytes for s in source.shards if s.index not in done)
-    check_free_space(out.parent, remaining if partial.exists() else source.file_size, f"the PLE table {out}")
+    check_free_space(out.parent, max(0, source.file_size - _allocated_bytes(partial)), f"the PLE table {out}")
+    journal = {"format": JOURNAL_FORMAT, "source": identity, "shards": done}
+    write_text_atomic(journal_path, json.dumps(journal))  # first, so that a partial always has its journal
 
     bar = None
     if progress:
@@ -247,8 +419,9 @@ def build_table(src: Path, out: Path, dense_layer_id: int = 0, force: bool = Fal
             if shard.index in done:
                 continue
             done[shard.index] = _copy_shard(shard, fd, source.row_bytes, bar.update if bar else lambda n: None)
-            write_text_atomic(journal_path, json.dumps({"source": identity, "shards": done}))
+            write_text_atomic(journal_path, json.dumps(journal))
         os.fsync(fd)
+        st = os.fstat(fd)
     finally:
         os.close(fd)
         if bar is not None:
@@ -271,52 +444,69 @@ def build_table(src: Path, out: Path, dense_layer_id: int = 0, force: bool = Fal
                    "split_parts": source.layout.split_parts, "eos_token_id": source.layout.eos_token_id},
         "differences": source.differences,
         "shards": [done[s.index] for s in source.shards],
+        "table_stat": {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino},
     }
-    os.replace(partial, out)
+    # The sidecar goes first: a table file never exists without the sidecar that vouches for it.
     write_text_atomic(sidecar_path(out), json.dumps(sidecar, indent=1) + "\n")
+    os.replace(partial, out)
+    fsync_dir(out.parent)
     journal_path.unlink(missing_ok=True)
     return {k: sidecar[k] for k in ("dtype", "scale", "rows", "row_bytes", "file_size", "differences")} | {
         "path": str(out), "sidecar": str(sidecar_path(out)), "shards": len(source.shards)}
 
 
-def read_sidecar(table: Path) -> dict:
+def read_sidecar(table: Path) -> Sidecar:
     path = sidecar_path(Path(table))
-    try:
-        sidecar = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FlashnextError(f"{path} is missing: was {table} made by `flashnext ple build`?") from None
-    if sidecar.get("format") != FORMAT:
+    if not path.is_file():
+        raise FlashnextError(f"{path} is missing: was {table} made by `flashnext ple build`?")
+    data = read_json(path, "a PLE table sidecar")
+    if data.get("format") != FORMAT:
         raise FlashnextError(f"{path}: not a {FORMAT} sidecar")
-    return sidecar
+    return validate(data, Sidecar, str(path))
 
 
-def verify_table(table: Path, full: bool = False, samples: int = 16, seed: int | None = None) -> dict:
-    """Check size and hashes: ``samples`` random 16 MiB blocks (plus each end), or every byte."""
+def verify_table(table: Path, full: bool = False, samples: int = 16, seed: int | None = None,
+                 seconds: float | None = None) -> dict:
+    """Check size and hashes against the sidecar: every byte (``full``); or, with a time budget
+    ``seconds``, random 16 MiB blocks (both ends first) until the budget is spent; or else
+    ``samples`` random blocks plus both ends. The result says how much was covered."""
     table = Path(table)
     sidecar = read_sidecar(table)
     if not table.is_file():
         raise FlashnextError(f"{table}: no such table file")
     size = table.stat().st_size
-    expected = sidecar["rows"] * sidecar["row_bytes"]
-    if size != expected or sidecar["file_size"] != expected:
-        raise FlashnextError(f"{table} is {size} bytes; its layout needs exactly {expected}")
-    blocks = [(i, b) for i, s in enumerate(sidecar["shards"]) for b in range(len(s["block_sha256"]))]
+    if size != sidecar.file_size:
+        raise FlashnextError(f"{table} is {size} bytes; its layout needs exactly {sidecar.file_size}")
+    blocks = [(i, b) for i, s in enumerate(sidecar.shards) for b in range(len(s.block_sha256))]
+    rng = random.Random(seed)
     if full:
         chosen = blocks
+    elif seconds is not None:
+        chosen = blocks[:1] + blocks[-1:] + rng.sample(blocks[1:-1], max(0, len(blocks) - 2))
     else:
-        rng = random.Random(seed)
-        chosen = sorted(set([blocks[0], blocks[-1]] + rng.sample(blocks, min(samples, len(blocks)))))
-    row_bytes, block = sidecar["row_bytes"], sidecar["block_bytes"]
+        chosen = sorted(set(blocks[:1] + blocks[-1:] + rng.sample(blocks, min(samples, len(blocks)))))
+    row_bytes, block = sidecar.row_bytes, sidecar.block_bytes
     checked = 0
+    started = time.monotonic()
     with open(table, "rb", buffering=0) as f:
-        for i, b in chosen:
-            shard = sidecar["shards"][i]
-            start = shard["first_row"] * row_bytes + b * block
-            length = min(block, shard["rows"] * row_bytes - b * block)
+        for n, (i, b) in enumerate(chosen):
+            if seconds is not None and n >= 2 and time.monotonic() - started > seconds:
+                break
+            shard = sidecar.shards[i]
+            start = shard.first_row * row_bytes + b * block
+            length = min(block, shard.rows * row_bytes - b * block)
             data = os.pread(f.fileno(), length, start)
-            if hashlib.sha256(data).hexdigest() != shard["block_sha256"][b]:
-                raise FlashnextError(f"{table}: shard {shard['index']} ({shard['name']}) differs from its "
+            if hashlib.sha256(data).hexdigest() != shard.block_sha256[b]:
+                raise FlashnextError(f"{table}: shard {shard.index} ({shard.name}) differs from its "
                                      f"source in bytes {start}..{start + length} (block {b})")
             checked += length
+    elapsed = time.monotonic() - started
+    hashed = sum(min(block, s.rows * row_bytes - b * block) for i, s in enumerate(sidecar.shards)
+                 for b in range(len(s.block_sha256)))
+    st = table.stat()
+    stat = sidecar.table_stat
     return {"path": str(table), "ok": True, "mode": "full" if full else "sampled",
-            "bytes_checked": checked, "file_size": size}
+            "bytes_checked": checked, "bytes_hashed_in_sidecar": hashed, "file_size": size,
+            "coverage": checked / hashed if hashed else 1.0, "seconds": round(elapsed, 3),
+            "unchanged_since_build": None if stat is None else
+            (stat.size, stat.mtime_ns, stat.inode) == (st.st_size, st.st_mtime_ns, st.st_ino)}

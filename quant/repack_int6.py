@@ -19,7 +19,6 @@ Shards are rewritten under their own names, other tensors copied byte for byte.
 from __future__ import annotations
 
 import copy
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,16 +26,18 @@ from pathlib import Path
 import torch
 
 from flashnext.quant.bitplane import LAYOUT, bitplane_to_dense6, dense6_to_bitplane, dense6_to_int8
-from flashnext.quant.ct_config import weight_scheme
+from flashnext.quant.ct_config import DEFAULT_INT6_TARGETS, checked_quantization_config, weight_scheme
 from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import atomic_directory, check_free_space, is_within
+from flashnext.quant.fsutil import (atomic_directory, check_free_space, existing_ancestor, output_file,
+                                    write_json)
+from flashnext.quant.jsonfile import get_dict
 from flashnext.quant.overlay import OverlayManifest
 from flashnext.quant.packing import packed_words
 from flashnext.quant.safetensors_io import (ShardWriter, TensorSpec, copy_tensor_bytes, read_rows,
                                            shard_size)
 from flashnext.quant.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
 
-DEFAULT_TARGETS = r".*mlp\.shared_expert\.(gate|up|down)_proj$"
+DEFAULT_TARGETS = DEFAULT_INT6_TARGETS
 INT8_GROUP = "flashnext_int6_widened_to_int8"
 MODES = ("bitplane", "int8", "reverse")
 
@@ -59,7 +60,7 @@ def find_targets(snap: Snapshot, pattern: str, mode: str) -> list[Target]:
         regex = re.compile(pattern)
     except re.error as e:
         raise FlashnextError(f"--targets is not a valid regular expression: {e}") from None
-    bitplane_modules = set(((snap.config.get("flashnext") or {}).get("int6_bitplane") or {}).get("modules", []))
+    bitplane_modules = set(recorded_bitplane_modules(snap))
     targets = []
     for name in snap.weight_map:
         if not name.endswith(".weight_packed"):
@@ -72,7 +73,7 @@ def find_targets(snap: Snapshot, pattern: str, mode: str) -> list[Target]:
             continue
         if f"{module}.weight_shape" not in snap.weight_map:
             raise FlashnextError(f"{module} has weight_packed but no weight_shape")
-        rows, cols = (int(v) for v in _read(snap, f"{module}.weight_shape").tolist())
+        rows, cols = _weight_shape(snap, module)
         _, entry = snap.entry(name)
         if mode == "reverse":
             expected = ("U8", (rows, cols * 3 // 4))
@@ -112,9 +113,35 @@ def _convert(snap: Snapshot, t: Target, mode: str) -> torch.Tensor:
     return bitplane_to_dense6(data, t.cols)
 
 
+def recorded_bitplane_modules(snap: Snapshot) -> list[str]:
+    """The modules config.json's ``flashnext.int6_bitplane`` lists (none when it has no such key)."""
+    where = f"{snap.root / CONFIG_FILE}: flashnext"
+    section = get_dict(snap.config, "flashnext", str(snap.root / CONFIG_FILE), required=False) or {}
+    record = get_dict(section, "int6_bitplane", where, required=False) or {}
+    modules = record.get("modules", [])
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise FlashnextError(f"{where}.int6_bitplane: modules must be a list of module names")
+    return modules
+
+
+def _weight_shape(snap: Snapshot, module: str) -> tuple[int, int]:
+    """``M.weight_shape``: two positive integers, the dense matrix's [rows, cols]."""
+    name = f"{module}.weight_shape"
+    path, entry = snap.entry(name)
+    if entry.dtype not in ("I64", "I32") or entry.shape != (2,):
+        raise FlashnextError(f"{path}: {name} is {entry.dtype}{list(entry.shape)}, not an integer [2]")
+    rows, cols = (int(v) for v in _read(snap, name).tolist())
+    if rows <= 0 or cols <= 0:
+        raise FlashnextError(f"{path}: {name} is [{rows}, {cols}]; both must be positive")
+    return rows, cols
+
+
 def _group_size(snap: Snapshot, module: str) -> int:
-    _, entry = snap.entry(f"{module}.weight_scale")
-    cols = int(_read(snap, f"{module}.weight_shape")[1])
+    path, entry = snap.entry(f"{module}.weight_scale")
+    rows, cols = _weight_shape(snap, module)
+    if len(entry.shape) != 2 or entry.shape[0] != rows or entry.shape[1] <= 0 or cols % entry.shape[1]:
+        raise FlashnextError(f"{path}: {module}.weight_scale is {list(entry.shape)}, which is no group "
+                             f"scaling of [{rows}, {cols}]")
     return cols // entry.shape[1]
 
 
@@ -128,10 +155,11 @@ def _new_config(snap: Snapshot, targets: list[Target], mode: str) -> dict:
         if not config["flashnext"]:
             config.pop("flashnext")
     else:
-        holder = config if "quantization_config" in config else config["text_config"]
+        holder = config if "quantization_config" in config else config.get("text_config", config)
         qc = holder.get("quantization_config")
         if not qc or qc.get("quant_method") != "compressed-tensors":
             raise FlashnextError("--to int8 needs a compressed-tensors quantization_config in config.json")
+        checked_quantization_config(qc, str(snap.root / CONFIG_FILE))
         sizes = {_group_size(snap, m) for m in modules}
         if len(sizes) != 1:
             raise FlashnextError(f"the targets mix group sizes {sorted(sizes)}; widen them in separate runs")
@@ -147,8 +175,6 @@ def repack_int6(src: Path, out: Path, targets: str = DEFAULT_TARGETS, mode: str 
     if mode not in MODES:
         raise FlashnextError(f"unknown mode {mode!r}")
     snap = Snapshot.open(src)
-    if is_within(out, src):
-        raise FlashnextError(f"--out {out} is inside the source snapshot; write the overlay elsewhere")
     found = find_targets(snap, targets, mode)
     by_shard: dict[str, dict[str, Target]] = {}
     for t in found:
@@ -158,14 +184,14 @@ def repack_int6(src: Path, out: Path, targets: str = DEFAULT_TARGETS, mode: str 
         plans[filename] = [_new_spec(replaced[s.name], mode) if s.name in replaced else s
                            for s in snap.header(filename).specs_in_file_order()]
     needed = sum(shard_size(specs, snap.header(f).metadata) for f, specs in plans.items()) + (1 << 20)
-    check_free_space(Path(out).absolute().parent, needed, f"the overlay {out}")
+    check_free_space(existing_ancestor(out), needed, f"the overlay {out}")
     kinds = {"bitplane": "int6-bitplane", "int8": "int6-to-int8", "reverse": "int6-dense"}
-    manifest = OverlayManifest(kind=kinds[mode], builder="repack-int6", base=snap.origin)
-    with atomic_directory(out, force=force) as tmp:
+    manifest = OverlayManifest.new(kinds[mode], "repack-int6", snap.origin)
+    with atomic_directory(out, force=force, inputs={"the source snapshot": src}, made_by="repack-int6") as tmp:
         sizes = {}
         for filename, specs in plans.items():
             header = snap.header(filename)
-            with ShardWriter(tmp / filename, specs, header.metadata) as writer:
+            with ShardWriter(output_file(tmp, filename), specs, header.metadata) as writer:
                 for spec in specs:
                     t = by_shard[filename].get(spec.name)
                     if t is None:
@@ -175,12 +201,14 @@ def repack_int6(src: Path, out: Path, targets: str = DEFAULT_TARGETS, mode: str 
             sizes[filename] = writer.size
         files = list(plans)
         if any(sizes[f] != snap.header(f).file_size for f in plans):
-            index = json.loads(snap.path(INDEX_FILE).read_text())
+            index = copy.deepcopy(snap.index)
             delta = sum(sizes[f] - snap.header(f).file_size for f in plans)
-            index.setdefault("metadata", {})["total_size"] = int(index.get("metadata", {}).get("total_size", 0)) + delta
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            metadata = index.setdefault("metadata", {})
+            total = metadata.get("total_size", 0)
+            metadata["total_size"] = (total if type(total) is int else 0) + delta
+            write_json(tmp / INDEX_FILE, index)
             files.append(INDEX_FILE)
-        (tmp / CONFIG_FILE).write_text(json.dumps(_new_config(snap, found, mode), indent=2) + "\n")
+        write_json(tmp / CONFIG_FILE, _new_config(snap, found, mode))
         files.append(CONFIG_FILE)
         report = {"tool": "repack-int6", "mode": mode, "layout": LAYOUT if mode == "bitplane" else None,
                   "modules": [t.module for t in found], "shards": list(plans),

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from flashnext.quant.errors import FlashnextError
+from flashnext.quant.jsonfile import parse_json
 
 HEADER_LIMIT = 100 * 1024 * 1024
 
@@ -31,7 +32,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 DTYPE_BYTES: dict[str, int] = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8,
 }
 
 
@@ -68,7 +69,11 @@ class ShardHeader:
 
 
 def read_header(path: Path) -> ShardHeader:
-    """Parse a safetensors file's header; a malformed file is a :class:`FlashnextError`."""
+    """Parse and validate a safetensors file's header as the safetensors library does: a JSON
+    object (no duplicate names) of known dtypes and non-negative integer shapes, whose data offsets
+    tile the data section from 0 to the end of the file with no gap or overlap, each tensor's byte
+    count matching its shape; ``__metadata__`` maps strings to strings. Anything else is a
+    :class:`FlashnextError` naming the file and the tensor."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -79,26 +84,58 @@ def read_header(path: Path) -> ShardHeader:
             if length > HEADER_LIMIT:
                 raise FlashnextError(f"{path}: safetensors header of {length} bytes is implausible")
             raw = f.read(length)
+            size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         raise FlashnextError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise FlashnextError(f"{path}: is a directory, not a safetensors file") from None
     if len(raw) != length:
         raise FlashnextError(f"{path}: truncated safetensors header")
-    try:
-        header = json.loads(raw)
-    except ValueError:
-        raise FlashnextError(f"{path}: safetensors header is not valid JSON") from None
+    if not raw.startswith(b"{"):
+        raise FlashnextError(f"{path}: safetensors header does not start with '{{'")
+    header = parse_json(raw, f"{path}: safetensors header")
+    if not isinstance(header, dict):
+        raise FlashnextError(f"{path}: safetensors header is not a JSON object")
     data_start = 8 + length
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise FlashnextError(f"{path}: __metadata__ must map strings to strings")
     entries = {}
     for name, info in header.items():
-        begin, end = info["data_offsets"]
-        entries[name] = TensorEntry(name, info["dtype"], tuple(info["shape"]),
-                                    data_start + begin, data_start + end)
-    size = path.stat().st_size
-    last = max((e.end for e in entries.values()), default=data_start)
-    if last > size:
-        raise FlashnextError(f"{path}: truncated: header promises {last} bytes, file has {size}")
+        entries[name] = _entry(path, name, info, data_start)
+    cursor = 0
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin - data_start != cursor:
+            raise FlashnextError(f"{path}: tensor {e.name} starts at data offset {e.begin - data_start}, "
+                                 f"expected {cursor} (offsets must tile the data with no gap or overlap)")
+        cursor = e.end - data_start
+    if data_start + cursor != size:
+        what = "truncated" if data_start + cursor > size else "has trailing bytes"
+        raise FlashnextError(f"{path}: {what}: the header describes {data_start + cursor} bytes, "
+                             f"the file has {size}")
     return ShardHeader(path, entries, metadata, data_start, prefix + raw)
+
+
+def _entry(path: Path, name: str, info: object, data_start: int) -> TensorEntry:
+    where = f"{path}: tensor {name}"
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise FlashnextError(f"{where}: needs exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise FlashnextError(f"{where}: unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise FlashnextError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(type(o) is int and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+        raise FlashnextError(f"{where}: data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+    nbytes = DTYPE_BYTES[dtype]
+    for d in shape:
+        nbytes *= d
+    if offsets[1] - offsets[0] != nbytes:
+        raise FlashnextError(f"{where}: {dtype}{shape} is {nbytes} bytes but data_offsets span "
+                             f"{offsets[1] - offsets[0]}")
+    return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
 @dataclass(frozen=True)

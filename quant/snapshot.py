@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 from flashnext.quant.errors import FlashnextError
+from flashnext.quant.fsutil import confined
+from flashnext.quant.jsonfile import get_dict, read_json
 from flashnext.quant.safetensors_io import ShardHeader, TensorEntry, read_header
 
 CONFIG_FILE = "config.json"
@@ -22,13 +23,35 @@ class SnapshotOrigin:
     revision: str | None = None
 
 
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FlashnextError(f"{path.parent}: no {path.name} ({what}); is this a model snapshot?") from None
-    except ValueError as e:
-        raise FlashnextError(f"{path}: not valid JSON ({e})") from None
+def read_config(path: Path) -> dict:
+    """A model's config.json: a JSON object whose ``text_config`` and ``quantization_config``, where
+    present, are objects too."""
+    config = read_json(path, "the model config")
+    get_dict(config, "text_config", str(path), required=False)
+    holder = config.get("text_config") or config
+    for where, obj in ((str(path), config), (f"{path}: text_config", holder)):
+        get_dict(obj, "quantization_config", where, required=False)
+    return config
+
+
+def read_index(path: Path) -> dict:
+    """A safetensors index: ``weight_map`` maps tensor names to ``.safetensors`` files that stay
+    inside the snapshot (a shard name is a path read from a file, so it is untrusted)."""
+    index = read_json(path, "the safetensors index")
+    weight_map = get_dict(index, "weight_map", str(path))
+    if not weight_map:
+        raise FlashnextError(f"{path}: weight_map is empty")
+    get_dict(index, "metadata", str(path), required=False)
+    checked: set[str] = set()
+    for name, filename in weight_map.items():
+        if filename in checked:
+            continue
+        where = f"{path}: weight_map[{name!r}]"
+        if not isinstance(filename, str) or not filename.endswith(".safetensors"):
+            raise FlashnextError(f"{where}: {filename!r} is not a .safetensors file name")
+        confined(path.parent, filename, where)
+        checked.add(filename)
+    return index
 
 
 @dataclass
@@ -44,11 +67,7 @@ class Snapshot:
         root = Path(root)
         if not root.is_dir():
             raise FlashnextError(f"{root}: not a directory")
-        config = _read_json(root / CONFIG_FILE, "the model config")
-        index = _read_json(root / INDEX_FILE, "the safetensors index")
-        if not isinstance(index.get("weight_map"), dict) or not index["weight_map"]:
-            raise FlashnextError(f"{root / INDEX_FILE}: has no weight_map")
-        snap = cls(root, config, index)
+        snap = cls(root, read_config(root / CONFIG_FILE), read_index(root / INDEX_FILE))
         missing = [f for f in snap.shard_files if not (root / f).is_file()]
         if missing:
             raise FlashnextError(
@@ -75,7 +94,7 @@ class Snapshot:
         return list(dict.fromkeys(self.weight_map.values()))
 
     def path(self, filename: str) -> Path:
-        return self.root / filename
+        return confined(self.root, filename, str(self.root / INDEX_FILE))
 
     def header(self, filename: str) -> ShardHeader:
         if filename not in self._headers:

@@ -38,13 +38,14 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flashnext.manifests import manifest_path
 from flashnext.quant import envs
 from flashnext.quant.errors import FlashnextError
 
 ATTENTION_BLOCK_ALIGNMENT = 16
 QSA_STATE_POSITION_BYTES = 8
 KV_DTYPE_BYTES = 2  # bf16 K/V and keys
-MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "qwen3.8-flash-next.json"
+MANIFEST = manifest_path("qwen3.8-flash-next.json")
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,9 @@ def load_text_config(path: Path | None = None) -> TextConfig:
         config = path / "config.json" if path.is_dir() else path
         if not config.is_file():
             raise FlashnextError(f"{config}: no such config.json")
-        try:
-            where, data = str(config), json.loads(config.read_text())
-        except json.JSONDecodeError as err:
-            raise FlashnextError(f"{config}: not JSON ({err})") from None
+        from flashnext.quant.jsonfile import read_json
+
+        where, data = str(config), read_json(config, "the model config")
     return TextConfig.from_dict(data, where)
 
 

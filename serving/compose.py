@@ -24,7 +24,9 @@ CONTAINER_PORT = 8000
 MODEL_DIR = "/models/snapshot"
 OVERLAY_DIR = "/models/overlays"
 PLE_PATH = "/models/ple/table.bin"
-SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the repository, when installed from source
+# The repository, when flashnext runs from a source checkout (the image is built from one); an
+# installed wheel has no build context, so its compose file names the image only.
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ def render_compose(req: ServeRequest) -> dict:
         service["cap_add"] = sorted(c.cap_add)
         for cap, why in c.cap_add.items():
             service["labels"][f"io.flashnext.cap_add.{cap}"] = why
-    if (SOURCE_ROOT / "serving" / "Dockerfile").is_file():
+    if (SOURCE_ROOT / "pyproject.toml").is_file() and (SOURCE_ROOT / "serving" / "Dockerfile").is_file():
         service["build"] = {"context": str(SOURCE_ROOT), "dockerfile": "serving/Dockerfile"}
     return {"name": f"flashnext-{p.name}", "services": {SERVICE: service},
             "x-flashnext": {"profile": p.name, "description": p.description, "base_image": BASE_IMAGE}}

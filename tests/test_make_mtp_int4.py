@@ -44,7 +44,7 @@ def leftovers(parent: Path, name: str) -> list[str]:
 
 def test_overlay_holds_exactly_the_mounted_files(demo_overlay):
     assert sorted(p.name for p in demo_overlay.iterdir()) == sorted(
-        [MTP_SHARD, "model.safetensors.index.json", "config.json", "overlay.json"])
+        [MTP_SHARD, "model.safetensors.index.json", "config.json", "overlay.json", ".flashnext-output.json"])
 
 
 def test_source_snapshot_is_untouched(snapshot_copy, tmp_path):

@@ -72,7 +72,7 @@ def test_apply_one_overlay_and_vllm_reads_the_view(demo_snapshot, demo_overlay, 
     result = run("overlay", "apply", demo_overlay, "--base", demo_snapshot, "--out", view, "--json")
     assert result.exit_code == 0, result.output
     for entry in view.iterdir():
-        if entry.name != ".flashnext-view.json":
+        if entry.name not in (".flashnext-view.json", ".flashnext-output.json"):
             assert entry.is_symlink(), entry
     assert os.readlink(view / MTP_SHARD) == str(demo_overlay / MTP_SHARD)
     assert os.readlink(view / OTHER_SHARD) == str(demo_snapshot / OTHER_SHARD)
@@ -122,7 +122,7 @@ def _second_overlay(base: Path, out: Path, config_change: dict, shard: str = OTH
     config = json.loads((base / "config.json").read_text())
     config.update(config_change)
     (out / "config.json").write_text(json.dumps(config))
-    manifest = OverlayManifest(kind="test-rescale", builder="test", base=Snapshot.open(base).origin)
+    manifest = OverlayManifest.new("test-rescale", "test", Snapshot.open(base).origin)
     manifest.replace(out, shard, base / shard)
     manifest.replace(out, "config.json", base / "config.json")
     manifest.write(out)

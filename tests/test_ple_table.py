@@ -164,9 +164,16 @@ def test_existing_target_of_the_wrong_size(demo_snapshot, tmp_path):
     result = CliRunner().invoke(cli, ["ple", "build", "--src", str(demo_snapshot), "--out", str(out)])
     assert result.exit_code != 0 and "is 100 bytes, not the" in result.output
     assert out.read_bytes() == b"x" * 100
+    # --force replaces only a table flashnext built (it has a sidecar), never a user's file.
     result = CliRunner().invoke(cli, ["ple", "build", "--src", str(demo_snapshot), "--out", str(out), "--force",
                                       "--no-progress"])
-    assert result.exit_code == 0 and verify_table(out)["ok"]
+    assert result.exit_code == 1 and "was not made by `flashnext ple build`" in result.output
+    assert out.read_bytes() == b"x" * 100
+    out.unlink()
+    for _ in range(2):
+        result = CliRunner().invoke(cli, ["ple", "build", "--src", str(demo_snapshot), "--out", str(out), "--force",
+                                          "--no-progress"])
+        assert result.exit_code == 0 and verify_table(out)["ok"]
 
 
 def test_not_enough_disk_space(demo_snapshot, tmp_path, monkeypatch):

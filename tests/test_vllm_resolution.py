@@ -90,3 +90,57 @@ def test_any_base_ignore_style(demo_snapshot, ignore_mtp):
     overlay = with_mtp_experts_quantized(base, 4, 128, [0, DRAFT_LAYER])
     index = json.loads((demo_snapshot / "model.safetensors.index.json").read_text())
     check_overlay_resolution(base, overlay, module_names(index["weight_map"]))
+
+
+@pytest.fixture(scope="module")
+def three_overlays(demo_snapshot, tmp_path_factory):
+    """Three overlays of different kinds over disjoint shards: the MTP experts at INT4 g32 (so that
+    they differ from the base's generic g128 expert group), layers 0-1's shared experts widened to
+    INT8 (a group of their own, put first), layers 2-3's in the bit-plane layout."""
+    from flashnext.quant.mtp_int4 import MtpInt4Options, make_mtp_int4
+    from flashnext.quant.repack_int6 import repack_int6
+
+    root = tmp_path_factory.mktemp("stack")
+    make_mtp_int4(demo_snapshot, root / "mtp", MtpInt4Options(group_size=32), progress=False)
+    repack_int6(demo_snapshot, root / "int8", r".*layers\.[01]\.mlp\.shared_expert\.(gate|up|down)_proj$", "int8")
+    repack_int6(demo_snapshot, root / "bitplane", r".*layers\.[23]\.mlp\.shared_expert\.(gate|up|down)_proj$",
+                "bitplane")
+    return {name: root / name for name in ("mtp", "int8", "bitplane")}
+
+
+def _qc(path) -> dict:
+    return json.loads((path / "config.json").read_text())["quantization_config"]
+
+
+@pytest.mark.parametrize("stack", [("mtp", "int8"), ("int8", "mtp"), ("mtp", "int8", "bitplane"),
+                                   ("bitplane", "int8", "mtp")], ids="+".join)
+def test_stacked_views_resolve_as_each_overlay_intended(demo_snapshot, three_overlays, stack, tmp_path):
+    from flashnext.quant.overlay_view import apply_overlays
+
+    overlays = [three_overlays[name] for name in stack]
+    view = tmp_path / "view"
+    apply_overlays(demo_snapshot, overlays, view)
+    merged = json.loads((view / "config.json").read_text())
+    index = json.loads((view / "model.safetensors.index.json").read_text())
+    names = sorted(set(module_names(index["weight_map"]))
+                   | set(module_names(json.loads((demo_snapshot / "model.safetensors.index.json").read_text())
+                                      ["weight_map"])))
+    base_qc = _qc(demo_snapshot)
+    checked = {name: 0 for name in stack}
+    for name in names:
+        want = resolve(base_qc, name)[0]
+        for overlay_name, overlay in zip(stack, overlays):
+            intended = resolve(_qc(overlay), name)[0]
+            if intended != resolve(base_qc, name)[0]:
+                want = intended
+                checked[overlay_name] += 1
+        assert resolve(merged["quantization_config"], name)[0] == want, name
+    # Each overlay that changes resolution changed some modules, and the view carries the change.
+    assert checked.get("mtp", 1) > 0 and checked.get("int8", 1) > 0
+    assert resolve(merged["quantization_config"], f"mtp.layers.{DRAFT_LAYER}.mlp.experts.0.gate_proj")[0][:2] == (4, 32)
+    assert resolve(merged["quantization_config"], "model.language_model.layers.0.mlp.shared_expert.up_proj")[0][:2] \
+        == (8, 64)
+    assert resolve(merged["quantization_config"], "model.language_model.layers.2.mlp.shared_expert.up_proj")[0][:2] \
+        == (6, 64)
+    if "bitplane" in stack:
+        assert len(merged["flashnext"]["int6_bitplane"]["modules"]) == 6

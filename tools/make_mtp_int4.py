@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
-from flashnext.quant.fsutil import write_text_atomic
-from flashnext.quant.mtp_int4 import MtpInt4Options, make_mtp_int4
 from flashnext.tools._common import emit_json, json_option, user_errors
 
 
@@ -44,12 +41,16 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_sea
     Example:
       make-mtp-int4 --src ~/models/Qwen3.8-Flash-Next --out ~/overlays/mtp-int4
     """
+    from flashnext.quant.mtp_int4 import MtpInt4Options, check_report_path, make_mtp_int4, write_report
+
+    if report is not None:
+        check_report_path(report, src, out)
     options = MtpInt4Options(group_size=int(group_size), positive_scales=positive_scales,
                              device=device, experts_per_batch=experts_per_batch,
                              scale_search=scale_search)
     result = make_mtp_int4(src, out, options, force=force, progress=progress)
     if report is not None:
-        write_text_atomic(report, json.dumps(result, indent=2) + "\n")
+        write_report(report, result)
     if as_json:
         emit_json(result)
         return

@@ -8,7 +8,6 @@ from pathlib import Path
 import click
 
 from flashnext.quant.errors import FlashnextError
-from flashnext.quant.ple_layout import ple_layout
 from flashnext.tools._common import emit_json, json_option, user_errors
 
 
@@ -27,13 +26,10 @@ def _int_list(text: str | None, what: str) -> list[int]:
 
 
 def _text_config(path: Path) -> dict:
-    try:
-        config = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise FlashnextError(f"{path}: no such config file") from None
-    except ValueError as e:
-        raise FlashnextError(f"{path}: not valid JSON ({e})") from None
-    return config.get("text_config", config)
+    from flashnext.quant.snapshot import read_config
+
+    config = read_config(path)
+    return config.get("text_config") or config
 
 
 @main.command("ids")
@@ -47,16 +43,18 @@ def ids(config_path: Path, tokens: str, context: str | None, dense_layer_id: int
     """Print the [T, heads] row ids of TOKENS as a JSON list of lists (bit-identical to vLLM)."""
     from flashnext.quant.ple_hash import NgramHasher
 
-    try:
-        layout = ple_layout(_text_config(config_path), dense_layer_id)
-    except (KeyError, ValueError) as e:
-        raise FlashnextError(f"{config_path}: not a PLE config ({e})") from None
+    from flashnext.quant.ple_layout import ple_layout
+
+    layout = ple_layout(_text_config(config_path), dense_layer_id, f"{config_path}: text config")
     toks = _int_list(tokens, "--tokens")
     if not toks:
         raise FlashnextError("--tokens is empty")
     ctx = _int_list(context, "--context")
     if ctx and len(ctx) != layout.ngram_size - 1:
         raise FlashnextError(f"--context needs exactly {layout.ngram_size - 1} tokens")
+    bad = next((t for t in toks + ctx if not 0 <= t < layout.vocab_size), None)
+    if bad is not None:
+        raise FlashnextError(f"token id {bad} is outside the vocabulary [0, {layout.vocab_size})")
     result = NgramHasher(layout).ids(toks, None, [ctx] if ctx else None)
     click.echo(json.dumps(result.tolist()))
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import click
 
-from flashnext.quant.repack_int6 import DEFAULT_TARGETS, repack_int6
+from flashnext.quant.ct_config import DEFAULT_INT6_TARGETS
 from flashnext.tools._common import emit_json, json_option, user_errors
 
 
 @click.command("repack-int6")
 @click.option("--src", type=click.Path(path_type=Path), required=True, help="The snapshot (never modified).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="The overlay directory to create.")
-@click.option("--targets", default=DEFAULT_TARGETS, show_default=True,
+@click.option("--targets", default=DEFAULT_INT6_TARGETS, show_default=True,
               help="Regular expression (re.match) over module names.")
 @click.option("--reverse", is_flag=True, help="Turn bit-plane tensors of SRC (overlay applied) back into dense 6-bit.")
 @click.option("--to", "to", type=click.Choice(["int8"]), default=None,
@@ -26,6 +26,8 @@ def main(src: Path, out: Path, targets: str, reverse: bool, to: str | None, forc
     (a 4-bit and a 2-bit plane, same bytes), or widen them to INT8, or reverse the bit-plane overlay."""
     if reverse and to:
         raise click.UsageError("--reverse and --to are exclusive")
+    from flashnext.quant.repack_int6 import repack_int6
+
     mode = "reverse" if reverse else ("int8" if to == "int8" else "bitplane")
     report = repack_int6(src, out, targets, mode, force=force)
     if as_json:

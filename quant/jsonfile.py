@@ -1,0 +1,121 @@
+"""Reading the JSON files flashnext trusts nothing in: one line naming the file and the key.
+
+Every JSON document flashnext reads (a snapshot's index and config, an overlay manifest, a view
+record, a PLE table sidecar, a profile) comes through :func:`read_json`, and the ones with a fixed
+shape are validated into typed objects by :func:`read_model` (pydantic models, strict types), so a
+wrong type or a missing key is a :class:`FlashnextError` such as
+``overlay.json: replaces.0.size: Input should be a valid integer`` rather than a traceback later.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from flashnext.quant.errors import FlashnextError
+
+M = TypeVar("M")
+
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Count = Annotated[int, Field(ge=0)]
+
+
+class StrictRecord(BaseModel):
+    """A JSON record of flashnext's own format: strict types, unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(text: str | bytes, where: str) -> Any:
+    """Strict JSON: no duplicate keys, no NaN/Infinity."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise FlashnextError(f"{where}: not valid JSON ({str(e).splitlines()[0]})") from None
+
+
+def read_json(path: Path, what: str, expect: type = dict) -> Any:
+    """The JSON document at ``path`` (``what`` it is, for the message), of type ``expect``."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise FlashnextError(f"{path}: missing ({what})") from None
+    except IsADirectoryError:
+        raise FlashnextError(f"{path}: is a directory, expected {what}") from None
+    data = parse_json(text, str(path))
+    if not isinstance(data, expect):
+        raise FlashnextError(f"{path}: {what} must be a JSON {_json_type(expect)}, "
+                             f"got {_json_type(type(data))}")
+    return data
+
+
+def _json_type(t: type) -> str:
+    return {dict: "object", list: "array", str: "string", int: "integer", float: "number",
+            bool: "boolean", type(None): "null"}.get(t, t.__name__)
+
+
+def validation_message(error, where: str) -> str:
+    """A pydantic ``ValidationError`` as one line naming ``where`` and the first bad key."""
+    first = error.errors()[0]
+    # pydantic puts validator names ("function-after[...]") in the location; they are no key.
+    loc = ".".join(str(p) for p in first.get("loc", ()) if "[" not in str(p)) or "(top level)"
+    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    return f"{where}: {loc}: {first.get('msg', 'invalid')}{more}"
+
+
+def validate(data: Any, model: type[M], where: str) -> M:
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(data)  # type: ignore[attr-defined]
+    except ValidationError as e:
+        raise FlashnextError(validation_message(e, where)) from None
+
+
+def read_model(path: Path, model: type[M], what: str) -> M:
+    """``path`` read as JSON and validated into ``model``."""
+    return validate(read_json(path, what), model, str(path))
+
+
+def get_int(obj: dict, key: str, where: str, minimum: int | None = None, default: int | None = None) -> int:
+    """``obj[key]`` as an int (a JSON integer, or a float with an integral value), at least ``minimum``."""
+    if key not in obj:
+        if default is not None:
+            return default
+        raise FlashnextError(f"{where}: {key} is missing")
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and (not math.isfinite(value) or not value.is_integer())):
+        raise FlashnextError(f"{where}: {key} must be an integer, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise FlashnextError(f"{where}: {key} must be at least {minimum}, got {value}")
+    return value
+
+
+def get_dict(obj: dict, key: str, where: str, required: bool = True) -> dict | None:
+    if key not in obj or obj[key] is None:
+        if required:
+            raise FlashnextError(f"{where}: {key} is missing")
+        return None
+    if not isinstance(obj[key], dict):
+        raise FlashnextError(f"{where}: {key} must be a JSON object, got {_json_type(type(obj[key]))}")
+    return obj[key]

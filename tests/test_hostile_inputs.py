@@ -1,0 +1,497 @@
+"""Hostile and broken inputs, table-driven: every one ends in one line and a non-zero exit, writes
+nothing (the whole work tree, source snapshot included, is byte-for-byte unchanged), and never
+follows a path out of its root.
+
+Each case gets a private work tree: ``snap`` (a copy of the demo snapshot), ``ov`` (an mtp-int4
+overlay of it) and ``table.bin`` (its PLE table file with sidecar); the case breaks one thing and
+returns the command line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from click.testing import CliRunner
+
+from flashnext.quant.fsutil import output_lock
+from flashnext.tools.cli import main as cli
+
+MTP_SHARD = "model-00005-of-00005.safetensors"
+FIRST_SHARD = "model-00001-of-00005.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class Work:
+    root: Path
+
+    @property
+    def snap(self) -> Path:
+        return self.root / "snap"
+
+    @property
+    def ov(self) -> Path:
+        return self.root / "ov"
+
+    @property
+    def table(self) -> Path:
+        return self.root / "table.bin"
+
+    def edit_json(self, path: Path, edit: Callable[[object], object]) -> None:
+        """Edit the document in place, or replace it whole when ``edit`` returns :class:`Whole`."""
+        data = json.loads(path.read_text())
+        result = edit(data)
+        path.write_text(json.dumps(result.value if isinstance(result, Whole) else data))
+
+
+@dataclass(frozen=True)
+class Whole:
+    value: object
+
+
+def tree_state(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root``: directories, link targets and file hashes."""
+    state = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                state[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                state[rel] = ("dir",)
+            else:
+                state[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest())
+    return state
+
+
+# --- safetensors header surgery -------------------------------------------------------------------
+
+def read_raw(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_raw(path: Path, header: dict | bytes, data: bytes) -> None:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def edit_header(path: Path, edit: Callable[[dict], None]) -> None:
+    header, data = read_raw(path)
+    edit(header)
+    write_raw(path, header, data)
+
+
+def tensors_by_offset(header: dict) -> list[str]:
+    return sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+def negative_offset(h):
+    first = tensors_by_offset(h)[0]
+    h[first]["data_offsets"][0] = -8
+
+
+def reversed_offsets(h):
+    last = tensors_by_offset(h)[-1]
+    h[last]["data_offsets"].reverse()
+
+
+def overlapping_offsets(h):
+    a, b = tensors_by_offset(h)[:2]
+    size = h[b]["data_offsets"][1] - h[b]["data_offsets"][0]
+    h[b]["data_offsets"] = [h[a]["data_offsets"][0], h[a]["data_offsets"][0] + size]
+
+
+def non_string_metadata(h):
+    h["__metadata__"] = {"format": 1}
+
+
+def unknown_dtype(h):
+    h[tensors_by_offset(h)[0]]["dtype"] = "Q3"
+
+
+def shape_disagrees_with_bytes(h):
+    h[tensors_by_offset(h)[-1]]["shape"] = [1, 1]
+
+
+def header_not_an_object(path: Path) -> None:
+    write_raw(path, b"[1, 2, 3]", b"")
+
+
+def duplicate_tensor_names(path: Path) -> None:
+    header, data = read_raw(path)
+    first = tensors_by_offset(header)[0]
+    text = json.dumps(header)
+    entry = json.dumps({first: header[first]})[1:-1]
+    write_raw(path, (text[:-1] + ", " + entry + "}").encode(), data)
+
+
+def trailing_bytes(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"\0" * 8)
+
+
+def truncated(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 8)
+
+
+def huge_header_length(path: Path) -> None:
+    raw = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", 1 << 40) + raw[8:])
+
+
+# --- the cases ------------------------------------------------------------------------------------
+
+def mtp(w: Work, *extra: str) -> list[str]:
+    return ["make-mtp-int4", "--src", str(w.snap), "--out", str(w.root / "out"), "--no-progress", *extra]
+
+
+def repack(w: Work, *extra: str) -> list[str]:
+    return ["repack-int6", "--src", str(w.snap), "--out", str(w.root / "out"), *extra]
+
+
+def apply(w: Work, *extra: str, out: Path | None = None) -> list[str]:
+    return ["overlay", "apply", str(w.ov), "--base", str(w.snap), "--out", str(out or w.root / "out"), *extra]
+
+
+def shard_name(name: str) -> Callable[[Work], list[str]]:
+    """The index names ``name`` as the MTP shard's file."""
+    def setup(w: Work) -> list[str]:
+        def edit(index):
+            for k, v in index["weight_map"].items():
+                if v == MTP_SHARD:
+                    index["weight_map"][k] = name
+        w.edit_json(w.snap / INDEX, edit)
+        return mtp(w)
+    return setup
+
+
+def header_case(edit: Callable, shard: str = MTP_SHARD, command=mtp) -> Callable[[Work], list[str]]:
+    def setup(w: Work) -> list[str]:
+        path = w.snap / shard
+        if edit.__code__.co_varnames[:1] == ("h",):
+            edit_header(path, edit)
+        else:
+            edit(path)
+        return command(w)
+    return setup
+
+
+def manifest_case(edit: Callable[[dict], object], command: Callable[[Work], list[str]]):
+    def setup(w: Work) -> list[str]:
+        w.edit_json(w.ov / "overlay.json", edit)
+        return command(w)
+    return setup
+
+
+def adds(path: str):
+    def edit(m):
+        m["adds"].append({"path": path, "sha256": "0" * 64, "size": 0})
+    return edit
+
+
+def config_case(edit: Callable[[dict], object], command=mtp, file: str = "config.json"):
+    def setup(w: Work) -> list[str]:
+        w.edit_json(w.snap / file, edit)
+        return command(w)
+    return setup
+
+
+def text(key: str, value):
+    def edit(c):
+        c["text_config"][key] = value
+    return edit
+
+
+def sidecar_case(edit: Callable[[dict], object], command: Callable[[Work], list[str]]):
+    def setup(w: Work) -> list[str]:
+        w.edit_json(w.root / "table.bin.json", edit)
+        return command(w)
+    return setup
+
+
+def ple_verify(w: Work) -> list[str]:
+    return ["ple", "verify", str(w.table)]
+
+
+def ple_build(w: Work, *extra: str) -> list[str]:
+    return ["ple", "build", "--src", str(w.snap), "--out", str(w.root / "new.bin"), "--no-progress", *extra]
+
+
+def view_record_case(edit: Callable[[dict], object]):
+    def setup(w: Work) -> list[str]:
+        view = w.root / "view"
+        assert CliRunner().invoke(cli, apply(w, out=view)).exit_code == 0
+        w.edit_json(view / ".flashnext-view.json", edit)
+        return ["overlay", "verify", str(view)]
+    return setup
+
+
+def unrelated_folder(w: Work) -> Path:
+    folder = w.root / "my-data"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("years of work")
+    return folder
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    setup: Callable[[Work], list[str]]
+    message: str
+    exit_code: int = 1
+
+
+CASES = [
+    # Shard names from the index are output paths: they must stay inside the snapshot.
+    Case("index-absolute-shard", shard_name("/tmp/flashnext-hostile.safetensors"), "does not stay inside"),
+    Case("index-dotdot-shard", shard_name("../ov/" + MTP_SHARD), "does not stay inside"),
+    Case("index-not-safetensors", shard_name("config.json"), "is not a .safetensors file name"),
+    Case("index-dotdot-repack", lambda w: (shard_name("../elsewhere.safetensors")(w), repack(w))[1],
+         "does not stay inside"),
+    # Manifest paths are untrusted too.
+    Case("manifest-adds-dotdot-verify", manifest_case(adds("../x"), lambda w: ["overlay", "verify", str(w.ov),
+                                                                            "--base", str(w.snap)]),
+         "does not stay inside"),
+    Case("manifest-adds-dotdot-apply", manifest_case(adds("../x"), apply), "does not stay inside"),
+    Case("manifest-adds-absolute-no-verify", manifest_case(adds("/etc/passwd"), lambda w: apply(w, "--no-verify")),
+         "does not stay inside"),
+    Case("manifest-replaces-dotdot", manifest_case(
+        lambda m: m["replaces"][0].update(path="../snap/config.json"), apply), "does not stay inside"),
+    Case("manifest-names-its-own-file", manifest_case(adds("overlay.json"), apply), "flashnext's own file"),
+    Case("manifest-duplicate-path", manifest_case(lambda m: m["replaces"].append(m["replaces"][0]), apply),
+         "listed twice"),
+    Case("manifest-wrong-type", manifest_case(lambda m: m.update(replaces={}), apply), "replaces"),
+    Case("manifest-missing-key", manifest_case(lambda m: m.pop("kind"), apply), "kind"),
+    Case("manifest-size-not-int", manifest_case(lambda m: m["replaces"][0].update(size="12"), apply), "size"),
+    Case("manifest-unknown-key", manifest_case(lambda m: m.update(extra=1), apply), "extra"),
+    Case("manifest-not-object", manifest_case(lambda m: Whole([1]), apply), "must be a JSON object"),
+    Case("manifest-not-json", lambda w: ((w.ov / "overlay.json").write_text("{"), apply(w))[1], "not valid JSON"),
+    Case("manifest-schema-version", manifest_case(lambda m: m.update(schema_version=2), apply), "schema_version"),
+    # --force never removes what flashnext did not make, nor an input.
+    Case("apply-out-is-base", lambda w: apply(w, "--force", out=w.snap), "is the base snapshot itself"),
+    Case("apply-out-parent-of-base", lambda w: apply(w, "--force", out=w.root), "contains the base snapshot"),
+    Case("apply-out-is-overlay", lambda w: apply(w, "--force", out=w.ov), "is the overlay"),
+    Case("apply-out-inside-overlay", lambda w: apply(w, out=w.ov / "view"), "lies inside the overlay"),
+    Case("mtp-out-parent-of-src", lambda w: ["make-mtp-int4", "--src", str(w.snap), "--out", str(w.root),
+                                            "--force", "--no-progress"], "contains the source snapshot"),
+    Case("mtp-out-inside-src", lambda w: ["make-mtp-int4", "--src", str(w.snap), "--out", str(w.snap / "o"),
+                                         "--no-progress"], "lies inside the source snapshot"),
+    Case("mtp-force-unrelated", lambda w: ["make-mtp-int4", "--src", str(w.snap), "--out",
+                                          str(unrelated_folder(w)), "--force", "--no-progress"],
+         "was not made by flashnext"),
+    Case("repack-out-is-src", lambda w: ["repack-int6", "--src", str(w.snap), "--out", str(w.snap), "--force"],
+         "is the source snapshot itself"),
+    Case("demo-force-unrelated", lambda w: ["demo-checkpoint", "--out", str(unrelated_folder(w)), "--force"],
+         "was not made by flashnext"),
+    Case("demo-force-file", lambda w: ["demo-checkpoint", "--out", str(w.snap / "README.md"), "--force"],
+         "was not made by flashnext"),
+    Case("apply-force-unrelated", lambda w: apply(w, "--force", out=unrelated_folder(w)), "was not made by flashnext"),
+    Case("ple-build-over-a-source-shard", lambda w: ["ple", "build", "--src", str(w.snap), "--out",
+                                                    str(w.snap / FIRST_SHARD), "--force", "--no-progress"],
+         "lies inside the source snapshot"),
+    Case("ple-build-force-unrelated-file", lambda w: ((w.root / "notes.bin").write_bytes(b"mine"),
+                                                      ["ple", "build", "--src", str(w.snap), "--out",
+                                                       str(w.root / "notes.bin"), "--force", "--no-progress"])[1],
+         "was not made by `flashnext ple build`"),
+    Case("ple-build-foreign-partial", lambda w: ((w.root / "new.bin.partial").write_bytes(b"mine"), ple_build(w))[1],
+         "no interrupted flashnext build"),
+    Case("report-over-source-config", lambda w: mtp(w, "--report", str(w.snap / "config.json")),
+         "lies inside the source snapshot"),
+    Case("report-over-unrelated-file", lambda w: ((w.root / "notes.json").write_text("{}"),
+                                                  mtp(w, "--report", str(w.root / "notes.json")))[1],
+         "is not a make-mtp-int4 report"),
+    # Shard headers are checked as the safetensors library checks them.
+    Case("header-negative-offset", header_case(negative_offset), "data_offsets"),
+    Case("header-reversed-offsets", header_case(reversed_offsets), "data_offsets"),
+    Case("header-overlapping-offsets", header_case(overlapping_offsets), "no gap or overlap"),
+    Case("header-duplicate-names", header_case(duplicate_tensor_names), "appears twice"),
+    Case("header-non-string-metadata", header_case(non_string_metadata), "__metadata__"),
+    Case("header-unknown-dtype", header_case(unknown_dtype), "unsupported dtype"),
+    Case("header-shape-vs-bytes", header_case(shape_disagrees_with_bytes), "data_offsets span"),
+    Case("header-not-object", header_case(header_not_an_object), "does not start with"),
+    Case("header-trailing-bytes", header_case(trailing_bytes), "trailing bytes"),
+    Case("header-truncated", header_case(truncated), "truncated"),
+    Case("header-huge-length", header_case(huge_header_length), "implausible"),
+    Case("header-broken-repack", header_case(overlapping_offsets, FIRST_SHARD, repack), "no gap or overlap"),
+    Case("header-broken-apply", header_case(negative_offset, command=apply), "does not fit"),
+    # Index and config: wrong JSON types and missing keys.
+    Case("index-not-object", config_case(lambda i: Whole([]), file=INDEX), "must be a JSON object"),
+    Case("index-no-weight-map", config_case(lambda i: Whole({"metadata": {}}), file=INDEX), "weight_map is missing"),
+    Case("index-weight-map-list", config_case(lambda i: i.update(weight_map=[1]), file=INDEX), "weight_map"),
+    Case("index-shard-not-string", config_case(lambda i: i["weight_map"].update(x=5), file=INDEX),
+         "is not a .safetensors file name"),
+    Case("config-not-object", config_case(lambda c: Whole("x")), "must be a JSON object"),
+    Case("config-text-config-string", config_case(lambda c: c.update(text_config="x")), "text_config"),
+    Case("config-num-experts-string", config_case(text("num_experts", "8")), "num_experts must be an integer"),
+    Case("config-num-experts-zero", config_case(text("num_experts", 0)), "num_experts must be at least 1"),
+    Case("config-hidden-missing", config_case(lambda c: c["text_config"].pop("hidden_size")), "hidden_size"),
+    Case("config-qc-groups-list", config_case(lambda c: c["quantization_config"].update(config_groups=[1])),
+         "config_groups"),
+    Case("config-qc-ignore-string", config_case(lambda c: c["quantization_config"].update(ignore="mtp")), "ignore"),
+    Case("config-bitplane-modules-string", config_case(lambda c: c.update(flashnext={"int6_bitplane": {
+        "modules": "x"}}), command=repack), "modules must be a list"),
+    # The PLE config: zero divisors and nonsense values.
+    Case("ple-divisor-zero", config_case(text("make_ngram_vocab_size_divisible_by", 0), command=ple_build),
+         "at least 1"),
+    Case("ple-heads-zero", config_case(text("heads_per_ngram", 0), command=ple_build), "at least 1"),
+    Case("ple-split-parts-zero", config_case(text("split_ngram_parts", 0), command=ple_build), "at least 1"),
+    Case("ple-ngram-size-string", config_case(text("ngram_size", "3"), command=ple_build), "must be an integer"),
+    Case("ple-layer-ids-string", config_case(text("ple_layer_ids", "2"), command=ple_build), "ple_layer_ids"),
+    Case("ple-ids-divisor-zero", config_case(text("make_ngram_vocab_size_divisible_by", 0),
+                                             command=lambda w: ["ple", "ids", "--config", str(w.snap / "config.json"),
+                                                                "--tokens", "1,2"]), "at least 1"),
+    Case("ple-ids-huge-token", lambda w: ["ple", "ids", "--config", str(w.snap / "config.json"),
+                                          "--tokens", str(10**30)], "outside the vocabulary"),
+    Case("ple-ids-negative-token", lambda w: ["ple", "ids", "--config", str(w.snap / "config.json"),
+                                              "--tokens", "-1"], "outside the vocabulary"),
+    Case("ple-ids-config-missing", lambda w: ["ple", "ids", "--config", str(w.root / "nope.json"), "--tokens", "1"],
+         "missing"),
+    # The PLE sidecar and the view record.
+    Case("sidecar-not-object", sidecar_case(lambda s: Whole([]), ple_verify), "must be a JSON object"),
+    Case("sidecar-rows-string", sidecar_case(lambda s: s.update(rows="3"), ple_verify), "rows"),
+    Case("sidecar-missing-shards", sidecar_case(lambda s: s.pop("shards"), ple_verify), "shards"),
+    Case("sidecar-bad-hash", sidecar_case(lambda s: s["shards"][0]["block_sha256"].__setitem__(0, "zz"), ple_verify),
+         "block_sha256"),
+    Case("sidecar-inconsistent", sidecar_case(lambda s: s.update(file_size=1), ple_verify), "file_size"),
+    Case("view-record-overlays-string", view_record_case(lambda r: r.update(overlays="x")), "overlays"),
+    Case("view-record-relative-base", view_record_case(lambda r: r.update(base="snap")), "not an absolute path"),
+    Case("view-record-missing-base", view_record_case(lambda r: r.pop("base")), "base"),
+    # Other arguments.
+    Case("device-meta", lambda w: mtp(w, "--device", "meta"), "runs on cpu or cuda"),
+    Case("device-nonsense", lambda w: mtp(w, "--device", "gpu7"), "not a device name"),
+    Case("targets-bad-regex", lambda w: repack(w, "--targets", "("), "not a valid regular expression"),
+    Case("src-is-a-file", lambda w: ["make-mtp-int4", "--src", str(w.snap / "config.json"), "--out",
+                                     str(w.root / "out")], "not a directory"),
+    Case("src-missing-shard", lambda w: ((w.snap / FIRST_SHARD).unlink(), mtp(w))[1], "is missing"),
+]
+
+
+@pytest.fixture(scope="module")
+def pristine(demo_snapshot, demo_overlay, tmp_path_factory) -> Path:
+    from flashnext.quant.ple_table import build_table
+
+    root = tmp_path_factory.mktemp("pristine")
+    shutil.copytree(demo_snapshot, root / "snap")
+    shutil.copytree(demo_overlay, root / "ov")
+    build_table(root / "snap", root / "table.bin", progress=False)
+    return root
+
+
+@pytest.fixture
+def work(pristine, tmp_path) -> Work:
+    root = tmp_path / "w"
+    shutil.copytree(pristine, root, symlinks=True)
+    return Work(root)
+
+
+def invoke_expecting_one_line(argv: list[str]):
+    result = CliRunner().invoke(cli, argv)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    return result, lines[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_hostile_input(case: Case, work: Work):
+    argv = case.setup(work)
+    before = tree_state(work.root)
+    result, line = invoke_expecting_one_line(argv)
+    assert result.exit_code == case.exit_code, line
+    assert line.startswith("Error: ") and case.message in line, line
+    assert tree_state(work.root) == before, "the command wrote or removed something"
+
+
+def test_a_second_writer_is_refused(work):
+    for argv, out in ((mtp(work), work.root / "out"), (ple_build(work), work.root / "new.bin"),
+                      (apply(work), work.root / "out")):
+        with output_lock(out):
+            before = tree_state(work.root)
+            result, line = invoke_expecting_one_line(argv)
+            assert result.exit_code == 1 and "another flashnext process is writing" in line, line
+            assert tree_state(work.root) == before
+
+
+def test_leftovers_of_a_killed_writer_are_removed(work):
+    out = work.root / "out"
+    dead = work.root / ".out.partial-999999999"
+    dead.mkdir()
+    (dead / ".flashnext-output.json").write_text('{"made_by": "make-mtp-int4"}')
+    (dead / MTP_SHARD).write_bytes(b"half")
+    foreign = work.root / ".out.partial-123"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("not flashnext's")
+    assert CliRunner().invoke(cli, mtp(work)).exit_code == 0
+    assert (out / "overlay.json").is_file()
+    assert not dead.exists() and (foreign / "keep.txt").exists()
+    assert not (work.root / ".out.lock").exists()
+
+
+def test_force_replaces_flashnext_output_only(work):
+    out = work.root / "out"
+    for _ in range(2):
+        result = CliRunner().invoke(cli, mtp(work, "--force"))
+        assert result.exit_code == 0, result.output
+    assert (out / ".flashnext-output.json").is_file()
+
+
+def test_ple_resume_refuses_a_changed_source(work, monkeypatch):
+    import flashnext.quant.ple_table as mod
+
+    real = mod._copy_shard
+
+    def interrupted(shard, *a, **k):
+        if shard.index == 1:
+            raise KeyboardInterrupt
+        return real(shard, *a, **k)
+
+    monkeypatch.setattr(mod, "_copy_shard", interrupted)
+    assert CliRunner().invoke(cli, ple_build(work)).exit_code == 130
+    monkeypatch.setattr(mod, "_copy_shard", real)
+    # Same names, dtypes, shapes and sizes; other bytes (as another revision of the checkpoint).
+    source = mod.find_ple_source(mod.Snapshot.open(work.snap))
+    shard = source.shards[0]
+    with open(shard.path, "r+b") as f:
+        f.seek(shard.entry.begin)
+        data = f.read(shard.entry.nbytes)
+        f.seek(shard.entry.begin)
+        f.write(bytes(b ^ 0x5A for b in data))
+    before = tree_state(work.root)
+    result, line = invoke_expecting_one_line(ple_build(work))
+    assert result.exit_code == 1 and "interrupted build from a different source" in line
+    assert tree_state(work.root) == before
+    result = CliRunner().invoke(cli, ple_build(work, "--force"))
+    assert result.exit_code == 0, result.output
+    assert CliRunner().invoke(cli, ["ple", "verify", "--full", str(work.root / "new.bin")]).exit_code == 0
+
+
+def test_ple_free_space_counts_the_partial(work, monkeypatch):
+    import flashnext.quant.ple_table as mod
+
+    needed = []
+    monkeypatch.setattr(mod, "check_free_space", lambda d, n, what: needed.append(n))
+    real = mod._copy_shard
+
+    def interrupted(shard, *a, **k):
+        if shard.index == 2:
+            raise KeyboardInterrupt
+        return real(shard, *a, **k)
+
+    monkeypatch.setattr(mod, "_copy_shard", interrupted)
+    CliRunner().invoke(cli, ple_build(work))
+    monkeypatch.setattr(mod, "_copy_shard", real)
+    assert CliRunner().invoke(cli, ple_build(work)).exit_code == 0
+    full, resumed = needed
+    assert resumed < full

@@ -1,0 +1,124 @@
+"""What users install: the built wheel, installed non-editable into a fresh venv without vLLM,
+runs the README's main job and the serving commands that need no vLLM."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from test_project import readme_commands
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
+
+
+def source_files() -> dict[str, Path]:
+    """Every file the wheel must carry, by its path inside the wheel."""
+    wanted = {}
+    for package in SETUPTOOLS["packages"]:
+        folder = ROOT / SETUPTOOLS["package-dir"].get(package, package.replace(".", "/"))
+        if package not in SETUPTOOLS["package-dir"]:
+            parent, _, leaf = package.rpartition(".")
+            folder = ROOT / SETUPTOOLS["package-dir"][parent] / leaf
+        inside = package.replace(".", "/")
+        for path in folder.glob("*.py"):
+            wanted[f"{inside}/{path.name}"] = path
+        for pattern in SETUPTOOLS.get("package-data", {}).get(package, []):
+            for path in folder.glob(pattern):
+                wanted[f"{inside}/{path.relative_to(folder)}"] = path
+    return wanted
+
+
+def test_every_source_folder_is_a_package():
+    """A folder of Python code left out of ``packages`` would be left out of the wheel."""
+    mapped = {ROOT / d for d in SETUPTOOLS["package-dir"].values()}
+    packaged = set()
+    for package in SETUPTOOLS["packages"]:
+        parent, _, leaf = package.rpartition(".")
+        packaged.add(ROOT / SETUPTOOLS["package-dir"][package] if package in SETUPTOOLS["package-dir"]
+                     else ROOT / SETUPTOOLS["package-dir"][parent] / leaf)
+    for top in mapped:
+        for init in top.rglob("__init__.py"):
+            assert init.parent in packaged, f"{init.parent} is not in [tool.setuptools] packages"
+    for folder in ("serving/profiles", "serving/patches"):
+        assert any((ROOT / folder).iterdir())
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    dist = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(dist), str(ROOT)], check=True, cwd=dist)
+    (wheel,) = dist.glob("flashnext-*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+def test_wheel_contents(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = sorted(set(source_files()) - names)
+    assert not missing, missing
+    stray = sorted(n for n in names if n.startswith(("tests/", "benchmarks/", "docs/")))
+    assert not stray, stray
+    for required in ("flashnext/serving/hooks/ple_file.py", "flashnext/quant/kernels/bitplane_gemv.py",
+                     "flashnext/serving/patches/series.json", "flashnext/serving/profiles/3x3090.json",
+                     "flashnext/manifests/overlay.schema.json", "flashnext/manifests/qwen3.8-flash-next.json"):
+        assert required in names
+    metadata = zipfile.ZipFile(wheel).read(f"flashnext-{wheel.name.split('-')[1]}.dist-info/METADATA").decode()
+    assert "Requires-Dist: psutil" in metadata
+
+
+def _constraints(path: Path) -> Path:
+    """This environment's versions, so that the fresh venv resolves to wheels pip has cached."""
+    versions: dict[str, str] = {}
+    for d in importlib.metadata.distributions():  # the first of two installed copies is the one imported
+        name = (d.metadata["Name"] or "").lower().replace("_", "-")
+        if name and name not in ("flashnext", "vllm"):
+            versions.setdefault(name, d.version)
+    path.write_text("".join(f"{n}=={v}\n" for n, v in sorted(versions.items())))
+    return path
+
+
+@pytest.mark.slow
+def test_wheel_in_a_fresh_venv_runs_the_main_job(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    bin_dir = venv / "bin"
+    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "-c", str(_constraints(tmp_path / "c.txt")),
+                    str(wheel)], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+
+    def run(command: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        return done
+
+    site = run("python -c 'import flashnext, os; print(os.path.dirname(flashnext.__file__))'").stdout.strip()
+    assert site.startswith(str(venv)), "the wheel, not the source tree, must be imported"
+    assert run("python -c 'import importlib.util as u; print(u.find_spec(\"vllm\") is None)'").stdout.strip() == "True"
+    # The README's main job, with the wheel installed in place of `pip install -e .`.
+    install, main_job = readme_commands()[0].split(" && ", 1)
+    assert install == "pip install -e ."
+    run(main_job)
+    assert (tmp_path / "demo" / "mtp-int4" / "overlay.json").is_file()
+    listing = run("flashnext patches list --json").stdout
+    assert '"id": "ple-mmap"' in listing
+    assert "3x3090" in run("flashnext serve --help").stdout
+    profiles = run("serve --profile 3x3090 --model demo/snapshot --dry-run").stdout
+    assert "vllm serve" in profiles or "services:" in profiles
+    # Commands that need no torch start without importing it.
+    probe = ("import sys, time; t = time.perf_counter(); from flashnext.tools.cli import main\n"
+             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print(time.perf_counter() - t, 'torch' in sys.modules)")
+    seconds, imported = run(f"python -c \"{probe}\"").stdout.split()[-2:]
+    assert imported == "False", "flashnext --help imported torch"
+    print(f"flashnext --help in the fresh venv: {float(seconds):.3f} s in-process")
