@@ -155,3 +155,38 @@ def test_symlinks_are_refused(demo_overlay, tmp_path):
     os.symlink(moved, target)
     result = cli_run("overlay", "upload", overlay, "--repo", REPO, "--dry-run")
     assert result.exit_code == 1 and "symlink" in result.output
+
+
+@pytest.mark.parametrize("repo, message", [
+    (REPO, "the Hub cannot be reached"),  # nothing listens on port 9, and the cache is empty
+    ("not/a/valid/id", "is not a valid repository id"),
+], ids=["offline", "bad-id"])
+def test_fetch_failures_are_one_line(demo_snapshot, tmp_path, monkeypatch, repo, message):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    view = tmp_path / "view"
+    result = cli_run("overlay", "fetch", repo, "--base", demo_snapshot, "--out", view,
+                     "--endpoint", "http://127.0.0.1:9", "--cache-dir", tmp_path / "cache")
+    assert result.exit_code == 1 and result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert not view.exists()
+
+
+def test_fetch_of_a_hostile_manifest_is_refused(hub, demo_snapshot, demo_overlay, tmp_path):
+    """A repo whose overlay.json names a file outside the overlay: refused before anything is linked."""
+    import shutil
+
+    overlay = tmp_path / "ov"
+    shutil.copytree(demo_overlay, overlay)
+    upload_overlay(overlay, REPO, endpoint=hub.endpoint)
+    manifest = json.loads((overlay / "overlay.json").read_text())
+    manifest["adds"].append({"path": "../../../../outside", "sha256": "0" * 64, "size": 0})
+    hub.state.tamper(REPO, "overlay.json", json.dumps(manifest).encode())
+    view = tmp_path / "view"
+    result = cli_run("overlay", "fetch", REPO, "--base", demo_snapshot, "--out", view, "--endpoint", hub.endpoint,
+                     "--cache-dir", tmp_path / "cache")
+    # huggingface_hub's download bar comes first; then one line says why it stops.
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 1 and len(errors) == 1 and "does not stay inside" in errors[0]
+    assert result.output.rstrip().endswith(errors[0])
+    assert not view.exists() and not (tmp_path / "outside").exists()

@@ -163,3 +163,33 @@ def test_ple_table_findings(demo_snapshot, tmp_path):
     table.write_bytes(b"\0" * 64)
     short = pf.check_ple_table(table, demo_snapshot)
     assert not short.ok and "needs exactly" in short.detail
+
+
+def test_ple_table_sidecar_and_sampling(demo_snapshot, tmp_path):
+    """A malformed sidecar is a NO-GO with the rebuild line, not a crash; a flipped byte anywhere in
+    a table this small is found within the budget; with no budget the finding says what it left out."""
+    from flashnext.quant.ple_table import build_table
+
+    table = tmp_path / "table.bin"
+    build_table(demo_snapshot, table, progress=False)
+    assert "100.0%" in pf.check_ple_table(table, demo_snapshot).detail
+    partial = pf.check_ple_table(table, demo_snapshot, seconds=0)
+    assert partial.ok and "ple verify --full" in partial.detail and "as `ple build` left them" in partial.detail
+    size = table.stat().st_size
+    with open(table, "r+b") as f:  # the middle block, never one of the ends
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 1]))
+    flipped = pf.check_ple_table(table, demo_snapshot)
+    assert not flipped.ok and flipped.blocking and "differs from its source" in flipped.detail
+    sidecar = table.with_name("table.bin.json")
+    for broken in ("[]", '{"format": "flashnext.ple-table/1"}', "{"):
+        sidecar.write_text(broken)
+        finding = pf.check_ple_table(table, demo_snapshot)
+        assert not finding.ok and finding.blocking and finding.exit == pf.Exit.PLE
+        assert finding.fix == f"flashnext ple build --src {demo_snapshot} --out {table} --force"
+    result = CliRunner().invoke(cli, ["doctor", "--profile", "3x3090", "--model", str(demo_snapshot),
+                                      "--ple-table", str(table), "--engine", "native"])
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "[FAIL] ple-table" in result.output and "NO-GO" in result.output
