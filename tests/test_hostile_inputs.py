@@ -188,11 +188,17 @@ def header_case(edit: Callable, shard: str = MTP_SHARD, command=mtp) -> Callable
     return setup
 
 
-def manifest_case(edit: Callable[[dict], object], command: Callable[[Work], list[str]]):
+def json_case(file: Callable[[Work], Path], edit: Callable[[object], object],
+              command: Callable[[Work], list[str]]) -> Callable[[Work], list[str]]:
+    """Edit one JSON file of the work tree, then run ``command``."""
     def setup(w: Work) -> list[str]:
-        w.edit_json(w.ov / "overlay.json", edit)
+        w.edit_json(file(w), edit)
         return command(w)
     return setup
+
+
+def manifest_case(edit, command):
+    return json_case(lambda w: w.ov / "overlay.json", edit, command)
 
 
 def adds(path: str):
@@ -201,11 +207,8 @@ def adds(path: str):
     return edit
 
 
-def config_case(edit: Callable[[dict], object], command=mtp, file: str = "config.json"):
-    def setup(w: Work) -> list[str]:
-        w.edit_json(w.snap / file, edit)
-        return command(w)
-    return setup
+def config_case(edit, command=mtp, file: str = "config.json"):
+    return json_case(lambda w: w.snap / file, edit, command)
 
 
 def text(key: str, value):
@@ -214,11 +217,8 @@ def text(key: str, value):
     return edit
 
 
-def sidecar_case(edit: Callable[[dict], object], command: Callable[[Work], list[str]]):
-    def setup(w: Work) -> list[str]:
-        w.edit_json(w.root / "table.bin.json", edit)
-        return command(w)
-    return setup
+def sidecar_case(edit, command):
+    return json_case(lambda w: w.root / "table.bin.json", edit, command)
 
 
 def ple_verify(w: Work) -> list[str]:
@@ -447,19 +447,26 @@ def test_force_replaces_flashnext_output_only(work):
     assert (out / ".flashnext-output.json").is_file()
 
 
-def test_ple_resume_refuses_a_changed_source(work, monkeypatch):
+def interrupt_ple_build(work: Work, monkeypatch, at_shard: int) -> None:
+    """``ple build`` stopped (as by Ctrl-C) just before copying shard ``at_shard``."""
     import flashnext.quant.ple_table as mod
 
     real = mod._copy_shard
 
     def interrupted(shard, *a, **k):
-        if shard.index == 1:
+        if shard.index == at_shard:
             raise KeyboardInterrupt
         return real(shard, *a, **k)
 
-    monkeypatch.setattr(mod, "_copy_shard", interrupted)
-    assert CliRunner().invoke(cli, ple_build(work)).exit_code == 130
-    monkeypatch.setattr(mod, "_copy_shard", real)
+    with monkeypatch.context() as m:
+        m.setattr(mod, "_copy_shard", interrupted)
+        assert CliRunner().invoke(cli, ple_build(work)).exit_code == 130
+
+
+def test_ple_resume_refuses_a_changed_source(work, monkeypatch):
+    import flashnext.quant.ple_table as mod
+
+    interrupt_ple_build(work, monkeypatch, at_shard=1)
     # Same names, dtypes, shapes and sizes; other bytes (as another revision of the checkpoint).
     source = mod.find_ple_source(mod.Snapshot.open(work.snap))
     shard = source.shards[0]
@@ -482,16 +489,7 @@ def test_ple_free_space_counts_the_partial(work, monkeypatch):
 
     needed = []
     monkeypatch.setattr(mod, "check_free_space", lambda d, n, what: needed.append(n))
-    real = mod._copy_shard
-
-    def interrupted(shard, *a, **k):
-        if shard.index == 2:
-            raise KeyboardInterrupt
-        return real(shard, *a, **k)
-
-    monkeypatch.setattr(mod, "_copy_shard", interrupted)
-    CliRunner().invoke(cli, ple_build(work))
-    monkeypatch.setattr(mod, "_copy_shard", real)
+    interrupt_ple_build(work, monkeypatch, at_shard=2)
     assert CliRunner().invoke(cli, ple_build(work)).exit_code == 0
     full, resumed = needed
     assert resumed < full
