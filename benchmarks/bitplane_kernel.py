@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from flashnext.quant.bitplane import codes_to_bitplane
+from flashnext.quant.formats.bitplane import codes_to_bitplane
 from flashnext.quant.kernels.bitplane_gemv import (bitplane_down_combine, bitplane_gate_up_silu,
                                                    bitplane_gemv, set_launch_config)
-from flashnext.quant.packing import pack_int32
+from flashnext.quant.formats.packing import pack_int32
 
 
 @triton.jit

@@ -64,7 +64,7 @@ def gemv_tc(x, planes, scales, block_n=64, num_warps=4, num_stages=3):
 def main():
     import json
     import torch
-    from flashnext.quant.bitplane import codes_to_bitplane
+    from flashnext.quant.formats.bitplane import codes_to_bitplane
     from flashnext.quant.kernels.bitplane_gemv import bitplane_gemv
     out = {}
     for n, k in ((1280, 2560), (2560, 640), (16384, 16384)):

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from flashnext.quant.ct_config import weight_scheme
-from flashnext.quant.safetensors_io import ShardWriter, TensorSpec
+from flashnext.quant.formats.ct_config import weight_scheme
+from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec
 
 E, H, I = 512, 2560, 640
 PREFIX = "mtp.layers.0.mlp.experts"

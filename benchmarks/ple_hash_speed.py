@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 
-from flashnext.quant.ple_hash import NgramHasher
-from flashnext.quant.ple_layout import ple_layout
+from flashnext.quant.ple.hashing import NgramHasher
+from flashnext.quant.ple.layout import ple_layout
 
 REAL = {"ngram_size": 3, "heads_per_ngram": 8, "ple_embed_dim": 2560, "vocab_size": 248320,
         "ngram_vocab_size_base": 20000000, "make_ngram_vocab_size_divisible_by": 128,

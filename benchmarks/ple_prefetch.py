@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from flashnext.quant.drive_check import drive_check
-from flashnext.quant.ple_hash import NgramHasher
-from flashnext.quant.ple_layout import ple_layout
-from flashnext.quant.ple_prefetch import DecodeAdvisor, PromptPrefetcher, TableMapping, row_pages
+from flashnext.quant.ple.drive import drive_check
+from flashnext.quant.ple.hashing import NgramHasher
+from flashnext.quant.ple.layout import ple_layout
+from flashnext.quant.ple.prefetch import DecodeAdvisor, PromptPrefetcher, TableMapping, row_pages
 
 ROW_BYTES = 320
 CONFIG = {"ngram_size": 3, "heads_per_ngram": 8, "ple_embed_dim": 2560, "vocab_size": 248320,

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.baselines import autoround_opt_rtn, llmcompressor_mse
-from flashnext.quant.demo_checkpoint import heavy_tailed
-from flashnext.quant.mse_rtn import MseSearch, quantize_absmax_rtn, quantize_mse_rtn
+from flashnext.quant.demo import heavy_tailed
+from flashnext.quant.quantizers.mse_rtn import MseSearch, quantize_absmax_rtn, quantize_mse_rtn
 
 METHODS = {
     "absmax RTN (compressed-tensors)": lambda w: quantize_absmax_rtn(w),

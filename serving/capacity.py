@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flashnext.manifests import manifest_path
-from flashnext.quant import envs
-from flashnext.quant.errors import FlashnextError
+from flashnext import envs
+from flashnext.errors import FlashnextError
 
 ATTENTION_BLOCK_ALIGNMENT = 16
 QSA_STATE_POSITION_BYTES = 8
@@ -124,7 +124,7 @@ def load_text_config(path: Path | None = None) -> TextConfig:
         config = path / "config.json" if path.is_dir() else path
         if not config.is_file():
             raise FlashnextError(f"{config}: no such config.json")
-        from flashnext.quant.jsonfile import read_json
+        from flashnext.quant.checkpoint.jsonfile import read_json
 
         where, data = str(config), read_json(config, "the model config")
     return TextConfig.from_dict(data, where)

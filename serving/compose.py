@@ -1,7 +1,7 @@
 """Rendering a serving profile as a Compose file, and the vLLM command line it runs.
 
 The container runs ``flashnext serve --engine native`` (the image installs flashnext), which makes
-a view of the snapshot with the overlays applied (symlinks, ``flashnext.quant.overlay_view``) and
+a view of the snapshot with the overlays applied (symlinks, ``flashnext.quant.overlays.view``) and
 then execs ``vllm serve``. Mounting each overlay file over the snapshot file would not work for
 stacked overlays, whose config.json and index must be merged; the view does that inside the
 container, from read-only mounts of the snapshot and of each overlay.

@@ -25,7 +25,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 
 PATCH_DIR = Path(__file__).resolve().parent / "patches"
 SERIES_FILE = PATCH_DIR / "series.json"

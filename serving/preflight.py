@@ -158,7 +158,7 @@ def _meminfo(meminfo: Path) -> dict[str, int]:
 def check_host_ram(profile: Profile, meminfo: Path = Path("/proc/meminfo"),
                    memory_max: Path = Path("/sys/fs/cgroup/memory.max")) -> Finding:
     """Pinned host K/V from the plan, against what this host (and its cgroup) can still give."""
-    from flashnext.quant.errors import FlashnextError
+    from flashnext.errors import FlashnextError
     from flashnext.serving import capacity
 
     try:
@@ -190,7 +190,7 @@ def check_host_ram(profile: Profile, meminfo: Path = Path("/proc/meminfo"),
 
 def check_process_madvise() -> Finding:
     """Probe process_madvise on a scratch mapping, as the PLE prefetcher does."""
-    from flashnext.quant.ple_prefetch import TableMapping
+    from flashnext.quant.ple.prefetch import TableMapping
 
     with tempfile.NamedTemporaryFile() as f:
         f.write(b"\0" * 8192)
@@ -208,8 +208,8 @@ def check_process_madvise() -> Finding:
 
 
 def check_ple_drive(table: Path, seconds: float = 3.0) -> Finding:
-    from flashnext.quant.drive_check import drive_check
-    from flashnext.quant.errors import FlashnextError
+    from flashnext.quant.ple.drive import drive_check
+    from flashnext.errors import FlashnextError
 
     try:
         r = drive_check(table, seconds)
@@ -234,9 +234,9 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
     table of up to a few GiB, a sample of the real 95 GiB one. The finding says how much it covered,
     whether the file is the one ``ple build`` wrote (size, mtime and inode as recorded), and points
     to ``ple verify --full`` for the rest."""
-    from flashnext.quant.errors import FlashnextError
-    from flashnext.quant.ple_table import find_ple_source, read_sidecar, verify_table
-    from flashnext.quant.snapshot import Snapshot
+    from flashnext.errors import FlashnextError
+    from flashnext.quant.ple.table import find_ple_source, read_sidecar, verify_table
+    from flashnext.quant.checkpoint.snapshot import Snapshot
 
     rebuild = f"flashnext ple build --src {model or 'SNAPSHOT'} --out {table} --force"
     try:
@@ -268,8 +268,8 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
 
 
 def check_overlays(model: Path, overlays: list[Path]) -> Finding:
-    from flashnext.quant.errors import FlashnextError
-    from flashnext.quant.overlay_view import verify_overlay
+    from flashnext.errors import FlashnextError
+    from flashnext.quant.overlays.view import verify_overlay
 
     for overlay in overlays:
         try:

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 

@@ -14,7 +14,7 @@ import shutil  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flashnext.quant.demo_checkpoint import write_demo_checkpoint  # noqa: E402
+from flashnext.quant.demo import write_demo_checkpoint  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,7 +36,7 @@ def demo_snapshot(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_overlay(demo_snapshot, tmp_path_factory) -> Path:
-    from flashnext.quant.mtp_int4 import make_mtp_int4
+    from flashnext.quant.overlays.mtp_int4 import make_mtp_int4
 
     out = tmp_path_factory.mktemp("overlay") / "mtp-int4"
     make_mtp_int4(demo_snapshot, out, progress=False)

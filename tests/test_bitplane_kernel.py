@@ -4,7 +4,7 @@ on the GPU machine with `-m gpu` (results in docs/benchmarks.md)."""
 import pytest
 import torch
 
-from flashnext.quant.bitplane import codes_to_bitplane
+from flashnext.quant.formats.bitplane import codes_to_bitplane
 from flashnext.quant.kernels.bitplane_gemv import bitplane_down_combine, bitplane_gate_up_silu, bitplane_gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

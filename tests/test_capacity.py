@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 from flashnext.serving import capacity
 from flashnext.serving.profiles import load_profile
 from flashnext.tools.cli import main as cli

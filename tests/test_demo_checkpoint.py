@@ -5,8 +5,8 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from flashnext.quant.demo_checkpoint import DEMO_TEXT_CONFIG
-from flashnext.quant.packing import packed_words, unpack_int32
+from flashnext.quant.demo import DEMO_TEXT_CONFIG
+from flashnext.quant.formats.packing import packed_words, unpack_int32
 from flashnext.tools.cli import main as cli
 
 
@@ -89,7 +89,7 @@ def test_weights_are_heavy_tailed(demo_snapshot):
 
 
 def test_ple_shards_follow_the_layout(demo_snapshot):
-    from flashnext.quant.ple_layout import ple_layout
+    from flashnext.quant.ple.layout import ple_layout
 
     index, get = _tensors(demo_snapshot)
     layout = ple_layout(DEMO_TEXT_CONFIG)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashnext.quant.mse_rtn import quantize_mse_rtn
-from flashnext.quant.mtp_int4 import MtpInt4Options, make_mtp_int4
-from flashnext.quant.packing import pack_int32, unpack_int32
+from flashnext.quant.quantizers.mse_rtn import quantize_mse_rtn
+from flashnext.quant.overlays.mtp_int4 import MtpInt4Options, make_mtp_int4
+from flashnext.quant.formats.packing import pack_int32, unpack_int32
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 from flashnext.serving.hooks.host_pool import PinnedHostPool, available_bytes, host_pool_lock
 
 

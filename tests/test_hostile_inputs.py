@@ -21,7 +21,7 @@ from typing import Callable
 import pytest
 from click.testing import CliRunner
 
-from flashnext.quant.fsutil import output_lock
+from flashnext.quant.checkpoint.fsutil import output_lock
 from flashnext.tools.cli import main as cli
 
 MTP_SHARD = "model-00005-of-00005.safetensors"
@@ -380,7 +380,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def pristine(demo_snapshot, demo_overlay, tmp_path_factory) -> Path:
-    from flashnext.quant.ple_table import build_table
+    from flashnext.quant.ple.table import build_table
 
     root = tmp_path_factory.mktemp("pristine")
     shutil.copytree(demo_snapshot, root / "snap")
@@ -449,7 +449,7 @@ def test_force_replaces_flashnext_output_only(work):
 
 def interrupt_ple_build(work: Work, monkeypatch, at_shard: int) -> None:
     """``ple build`` stopped (as by Ctrl-C) just before copying shard ``at_shard``."""
-    import flashnext.quant.ple_table as mod
+    import flashnext.quant.ple.table as mod
 
     real = mod._copy_shard
 
@@ -464,7 +464,7 @@ def interrupt_ple_build(work: Work, monkeypatch, at_shard: int) -> None:
 
 
 def test_ple_resume_refuses_a_changed_source(work, monkeypatch):
-    import flashnext.quant.ple_table as mod
+    import flashnext.quant.ple.table as mod
 
     interrupt_ple_build(work, monkeypatch, at_shard=1)
     # Same names, dtypes, shapes and sizes; other bytes (as another revision of the checkpoint).
@@ -485,7 +485,7 @@ def test_ple_resume_refuses_a_changed_source(work, monkeypatch):
 
 
 def test_ple_free_space_counts_the_partial(work, monkeypatch):
-    import flashnext.quant.ple_table as mod
+    import flashnext.quant.ple.table as mod
 
     needed = []
     monkeypatch.setattr(mod, "check_free_space", lambda d, n, what: needed.append(n))

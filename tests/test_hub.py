@@ -6,8 +6,8 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.hub import fetch_overlay, upload_overlay
+from flashnext.errors import FlashnextError
+from flashnext.quant.overlays.hub import fetch_overlay, upload_overlay
 from flashnext.tools.cli import main as cli
 from support.hub_server import HubServer
 

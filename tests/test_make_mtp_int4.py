@@ -13,13 +13,13 @@ from compressed_tensors.compressors import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationScheme
 from safetensors.torch import load_file
 
-from flashnext.quant import fsutil
-from flashnext.quant.demo_checkpoint import DEMO_TEXT_CONFIG
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.mse_rtn import dequantize, quantize_mse_rtn
-from flashnext.quant.mtp_int4 import MtpInt4Options, make_mtp_int4
-from flashnext.quant.packing import unpack_int32
-from flashnext.quant.safetensors_io import read_header
+from flashnext.quant.checkpoint import fsutil
+from flashnext.quant.demo import DEMO_TEXT_CONFIG
+from flashnext.errors import FlashnextError
+from flashnext.quant.quantizers.mse_rtn import dequantize, quantize_mse_rtn
+from flashnext.quant.overlays.mtp_int4 import MtpInt4Options, make_mtp_int4
+from flashnext.quant.formats.packing import unpack_int32
+from flashnext.quant.formats.safetensors_io import read_header
 from flashnext.tools.cli import main as flashnext_cli
 from flashnext.tools.make_mtp_int4 import main as make_mtp_int4_cli
 from support.shards import rewrite_shard, write_shard
@@ -311,7 +311,7 @@ def test_out_inside_source_is_refused(snapshot_copy):
 
 def test_failure_midway_leaves_nothing(demo_snapshot, tmp_path, monkeypatch):
     """An error after the shard writing began (here, an interrupt) removes the partial overlay."""
-    import flashnext.quant.mtp_int4 as mod
+    import flashnext.quant.overlays.mtp_int4 as mod
 
     def boom(*a, **k):
         raise KeyboardInterrupt

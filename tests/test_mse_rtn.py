@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from flashnext.quant.demo_checkpoint import heavy_tailed
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.mse_rtn import MseSearch, quantize_absmax_rtn, quantize_mse_rtn
+from flashnext.errors import FlashnextError
+from flashnext.quant.demo import heavy_tailed
+from flashnext.quant.quantizers.mse_rtn import MseSearch, quantize_absmax_rtn, quantize_mse_rtn
 
 
 def group_sq_err(w, q, gs):
@@ -72,3 +72,23 @@ def test_bad_group_size(weights, gs):
 def test_k_not_divisible():
     with pytest.raises(FlashnextError, match="not divisible"):
         quantize_mse_rtn(torch.randn(4, 192), group_size=128)
+
+
+def test_the_registry_names_each_quantizer(demo_snapshot, tmp_path):
+    from flashnext.quant.overlays.hub import render_model_card
+    from flashnext.quant.overlays.manifest import OverlayManifest
+    from flashnext.quant.overlays.mtp_int4 import MtpInt4Options, make_mtp_int4
+    from flashnext.quant.quantizers.base import available_quantizers, get_quantizer
+
+    assert available_quantizers() == ["mse", "rtn"]
+    with pytest.raises(FlashnextError, match="no quantizer 'gptq'; available: mse, rtn"):
+        get_quantizer("gptq")
+    w = torch.randn(8, 256)
+    assert torch.equal(get_quantizer("rtn").quantize(w, 4, 128, torch.bfloat16).codes,
+                       quantize_absmax_rtn(w, 4, 128, torch.bfloat16).codes)
+    for scale_search, name, phrase in ((True, "mse", "MSE-searched"), (False, "rtn", "absmax scales")):
+        out = tmp_path / name
+        report = make_mtp_int4(demo_snapshot, out, MtpInt4Options(scale_search=scale_search), progress=False)
+        assert report["quantizer"] == name
+        card = render_model_card(OverlayManifest.load(out), "me/x")
+        assert phrase in card and ("MSE-searched" not in card if name == "rtn" else True)

@@ -11,11 +11,11 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.mtp_int4 import make_mtp_int4
-from flashnext.quant.overlay import OverlayManifest
-from flashnext.quant.overlay_view import apply_overlays, verify_overlay
-from flashnext.quant.snapshot import Snapshot
+from flashnext.errors import FlashnextError
+from flashnext.quant.overlays.mtp_int4 import make_mtp_int4
+from flashnext.quant.overlays.manifest import OverlayManifest
+from flashnext.quant.overlays.view import apply_overlays, verify_overlay
+from flashnext.quant.checkpoint.snapshot import Snapshot
 from flashnext.tools.cli import main as cli
 from support.shards import rewrite_shard, write_shard
 

@@ -4,8 +4,8 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32,
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.packing import pack_int32, packed_words, unpack_int32
+from flashnext.errors import FlashnextError
+from flashnext.quant.formats.packing import pack_int32, packed_words, unpack_int32
 
 
 def reference_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

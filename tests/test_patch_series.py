@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 from flashnext.serving.hooks.draft_tokens import LatestDraftTokens
 from flashnext.serving.patch_series import apply_series, check_series, installed_vllm_root, load_series
 from flashnext.tools.cli import main as cli
@@ -25,7 +25,7 @@ def test_series_metadata_is_complete():
     assert [p.id for p in series] == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
                                        "mtp-02", "decode-03"]
     for p in series:
-        assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.quant.envs", fromlist=["ALL"]).ALL}
+        assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.envs", fromlist=["ALL"]).ALL}
         assert p.path.is_file() and p.probe and p.upstream
     listing = CliRunner().invoke(cli, ["patches", "list", "--json"])
     assert listing.exit_code == 0 and json.loads(listing.stdout)[0]["id"] == "mtp-03"
@@ -210,7 +210,7 @@ def _free_port() -> str:
 
 @pytest.fixture(scope="module")
 def demo_table(tmp_path_factory, demo_snapshot) -> Path:
-    from flashnext.quant.ple_table import build_table
+    from flashnext.quant.ple.table import build_table
 
     table = tmp_path_factory.mktemp("ple") / "table.bin"
     build_table(demo_snapshot, table, progress=False)

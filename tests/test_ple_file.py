@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 from flashnext.serving.hooks.ple_file import DECODE_ADVICE_MAX_ROWS, PleTableFile
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from flashnext.quant.demo_checkpoint import DEMO_TEXT_CONFIG
-from flashnext.quant.ple_layout import is_prime, ple_layout
+from flashnext.quant.demo import DEMO_TEXT_CONFIG
+from flashnext.quant.ple.layout import is_prime, ple_layout
 
 REAL_TEXT_CONFIG = {"ngram_size": 3, "heads_per_ngram": 8, "ple_embed_dim": 2560, "vocab_size": 248320,
                     "ngram_vocab_size_base": 20000000, "make_ngram_vocab_size_divisible_by": 128,

@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 
-from flashnext.quant.demo_checkpoint import DEMO_TEXT_CONFIG
-from flashnext.quant.ple_hash import NgramHasher
-from flashnext.quant.ple_layout import ple_layout
-from flashnext.quant.ple_prefetch import (PAGE_SIZE, DecodeAdvisor, PromptPrefetcher, TableMapping, merge_pages,
+from flashnext.quant.demo import DEMO_TEXT_CONFIG
+from flashnext.quant.ple.hashing import NgramHasher
+from flashnext.quant.ple.layout import ple_layout
+from flashnext.quant.ple.prefetch import (PAGE_SIZE, DecodeAdvisor, PromptPrefetcher, TableMapping, merge_pages,
                                           plan_prompt, row_pages)
 
 ROW_BYTES = 320
@@ -64,7 +64,7 @@ def evict(path):
 def resident_pages(mapping: TableMapping) -> np.ndarray:
     import ctypes
 
-    from flashnext.quant.ple_prefetch import _libc
+    from flashnext.quant.ple.prefetch import _libc
 
     vec = np.zeros((mapping.size + PAGE_SIZE - 1) // PAGE_SIZE, dtype=np.uint8)
     assert _libc.mincore(mapping.address, mapping.size, vec.ctypes.data) == 0, ctypes.get_errno()

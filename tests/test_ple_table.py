@@ -10,11 +10,11 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from flashnext.quant import fsutil
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.ple_layout import ple_layout
-from flashnext.quant.ple_table import build_table, find_ple_source, verify_table
-from flashnext.quant.snapshot import Snapshot
+from flashnext.quant.checkpoint import fsutil
+from flashnext.errors import FlashnextError
+from flashnext.quant.ple.layout import ple_layout
+from flashnext.quant.ple.table import build_table, find_ple_source, verify_table
+from flashnext.quant.checkpoint.snapshot import Snapshot
 from flashnext.tools.cli import main as cli
 from support.shards import rewrite_shard
 
@@ -58,7 +58,7 @@ def test_verify_finds_a_flipped_byte(demo_snapshot, tmp_path):
 
 
 def test_resume_after_interruption(demo_snapshot, tmp_path, monkeypatch):
-    import flashnext.quant.ple_table as mod
+    import flashnext.quant.ple.table as mod
 
     out = tmp_path / "ple.bin"
     real_copy = mod._copy_shard

@@ -147,7 +147,7 @@ def test_verdict_and_exit_codes(demo_snapshot, demo_overlay, monkeypatch):
 
 
 def test_ple_table_findings(demo_snapshot, tmp_path):
-    from flashnext.quant.ple_table import build_table
+    from flashnext.quant.ple.table import build_table
 
     table = tmp_path / "table.bin"
     build_table(demo_snapshot, table, progress=False)
@@ -168,7 +168,7 @@ def test_ple_table_findings(demo_snapshot, tmp_path):
 def test_ple_table_sidecar_and_sampling(demo_snapshot, tmp_path):
     """A malformed sidecar is a NO-GO with the rebuild line, not a crash; a flipped byte anywhere in
     a table this small is found within the budget; with no budget the finding says what it left out."""
-    from flashnext.quant.ple_table import build_table
+    from flashnext.quant.ple.table import build_table
 
     table = tmp_path / "table.bin"
     build_table(demo_snapshot, table, progress=False)

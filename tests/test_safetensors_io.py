@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.safetensors_io import ShardWriter, read_header, spec_of
+from flashnext.errors import FlashnextError
+from flashnext.quant.formats.safetensors_io import ShardWriter, read_header, spec_of
 
 
 def test_writer_output_loads_with_safetensors_in_any_write_order(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from flashnext.quant import envs
-from flashnext.quant.errors import FlashnextError
+from flashnext import envs
+from flashnext.errors import FlashnextError
 from flashnext.serving.compose import ServeRequest, render_compose, vllm_command
 from flashnext.serving.profiles import available, load_profile
 from flashnext.tools.cli import main as cli

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from flashnext.quant.ct_config import with_mtp_experts_quantized
-from flashnext.quant.demo_checkpoint import DEMO_TEXT_CONFIG, demo_quantization_config
+from flashnext.quant.formats.ct_config import with_mtp_experts_quantized
+from flashnext.quant.demo import DEMO_TEXT_CONFIG, demo_quantization_config
 
 vllm_ct = pytest.importorskip(
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
@@ -97,8 +97,8 @@ def three_overlays(demo_snapshot, tmp_path_factory):
     """Three overlays of different kinds over disjoint shards: the MTP experts at INT4 g32 (so that
     they differ from the base's generic g128 expert group), layers 0-1's shared experts widened to
     INT8 (a group of their own, put first), layers 2-3's in the bit-plane layout."""
-    from flashnext.quant.mtp_int4 import MtpInt4Options, make_mtp_int4
-    from flashnext.quant.repack_int6 import repack_int6
+    from flashnext.quant.overlays.mtp_int4 import MtpInt4Options, make_mtp_int4
+    from flashnext.quant.overlays.int6_repack import repack_int6
 
     root = tmp_path_factory.mktemp("stack")
     make_mtp_int4(demo_snapshot, root / "mtp", MtpInt4Options(group_size=32), progress=False)
@@ -115,7 +115,7 @@ def _qc(path) -> dict:
 @pytest.mark.parametrize("stack", [("mtp", "int8"), ("int8", "mtp"), ("mtp", "int8", "bitplane"),
                                    ("bitplane", "int8", "mtp")], ids="+".join)
 def test_stacked_views_resolve_as_each_overlay_intended(demo_snapshot, three_overlays, stack, tmp_path):
-    from flashnext.quant.overlay_view import apply_overlays
+    from flashnext.quant.overlays.view import apply_overlays
 
     overlays = [three_overlays[name] for name in stack]
     view = tmp_path / "view"

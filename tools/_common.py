@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 
 
 EXIT_INTERNAL = 70  # EX_SOFTWARE: a flashnext bug, not the user's input
@@ -43,7 +43,7 @@ def user_errors(fn):
         except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
             raise
         except Exception as e:
-            from flashnext.quant.envs import FLASHNEXT_DEBUG
+            from flashnext.envs import FLASHNEXT_DEBUG
 
             if FLASHNEXT_DEBUG.enabled():
                 raise

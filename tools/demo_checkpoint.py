@@ -18,7 +18,7 @@ def main(out: Path, force: bool, as_json: bool) -> None:
     """Write a miniature Qwen3.8-Flash-Next snapshot (about 10 MB): real tensor names, config
     keys and INT4/INT6/INT8 compressed-tensors layout, random heavy-tailed weights, the same
     bytes on every run."""
-    from flashnext.quant.demo_checkpoint import write_demo_checkpoint
+    from flashnext.quant.demo import write_demo_checkpoint
 
     summary = write_demo_checkpoint(out, force=force)
     if as_json:

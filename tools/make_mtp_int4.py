@@ -41,7 +41,7 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_sea
     Example:
       make-mtp-int4 --src ~/models/Qwen3.8-Flash-Next --out ~/overlays/mtp-int4
     """
-    from flashnext.quant.mtp_int4 import MtpInt4Options, check_report_path, make_mtp_int4, write_report
+    from flashnext.quant.overlays.mtp_int4 import MtpInt4Options, check_report_path, make_mtp_int4, write_report
 
     if report is not None:
         check_report_path(report, src, out)

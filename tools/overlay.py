@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 from flashnext.tools._common import emit_json, json_option, user_errors
 
 EXIT_MISMATCH = 3
@@ -29,7 +29,7 @@ def verify(target: Path, base: Path | None, full: bool, as_json: bool) -> None:
 
     Overlay files are always checked by content hash; base files by their safetensors header hash
     (by content with --full). Each mismatch is one line; exit status 3 if there is any."""
-    from flashnext.quant.overlay_view import read_view, verify_overlay, verify_view
+    from flashnext.quant.overlays.view import read_view, verify_overlay, verify_view
 
     if not target.exists():
         raise FlashnextError(f"{target}: no such overlay or view")
@@ -62,7 +62,7 @@ def verify(target: Path, base: Path | None, full: bool, as_json: bool) -> None:
 def apply(overlays: tuple[Path, ...], base: Path, out: Path, force: bool, verify: bool, as_json: bool) -> None:
     """Make a view of --base with OVERLAYS applied in order: symlinks, nothing large copied.
     `vllm serve VIEW` loads it like a snapshot."""
-    from flashnext.quant.overlay_view import apply_overlays
+    from flashnext.quant.overlays.view import apply_overlays
 
     result = apply_overlays(base, list(overlays), out, verify=verify, force=force)
     if as_json:
@@ -84,7 +84,7 @@ def upload(overlay: Path, repo_id: str, private: bool, revision: str | None, dry
            endpoint: str | None, as_json: bool) -> None:
     """Publish OVERLAY: its manifest's files, overlay.json and a generated model card, in one commit.
     The token comes from HF_TOKEN or `hf auth login` and is never printed."""
-    from flashnext.quant.hub import upload_overlay
+    from flashnext.quant.overlays.hub import upload_overlay
 
     result = upload_overlay(overlay, repo_id, private=private, revision=revision, dry_run=dry_run,
                             endpoint=endpoint)
@@ -112,7 +112,7 @@ def upload(overlay: Path, repo_id: str, private: bool, revision: str | None, dry
 def fetch(repo_id: str, base: Path, out: Path, revision: str | None, endpoint: str | None,
           cache_dir: Path | None, force: bool, as_json: bool) -> None:
     """Download overlay REPO_ID, verify it against --base, and apply it as the view --out."""
-    from flashnext.quant.hub import fetch_overlay
+    from flashnext.quant.overlays.hub import fetch_overlay
 
     result = fetch_overlay(repo_id, base, out, revision=revision, endpoint=endpoint, cache_dir=cache_dir,
                            force=force)

@@ -38,7 +38,7 @@ def _print(profile: str, p) -> None:
 
 def summary_line(profile) -> str | None:
     """One line of the plan for `serve` to print before starting; None when it cannot plan here."""
-    from flashnext.quant.errors import FlashnextError
+    from flashnext.errors import FlashnextError
     from flashnext.serving import capacity
 
     if profile.model_family != "qwen4_exp":
@@ -66,7 +66,7 @@ def main(profile: str, kv_cache_memory_bytes: int | None, prefix_caching: bool |
     """KV cache plan for a profile: attention block size, state page, blocks per rank, blocks for one
     max-length request, token capacity and concurrency, pinned host memory and VRAM. The grouping is
     vLLM 0.33.0's own (`pip install 'flashnext[serve]'`)."""
-    from flashnext.quant.errors import FlashnextError
+    from flashnext.errors import FlashnextError
     from flashnext.serving import capacity
     from flashnext.serving.profiles import load_profile
 

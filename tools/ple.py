@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 from flashnext.tools._common import emit_json, json_option, user_errors
 
 
@@ -26,7 +26,7 @@ def _int_list(text: str | None, what: str) -> list[int]:
 
 
 def _text_config(path: Path) -> dict:
-    from flashnext.quant.snapshot import read_config
+    from flashnext.quant.checkpoint.snapshot import read_config
 
     config = read_config(path)
     return config.get("text_config") or config
@@ -41,9 +41,9 @@ def _text_config(path: Path) -> dict:
 @user_errors
 def ids(config_path: Path, tokens: str, context: str | None, dense_layer_id: int) -> None:
     """Print the [T, heads] row ids of TOKENS as a JSON list of lists (bit-identical to vLLM)."""
-    from flashnext.quant.ple_hash import NgramHasher
+    from flashnext.quant.ple.hashing import NgramHasher
 
-    from flashnext.quant.ple_layout import ple_layout
+    from flashnext.quant.ple.layout import ple_layout
 
     layout = ple_layout(_text_config(config_path), dense_layer_id, f"{config_path}: text config")
     toks = _int_list(tokens, "--tokens")
@@ -66,8 +66,8 @@ def ids(config_path: Path, tokens: str, context: str | None, dense_layer_id: int
 @user_errors
 def layout_cmd(src: Path, dense_layer_id: int, as_json: bool) -> None:
     """Show the table layout, with the checkpoint's buffers winning over the formulas."""
-    from flashnext.quant.ple_table import find_ple_source
-    from flashnext.quant.snapshot import Snapshot
+    from flashnext.quant.ple.table import find_ple_source
+    from flashnext.quant.checkpoint.snapshot import Snapshot
 
     source = find_ple_source(Snapshot.open(src), dense_layer_id)
     lay = source.layout
@@ -95,7 +95,7 @@ def build(src: Path, out: Path, dense_layer_id: int, force: bool, progress: bool
     """Write the raw table file vLLM maps (VLLM_PLE_MMAP_PATH) and its sidecar OUT.json.
 
     An interrupted build resumes where it stopped when run again with the same arguments."""
-    from flashnext.quant.ple_table import build_table
+    from flashnext.quant.ple.table import build_table
 
     result = build_table(src, out, dense_layer_id, force=force, progress=progress)
     if as_json:
@@ -114,7 +114,7 @@ def build(src: Path, out: Path, dense_layer_id: int, force: bool, progress: bool
 @user_errors
 def verify(table: Path, full: bool, as_json: bool) -> None:
     """Check TABLE's size and hashes against its sidecar."""
-    from flashnext.quant.ple_table import verify_table
+    from flashnext.quant.ple.table import verify_table
 
     result = verify_table(table, full=full)
     if as_json:
@@ -129,7 +129,7 @@ def verify(table: Path, full: bool, as_json: bool) -> None:
 @user_errors
 def residency(table: Path, as_json: bool) -> None:
     """How much of TABLE is in the page cache (mincore)."""
-    from flashnext.quant.ple_prefetch import PAGE_SIZE, TableMapping
+    from flashnext.quant.ple.prefetch import PAGE_SIZE, TableMapping
 
     if not table.is_file():
         raise FlashnextError(f"{table}: no such file")
@@ -157,7 +157,7 @@ def residency(table: Path, as_json: bool) -> None:
 def drive_check_cmd(path: Path, seconds: float, depth: int, as_json: bool) -> None:
     """O_DIRECT 4 KiB random reads on PATH (a file on the drive, e.g. the table): QD1 latency
     and deep-queue throughput. Exits 2 if the drive's tail would stall decode."""
-    from flashnext.quant.drive_check import drive_check
+    from flashnext.quant.ple.drive import drive_check
 
     result = drive_check(path, seconds, depth)
     if as_json:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.quant.ct_config import DEFAULT_INT6_TARGETS
+from flashnext.quant.formats.ct_config import DEFAULT_INT6_TARGETS
 from flashnext.tools._common import emit_json, json_option, user_errors
 
 
@@ -26,7 +26,7 @@ def main(src: Path, out: Path, targets: str, reverse: bool, to: str | None, forc
     (a 4-bit and a 2-bit plane, same bytes), or widen them to INT8, or reverse the bit-plane overlay."""
     if reverse and to:
         raise click.UsageError("--reverse and --to are exclusive")
-    from flashnext.quant.repack_int6 import repack_int6
+    from flashnext.quant.overlays.int6_repack import repack_int6
 
     mode = "reverse" if reverse else ("int8" if to == "int8" else "bitplane")
     report = repack_int6(src, out, targets, mode, force=force)

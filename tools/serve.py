@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 from flashnext.tools._common import user_errors
 
 ENGINES = ("docker", "podman", "native")
@@ -67,7 +67,7 @@ def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | 
 
     model_dir = model
     if overlays:
-        from flashnext.quant.overlay_view import apply_overlays
+        from flashnext.quant.overlays.view import apply_overlays
 
         if dry_run:
             model_dir = Path("<view of the snapshot with the overlays>")

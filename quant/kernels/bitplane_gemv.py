@@ -1,4 +1,4 @@
-"""Decode GEMV over INT6 bit-plane weights (``flashnext.quant.bitplane``), for 1 to 4 tokens.
+"""Decode GEMV over INT6 bit-plane weights (``flashnext.quant.formats.bitplane``), for 1 to 4 tokens.
 
 ``y[m, n] = sum_k x[m, k] * (q[n, k] * s[n, k // group])`` with ``q = ((hi << 4) | lo) - 32`` read
 from the two planes with plain shifts: the low plane gives two values per byte, the high plane

@@ -12,7 +12,7 @@ verify next.
 
 from __future__ import annotations
 
-from flashnext.quant import envs
+from flashnext import envs
 
 
 class LatestDraftTokens:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from flashnext.quant import envs
-from flashnext.quant.errors import FlashnextError
+from flashnext import envs
+from flashnext.errors import FlashnextError
 
 # Left free beyond the pool: the page cache of the PLE table and the rest of the process.
 DEFAULT_HEADROOM = 4 << 30

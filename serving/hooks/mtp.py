@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from flashnext.quant import envs
+from flashnext import envs
 
 
 def _pipelined() -> bool:

@@ -10,7 +10,7 @@ cache tensor for a layer that rank does not have, so ``allocate_kv_cache`` dies 
 
 from __future__ import annotations
 
-from flashnext.quant import envs
+from flashnext import envs
 
 
 def pp_ple_enabled() -> bool:

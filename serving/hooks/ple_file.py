@@ -9,7 +9,7 @@ shared mapping of the file, advised ``MADV_RANDOM`` (readahead multiplies NVMe t
 any CUDA graph, into a fixed device buffer that the captured forward reads.
 
 - ttft-01 (``VLLM_PLE_PREFETCH``): when a request is admitted, a worker thread advises its
-  prompt's pages a window at a time with ``process_madvise`` (``flashnext.quant.ple_prefetch``).
+  prompt's pages a window at a time with ``process_madvise`` (``flashnext.quant.ple.prefetch``).
 - decode-06 (``VLLM_PLE_DECODE_ADVICE``): before a small step's gather (decode, MTP verify),
   the first and last page of each of its rows in one ``process_madvise``, so the page faults
   are served in parallel instead of one at a time.
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from flashnext.quant import envs
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.ple_hash import NgramHasher
-from flashnext.quant.ple_layout import PleLayout
-from flashnext.quant.ple_prefetch import DecodeAdvisor, PromptPrefetcher, TableMapping
+from flashnext import envs
+from flashnext.errors import FlashnextError
+from flashnext.quant.ple.hashing import NgramHasher
+from flashnext.quant.ple.layout import PleLayout
+from flashnext.quant.ple.prefetch import DecodeAdvisor, PromptPrefetcher, TableMapping
 
 log = logging.getLogger(__name__)
 

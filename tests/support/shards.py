@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file
 
-from flashnext.quant.safetensors_io import ShardWriter, spec_of
+from flashnext.quant.formats.safetensors_io import ShardWriter, spec_of
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:

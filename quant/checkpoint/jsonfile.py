@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 
 M = TypeVar("M")
 

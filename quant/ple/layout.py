@@ -111,8 +111,8 @@ MAX_HEADS = 4096
 def ple_layout(text_config: dict, dense_layer_id: int = 0, where: str = "text_config") -> PleLayout:
     """The layout vLLM derives for PLE layer ``dense_layer_id`` from ``text_config``; a missing,
     mistyped or out-of-range key is a :class:`FlashnextError` naming ``where`` and the key."""
-    from flashnext.quant.errors import FlashnextError
-    from flashnext.quant.jsonfile import get_int
+    from flashnext.errors import FlashnextError
+    from flashnext.quant.checkpoint.jsonfile import get_int
 
     c = text_config
     if not isinstance(c, dict):

@@ -1,6 +1,6 @@
 """The INT6 bit-plane layout: 6-bit weights regrouped as a 4-bit plane and a 2-bit plane.
 
-compressed-tensors' dense 6-bit ``pack-quantized`` layout (``quant.packing``) puts 32 values in 6
+compressed-tensors' dense 6-bit ``pack-quantized`` layout (``quant.formats.packing``) puts 32 values in 6
 int32 words with values straddling words, which a decode GEMV must unpack with variable shifts.
 Seed 000 §3.3 regroups each matrix, at the same byte count, so a kernel reads it with plain shifts.
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.packing import pack_int32, unpack_int32
+from flashnext.errors import FlashnextError
+from flashnext.quant.formats.packing import pack_int32, unpack_int32
 
 LAYOUT = "flashnext.bitplane6/1"
 

@@ -28,12 +28,12 @@ import numpy as np
 import torch
 
 from flashnext import __version__
-from flashnext.quant.fsutil import atomic_directory
-from flashnext.quant.mse_rtn import quantize_absmax_rtn
-from flashnext.quant.packing import pack_int32
-from flashnext.quant.ple_layout import SPLITMIX_GAMMA, SPLITMIX_M1, SPLITMIX_M2, ple_layout
-from flashnext.quant.safetensors_io import ShardWriter, TensorSpec, spec_of
-from flashnext.quant.snapshot import CONFIG_FILE, INDEX_FILE
+from flashnext.quant.checkpoint.fsutil import atomic_directory
+from flashnext.quant.quantizers.mse_rtn import quantize_absmax_rtn
+from flashnext.quant.formats.packing import pack_int32
+from flashnext.quant.ple.layout import SPLITMIX_GAMMA, SPLITMIX_M1, SPLITMIX_M2, ple_layout
+from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, spec_of
+from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE
 
 TEXT = "model.language_model"
 
@@ -108,7 +108,7 @@ FORMATS = {"int4g128": (4, 128), "int6g64": (6, 64), "int8g64": (8, 64), "int8g1
 
 
 def demo_quantization_config() -> dict:
-    from flashnext.quant.ct_config import weight_scheme
+    from flashnext.quant.formats.ct_config import weight_scheme
 
     return {
         "quant_method": "compressed-tensors",

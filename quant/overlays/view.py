@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Literal
 
 from flashnext import __version__
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import OUTPUT_MARKER, atomic_directory, confined, sha256_file
-from flashnext.quant.jsonfile import StrictRecord, read_model
-from flashnext.quant.overlay import MANIFEST_FILE, OverlayManifest, header_sha256
-from flashnext.quant.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot, read_config, read_index
+from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, atomic_directory, confined, sha256_file
+from flashnext.quant.checkpoint.jsonfile import StrictRecord, read_model
+from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest, header_sha256
+from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot, read_config, read_index
 
 VIEW_RECORD = ".flashnext-view.json"
 MERGED = (INDEX_FILE, CONFIG_FILE)

@@ -6,7 +6,7 @@ file name: its other tensors are copied byte for byte, and the BF16 experts (fus
 ``experts.{e}.{gate,up,down}_proj.weight``) are replaced by per-expert compressed-tensors tensors
 ``experts.{e}.{gate,up,down}_proj.{weight_packed,weight_scale,weight_shape}``, the names vLLM's
 FusedMoE loader maps to ``w13_*`` / ``w2_*``. The overlay also carries the updated index and
-config.json (see :func:`quant.ct_config.with_mtp_experts_quantized`) and ``overlay.json``.
+config.json (see :func:`quant.formats.ct_config.with_mtp_experts_quantized`) and ``overlay.json``.
 
 Memory: experts are streamed ``experts_per_batch`` at a time. Each expert in flight costs about
 23 bytes per weight (bf16 source, fp32 working copy, int8 codes, int64 packing temporaries), i.e.
@@ -26,17 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from flashnext.quant.ct_config import with_mtp_experts_quantized
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import (atomic_directory, check_free_space, existing_ancestor, make_parents,
-                                    output_file, refuse_overlap, write_json, write_text_atomic)
-from flashnext.quant.jsonfile import get_int, read_json
-from flashnext.quant.mse_rtn import MseSearch, check_group_size, dequantize, quantize_absmax_rtn, quantize_mse_rtn
-from flashnext.quant.overlay import OverlayManifest
-from flashnext.quant.packing import pack_int32, packed_words
-from flashnext.quant.safetensors_io import (ShardWriter, TensorSpec, copy_tensor_bytes, read_rows,
-                                           shard_size)
-from flashnext.quant.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
+
+from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.fsutil import make_parents, refuse_overlap, write_text_atomic
+from flashnext.quant.checkpoint.jsonfile import get_int, read_json
+from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
+from flashnext.quant.formats.ct_config import with_mtp_experts_quantized
+from flashnext.quant.formats.packing import pack_int32, packed_words
+from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
+from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
+from flashnext.quant.quantizers.base import Quantizer, get_quantizer
+from flashnext.quant.quantizers.mse_rtn import MseSearch, check_group_size, dequantize
 
 BITS = 4
 PROJECTIONS = ("gate", "up", "down")
@@ -207,100 +207,118 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
         raise FlashnextError(f"{what} contains NaN or Inf (first at index {bad}); refusing to quantize")
 
 
-def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options(),
-                  force: bool = False, progress: bool = True) -> dict:
-    """Build the overlay at ``out`` from the snapshot ``src`` (never modified). Returns the report."""
-    started = time.perf_counter()
-    src, out = Path(src), Path(out)
-    snap = Snapshot.open(src)
-    layers = find_draft_experts(snap)
-    gs = options.group_size
-    for layer in layers:
-        for proj in PROJECTIONS:
-            check_group_size(layer.shape(proj)[1], gs, f"{layer.prefix} {proj}_proj")
-    device = usable_device(options.device)
-    per_batch = options.experts_per_batch or (4 if device.type == "cpu" else 32)
+@register_builder
+class MtpInt4Builder(OverlayBuilder):
+    """The MTP draft head's routed experts as INT4 pack-quantized tensors."""
 
-    # Check the rewritten config both as the checkpoint names the draft layers and as vLLM does.
-    offset = get_int(snap.text_config, "num_hidden_layers", f"{snap.root / CONFIG_FILE}: text config", minimum=0)
-    draft_indices = sorted({idx for layer in layers for idx in (layer.layer, offset + layer.layer)})
-    new_qc = with_mtp_experts_quantized(snap.quantization_config, BITS, gs, draft_indices)
+    kinds = ("mtp-int4",)
+    tool = "make-mtp-int4"
+    headroom = 16 << 20
 
-    # Plan the replaced shards: their other tensors in file order, then the new expert tensors.
-    replaced_names = {n for layer in layers for n in layer.sources}
-    plans: dict[str, list[TensorSpec]] = {}
-    for layer in layers:
-        for proj in PROJECTIONS:
-            plans.setdefault(layer.source_shard(proj), [])
-    for filename in plans:
-        plans[filename] = [s for s in snap.header(filename).specs_in_file_order() if s.name not in replaced_names]
-    for layer in layers:
-        for proj in PROJECTIONS:
-            plans[layer.source_shard(proj)] += _expert_specs(layer, gs, proj)
-    metadata = {f: snap.header(f).metadata for f in plans}
-    needed = sum(shard_size(specs, metadata[f]) for f, specs in plans.items()) + (16 << 20)
-    check_free_space(existing_ancestor(out), needed, f"the overlay {out}")
+    def __init__(self, snap: Snapshot, options: MtpInt4Options = MtpInt4Options()):
+        super().__init__(snap)
+        self.started = time.perf_counter()
+        self.options = options
+        self.layers = find_draft_experts(snap)
+        gs = options.group_size
+        for layer in self.layers:
+            for proj in PROJECTIONS:
+                check_group_size(layer.shape(proj)[1], gs, f"{layer.prefix} {proj}_proj")
+        self.device = usable_device(options.device)
+        self.per_batch = options.experts_per_batch or (4 if self.device.type == "cpu" else 32)
+        # Check the rewritten config both as the checkpoint names the draft layers and as vLLM does.
+        offset = get_int(snap.text_config, "num_hidden_layers", f"{snap.root / CONFIG_FILE}: text config", minimum=0)
+        draft_indices = sorted({idx for layer in self.layers for idx in (layer.layer, offset + layer.layer)})
+        self.new_qc = with_mtp_experts_quantized(snap.quantization_config, BITS, gs, draft_indices)
+        self.search = MseSearch(positive_scales=options.positive_scales)
+        self.quantizer = get_quantizer("mse", search=self.search) if options.scale_search else get_quantizer("rtn")
+        # The report's ratio to plain RTN costs one more pass; plain RTN is its own reference.
+        self.reference = get_quantizer("rtn") if options.scale_search and options.compare_absmax else None
+        self.stats = {p: _ProjectionStats() for p in PROJECTIONS}
+        self.bytes_read = 0
 
-    total_weights = sum(layer.num_experts * 3 * layer.intermediate * layer.hidden for layer in layers)
-    stats = {p: _ProjectionStats() for p in PROJECTIONS}
-    search = MseSearch(positive_scales=options.positive_scales)
-    bytes_read = 0
-    manifest = OverlayManifest.new("mtp-int4", "make-mtp-int4", snap.origin)
+    @property
+    def kind(self) -> str:
+        return "mtp-int4"
 
-    with atomic_directory(out, force=force, inputs={"the source snapshot": src}, made_by="make-mtp-int4") as tmp:
-        writers = {f: ShardWriter(output_file(tmp, f), specs, metadata[f]) for f, specs in plans.items()}
-        bar = _Progress(total_weights, progress, "make-mtp-int4")
+    def plan(self) -> dict[str, list[TensorSpec]]:
+        """The replaced shards: their other tensors in file order, then the new expert tensors."""
+        replaced_names = {n for layer in self.layers for n in layer.sources}
+        plans: dict[str, list[TensorSpec]] = {}
+        for layer in self.layers:
+            for proj in PROJECTIONS:
+                plans.setdefault(layer.source_shard(proj), [])
+        for filename in plans:
+            plans[filename] = [s for s in self.snap.header(filename).specs_in_file_order()
+                               if s.name not in replaced_names]
+        for layer in self.layers:
+            for proj in PROJECTIONS:
+                plans[layer.source_shard(proj)] += _expert_specs(layer, self.options.group_size, proj)
+        return plans
+
+    def fill(self, writers: dict[str, ShardWriter], progress: bool) -> None:
+        total_weights = sum(layer.num_experts * 3 * layer.intermediate * layer.hidden for layer in self.layers)
+        bar = _Progress(total_weights, progress, self.tool)
         try:
-            for filename, writer in writers.items():
-                header = snap.header(filename)
-                for spec in plans[filename]:
-                    if spec.name in header.entries:
-                        copy_tensor_bytes(snap.path(filename), header.entries[spec.name], writer)
-            for layer in layers:
-                bytes_read += _quantize_layer(snap, layer, writers, stats, search, options, device,
-                                              per_batch, bar)
-            for writer in writers.values():
-                writer.close()
-        except BaseException:
-            for writer in writers.values():
-                writer.abort()
-            raise
+            for layer in self.layers:
+                self.bytes_read += _quantize_layer(self.snap, layer, writers, self.stats, self.quantizer,
+                                                   self.reference, self.options, self.device, self.per_batch, bar)
         finally:
             bar.close()
 
-        index = copy.deepcopy(snap.index)
-        index["weight_map"] = _updated_weight_map(snap.weight_map, layers, plans)
-        sizes = {f: writers[f].size for f in writers}
-        index.setdefault("metadata", {})["total_size"] = _total_size(snap, index["weight_map"], sizes)
-        write_json(tmp / INDEX_FILE, index)
-        config = copy.deepcopy(snap.config)
-        holder = config if "quantization_config" in config else config.get("text_config", config)
-        holder["quantization_config"] = new_qc
-        write_json(tmp / CONFIG_FILE, config)
+    def new_weight_map(self, plans: dict[str, list[TensorSpec]]) -> dict[str, str]:
+        return _updated_weight_map(self.snap.weight_map, self.layers, plans)
 
-        elapsed = time.perf_counter() - started
-        report = {
-            "tool": "make-mtp-int4",
-            "bits": BITS, "group_size": gs, "symmetric": True,
-            "positive_scales": options.positive_scales,
-            "scale_search": options.scale_search,
-            "scale_dtype": "BF16" if layers[0].dtype == "F32" else layers[0].dtype,
-            "search": {"grid": list(search.grid), "fine": list(search.fine), "refits": search.refits},
-            "device": str(device),
-            "draft_layers": [layer.prefix for layer in layers],
-            "source_layout": layers[0].layout,
-            "experts": layers[0].num_experts,
-            "projections": {p: stats[p].to_json(layers[0].shape(p)) for p in PROJECTIONS},
-            "bytes_read": bytes_read,
-            "bytes_written": sum(sizes.values()),
+    def new_config(self) -> dict:
+        config = copy.deepcopy(self.snap.config)
+        holder = config if "quantization_config" in config else config.get("text_config", config)
+        holder["quantization_config"] = self.new_qc
+        return config
+
+    def report(self) -> dict:
+        elapsed = time.perf_counter() - self.started
+        first = self.layers[0]
+        return {
+            "tool": self.tool,
+            "bits": BITS, "group_size": self.options.group_size, "symmetric": True,
+            "positive_scales": self.options.positive_scales,
+            "scale_search": self.options.scale_search,
+            "scale_dtype": "BF16" if first.dtype == "F32" else first.dtype,
+            "search": {"grid": list(self.search.grid), "fine": list(self.search.fine), "refits": self.search.refits},
+            "quantizer": self.quantizer.name,
+            "quantizer_description": self.quantizer.description,
+            "device": str(self.device),
+            "draft_layers": [layer.prefix for layer in self.layers],
+            "source_layout": first.layout,
+            "experts": first.num_experts,
+            "projections": {p: self.stats[p].to_json(first.shape(p)) for p in PROJECTIONS},
+            "bytes_read": self.bytes_read,
             "seconds": round(elapsed, 3),
-            "read_gb_per_s": round(bytes_read / elapsed / 1e9, 3) if elapsed else None,
+            "read_gb_per_s": round(self.bytes_read / elapsed / 1e9, 3) if elapsed else None,
         }
-        manifest.report = report
-        for filename in list(plans) + [INDEX_FILE, CONFIG_FILE]:
-            manifest.replace(tmp, filename, snap.path(filename))
-        manifest.write(tmp)
-    return report
+
+    @classmethod
+    def card_section(cls, report: dict) -> list[str]:
+        if not report.get("projections"):
+            return []
+        lines = ["## Quantization report", "",
+                 f"INT{report.get('bits')} symmetric, group size {report.get('group_size')}, "
+                 f"scales in {report.get('scale_dtype')}, "
+                 + report.get("quantizer_description", "MSE-searched scales, round-to-nearest")
+                 + (" (positive scales only)" if report.get("positive_scales") else " (signed scales)") + ".", "",
+                 "| projection | matrices | relative MSE | vs absmax RTN | negative scales | all-zero groups |",
+                 "|---|---|---|---|---|---|"]
+        for proj, s in report["projections"].items():
+            ratio = f"{s['ratio_to_absmax_rtn']:.3f}x" if s.get("ratio_to_absmax_rtn") else "—"
+            lines.append(f"| {proj} | {s['matrices']} | {s['rel_mse']:.4e} | {ratio} | "
+                         f"{s['negative_scales']} | {s['zero_groups']} |")
+        return lines
+
+
+def make_mtp_int4(src: Path, out: Path, options: MtpInt4Options = MtpInt4Options(),
+                  force: bool = False, progress: bool = True) -> dict:
+    """Build the overlay at ``out`` from the snapshot ``src`` (never modified). Returns the report."""
+    return MtpInt4Builder(Snapshot.open(src), options).build(out, force=force, progress=progress)
 
 
 def check_report_path(report: Path, src: Path, out: Path) -> None:
@@ -362,8 +380,8 @@ def _load_batch(snap: Snapshot, layer: DraftLayerExperts, start: int, stop: int,
 
 
 def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str, ShardWriter],
-                    stats: dict[str, _ProjectionStats], search: MseSearch, options: MtpInt4Options,
-                    device: torch.device, per_batch: int, bar: _Progress) -> int:
+                    stats: dict[str, _ProjectionStats], quantizer: Quantizer, reference: Quantizer | None,
+                    options: MtpInt4Options, device: torch.device, per_batch: int, bar: _Progress) -> int:
     scale_dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(layer.dtype, torch.bfloat16)
     element = torch.empty(0, dtype=FLOAT_DTYPES[layer.dtype]).element_size()
     gs = options.group_size
@@ -376,10 +394,7 @@ def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str,
             b, rows, cols = w.shape
             _check_finite(w, f"{layer.prefix} {proj}_proj of experts {start}..{stop - 1}")
             flat = w.reshape(b * rows, cols)
-            if options.scale_search:
-                q = quantize_mse_rtn(flat, BITS, gs, scale_dtype, search)
-            else:
-                q = quantize_absmax_rtn(flat, BITS, gs, scale_dtype)
+            q = quantizer.quantize(flat, BITS, gs, scale_dtype)
             packed = pack_int32(q.codes, BITS).view(b, rows, -1).cpu()
             scales = q.scale.view(b, rows, -1).cpu()
             st = stats[proj]
@@ -391,10 +406,10 @@ def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str,
             st.zero_groups += int((q.scale == 0).sum())
             st.groups += q.scale.numel()
             st.matrices += b
-            if not options.scale_search:
+            if quantizer.name == "rtn":
                 st.sq_err_absmax = st.sq_err
-            elif options.compare_absmax:
-                ref = quantize_absmax_rtn(flat, BITS, gs, scale_dtype)
+            elif reference is not None:
+                ref = reference.quantize(flat, BITS, gs, scale_dtype)
                 err = dequantize(ref.codes, ref.scale, gs).float() - flat
                 st.sq_err_absmax += float(torch.linalg.vecdot(err.view(-1), err.view(-1)))
             del err
@@ -430,15 +445,3 @@ def _updated_weight_map(weight_map: dict[str, str], layers: list[DraftLayerExper
         if name not in dropped:
             out[name] = filename
     return out
-
-
-def _total_size(snap: Snapshot, weight_map: dict[str, str], new_sizes: dict[str, int]) -> int:
-    """Sum of tensor bytes named by the new index (the ``metadata.total_size`` convention)."""
-    total = 0
-    for filename in dict.fromkeys(weight_map.values()):
-        if filename in new_sizes:
-            continue
-        total += sum(e.nbytes for e in snap.header(filename).entries.values())
-    for filename, size in new_sizes.items():
-        total += size
-    return total

@@ -27,14 +27,14 @@ import torch
 from pydantic import Field, model_validator
 
 from flashnext import __version__
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import (check_free_space, fsync_dir, make_parents, output_lock, refuse_overlap,
+from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.fsutil import (check_free_space, fsync_dir, make_parents, output_lock, refuse_overlap,
                                     remove_empty, remove_leftovers, write_text_atomic)
-from flashnext.quant.jsonfile import Count, Sha256, StrictRecord, get_int, read_json, validate
-from flashnext.quant.overlay import header_sha256
-from flashnext.quant.ple_layout import PleLayout, ple_layout
-from flashnext.quant.safetensors_io import DTYPE_BYTES, TORCH_DTYPES, TensorEntry, read_rows
-from flashnext.quant.snapshot import Snapshot
+from flashnext.quant.checkpoint.jsonfile import Count, Sha256, StrictRecord, get_int, read_json, validate
+from flashnext.quant.overlays.manifest import header_sha256
+from flashnext.quant.ple.layout import PleLayout, ple_layout
+from flashnext.quant.formats.safetensors_io import DTYPE_BYTES, TORCH_DTYPES, TensorEntry, read_rows
+from flashnext.quant.checkpoint.snapshot import Snapshot
 
 FORMAT = "flashnext.ple-table/1"
 JOURNAL_FORMAT = "flashnext.ple-table-journal/1"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashnext.quant.ple_layout import PleLayout
+from flashnext.quant.ple.layout import PleLayout
 
 
 class NgramHasher:

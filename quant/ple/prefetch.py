@@ -30,9 +30,9 @@ from typing import Iterator
 
 import numpy as np
 
-from flashnext.quant import envs
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.ple_hash import NgramHasher
+from flashnext import envs
+from flashnext.errors import FlashnextError
+from flashnext.quant.ple.hashing import NgramHasher
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import confined
-from flashnext.quant.jsonfile import get_dict, read_json
-from flashnext.quant.safetensors_io import ShardHeader, TensorEntry, read_header
+from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.fsutil import confined
+from flashnext.quant.checkpoint.jsonfile import get_dict, read_json
+from flashnext.quant.formats.safetensors_io import ShardHeader, TensorEntry, read_header
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

@@ -18,11 +18,11 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints
 
 from flashnext import __version__
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import OUTPUT_MARKER, confined, sha256_bytes, sha256_file, write_text_atomic
-from flashnext.quant.jsonfile import Count, Sha256, StrictRecord, read_model
-from flashnext.quant.safetensors_io import read_header
-from flashnext.quant.snapshot import SnapshotOrigin
+from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, confined, sha256_bytes, sha256_file, write_text_atomic
+from flashnext.quant.checkpoint.jsonfile import Count, Sha256, StrictRecord, read_model
+from flashnext.quant.formats.safetensors_io import read_header
+from flashnext.quant.checkpoint.snapshot import SnapshotOrigin
 
 MANIFEST_FILE = "overlay.json"
 SCHEMA_VERSION = 1

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.jsonfile import parse_json
+from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.jsonfile import parse_json
 
 HEADER_LIMIT = 100 * 1024 * 1024
 

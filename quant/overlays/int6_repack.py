@@ -5,7 +5,7 @@ Targets are module names matched with ``re.match`` (default: the shared experts)
 checked against ``M.weight_shape``); anything else, such as compressed-tensors 0.17's padded 6-bit
 layout (5 values per word), is refused. Scales and shapes are unchanged.
 
-* default: ``weight_packed`` becomes the bit-plane bytes (``quant.bitplane``), and config.json's
+* default: ``weight_packed`` becomes the bit-plane bytes (``quant.formats.bitplane``), and config.json's
   ``flashnext.int6_bitplane`` lists the modules and the layout for the serving patch;
 * ``--to int8``: ``weight_packed`` becomes 8-bit pack-quantized (q + 128), and a
   compressed-tensors group put first resolves exactly those modules to 8 bits, so stock vLLM serves
@@ -25,17 +25,14 @@ from pathlib import Path
 
 import torch
 
-from flashnext.quant.bitplane import LAYOUT, bitplane_to_dense6, dense6_to_bitplane, dense6_to_int8
-from flashnext.quant.ct_config import DEFAULT_INT6_TARGETS, checked_quantization_config, weight_scheme
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import (atomic_directory, check_free_space, existing_ancestor, output_file,
-                                    write_json)
-from flashnext.quant.jsonfile import get_dict
-from flashnext.quant.overlay import OverlayManifest
-from flashnext.quant.packing import packed_words
-from flashnext.quant.safetensors_io import (ShardWriter, TensorSpec, copy_tensor_bytes, read_rows,
-                                           shard_size)
-from flashnext.quant.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
+from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.jsonfile import get_dict
+from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, Snapshot
+from flashnext.quant.formats.bitplane import LAYOUT, bitplane_to_dense6, dense6_to_bitplane, dense6_to_int8
+from flashnext.quant.formats.ct_config import DEFAULT_INT6_TARGETS, checked_quantization_config, weight_scheme
+from flashnext.quant.formats.packing import packed_words
+from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
+from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
 
 DEFAULT_TARGETS = DEFAULT_INT6_TARGETS
 INT8_GROUP = "flashnext_int6_widened_to_int8"
@@ -170,51 +167,56 @@ def _new_config(snap: Snapshot, targets: list[Target], mode: str) -> dict:
     return config
 
 
+KINDS = {"bitplane": "int6-bitplane", "int8": "int6-to-int8", "reverse": "int6-dense"}
+
+
+@register_builder
+class Int6Repack(OverlayBuilder):
+    """INT6 modules to the bit-plane layout, widened to INT8, or back to dense 6-bit."""
+
+    kinds = tuple(KINDS.values())
+    tool = "repack-int6"
+
+    def __init__(self, snap: Snapshot, targets: str = DEFAULT_TARGETS, mode: str = "bitplane"):
+        if mode not in MODES:
+            raise FlashnextError(f"unknown mode {mode!r}")
+        super().__init__(snap)
+        self.mode = mode
+        self.found = find_targets(snap, targets, mode)
+        self.by_shard: dict[str, dict[str, Target]] = {}
+        for t in self.found:
+            self.by_shard.setdefault(t.shard, {})[f"{t.module}.weight_packed"] = t
+
+    @property
+    def kind(self) -> str:
+        return KINDS[self.mode]
+
+    def plan(self) -> dict[str, list[TensorSpec]]:
+        return {filename: [_new_spec(replaced[s.name], self.mode) if s.name in replaced else s
+                           for s in self.snap.header(filename).specs_in_file_order()]
+                for filename, replaced in self.by_shard.items()}
+
+    def rewritten(self) -> set[str]:
+        return {name for replaced in self.by_shard.values() for name in replaced}
+
+    def fill(self, writers: dict[str, ShardWriter], progress: bool) -> None:
+        for filename, replaced in self.by_shard.items():
+            for name, target in replaced.items():
+                writers[filename].write(name, _convert(self.snap, target, self.mode))
+
+    def new_config(self) -> dict:
+        return _new_config(self.snap, self.found, self.mode)
+
+    def report(self) -> dict:
+        shards = list(self.by_shard)
+        before = sum(self.snap.header(f).file_size for f in shards)
+        return {"tool": self.tool, "mode": self.mode, "layout": LAYOUT if self.mode == "bitplane" else None,
+                "modules": [t.module for t in self.found], "shards": shards, "bytes_before": before}
+
+
 def repack_int6(src: Path, out: Path, targets: str = DEFAULT_TARGETS, mode: str = "bitplane",
                 force: bool = False) -> dict:
-    if mode not in MODES:
-        raise FlashnextError(f"unknown mode {mode!r}")
-    snap = Snapshot.open(src)
-    found = find_targets(snap, targets, mode)
-    by_shard: dict[str, dict[str, Target]] = {}
-    for t in found:
-        by_shard.setdefault(t.shard, {})[f"{t.module}.weight_packed"] = t
-    plans: dict[str, list[TensorSpec]] = {}
-    for filename, replaced in by_shard.items():
-        plans[filename] = [_new_spec(replaced[s.name], mode) if s.name in replaced else s
-                           for s in snap.header(filename).specs_in_file_order()]
-    needed = sum(shard_size(specs, snap.header(f).metadata) for f, specs in plans.items()) + (1 << 20)
-    check_free_space(existing_ancestor(out), needed, f"the overlay {out}")
-    kinds = {"bitplane": "int6-bitplane", "int8": "int6-to-int8", "reverse": "int6-dense"}
-    manifest = OverlayManifest.new(kinds[mode], "repack-int6", snap.origin)
-    with atomic_directory(out, force=force, inputs={"the source snapshot": src}, made_by="repack-int6") as tmp:
-        sizes = {}
-        for filename, specs in plans.items():
-            header = snap.header(filename)
-            with ShardWriter(output_file(tmp, filename), specs, header.metadata) as writer:
-                for spec in specs:
-                    t = by_shard[filename].get(spec.name)
-                    if t is None:
-                        copy_tensor_bytes(snap.path(filename), header.entries[spec.name], writer)
-                    else:
-                        writer.write(spec.name, _convert(snap, t, mode))
-            sizes[filename] = writer.size
-        files = list(plans)
-        if any(sizes[f] != snap.header(f).file_size for f in plans):
-            index = copy.deepcopy(snap.index)
-            delta = sum(sizes[f] - snap.header(f).file_size for f in plans)
-            metadata = index.setdefault("metadata", {})
-            total = metadata.get("total_size", 0)
-            metadata["total_size"] = (total if type(total) is int else 0) + delta
-            write_json(tmp / INDEX_FILE, index)
-            files.append(INDEX_FILE)
-        write_json(tmp / CONFIG_FILE, _new_config(snap, found, mode))
-        files.append(CONFIG_FILE)
-        report = {"tool": "repack-int6", "mode": mode, "layout": LAYOUT if mode == "bitplane" else None,
-                  "modules": [t.module for t in found], "shards": list(plans),
-                  "bytes_before": sum(snap.header(f).file_size for f in plans), "bytes_after": sum(sizes.values())}
-        manifest.report = report
-        for name in files:
-            manifest.replace(tmp, name, snap.path(name))
-        manifest.write(tmp)
+    """Build the INT6 overlay ``out`` from snapshot ``src`` (never modified). Returns the report."""
+    report = Int6Repack(Snapshot.open(src), targets, mode).build(out, force=force)
+    report["bytes_after"] = report["bytes_written"]
     return report

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 
 BLOCK = 4096
 # A drive whose tail is above these stalls decode (a decode step is ~10 ms on the reference rig).

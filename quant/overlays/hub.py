@@ -18,10 +18,11 @@ import tempfile
 from pathlib import Path
 
 from flashnext import __version__
-from flashnext.quant.errors import FlashnextError
-from flashnext.quant.fsutil import confined, write_text_atomic
-from flashnext.quant.overlay import MANIFEST_FILE, OverlayManifest
-from flashnext.quant.overlay_view import apply_overlays, load_manifest, overlay_file_problems, verify_overlay
+from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.fsutil import confined, write_text_atomic
+from flashnext.quant.overlays.builder import builder_for_kind
+from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest
+from flashnext.quant.overlays.view import apply_overlays, load_manifest, overlay_file_problems, verify_overlay
 
 PUBLISHED_FILE = "overlay.published.json"
 CARD_FILE = "README.md"
@@ -69,19 +70,10 @@ def render_model_card(manifest: OverlayManifest, repo_id: str) -> str:
         lines.append(f"| `{e.path}` | {e.size:,} B | `{e.base_sha256[:16]}…` ({e.base_size:,} B) |")
     for e in manifest.adds:
         lines.append(f"| `{e.path}` | {e.size:,} B | (new file) |")
-    report = manifest.report
-    if report.get("projections"):
-        lines += ["", "## Quantization report", "",
-                  f"INT{report.get('bits')} symmetric, group size {report.get('group_size')}, "
-                  f"scales in {report.get('scale_dtype')}, "
-                  + ("MSE-searched" if report.get("scale_search", True) else "absmax round-to-nearest")
-                  + (" (positive scales only)" if report.get("positive_scales") else " (signed scales)") + ".", "",
-                  "| projection | matrices | relative MSE | vs absmax RTN | negative scales | all-zero groups |",
-                  "|---|---|---|---|---|---|"]
-        for proj, s in report["projections"].items():
-            ratio = f"{s['ratio_to_absmax_rtn']:.3f}x" if s.get("ratio_to_absmax_rtn") else "—"
-            lines.append(f"| {proj} | {s['matrices']} | {s['rel_mse']:.4e} | {ratio} | "
-                         f"{s['negative_scales']} | {s['zero_groups']} |")
+    builder = builder_for_kind(kind)
+    section = builder.card_section(manifest.report) if builder else []
+    if section:
+        lines += [""] + section
     lines += ["", "## Use", "", "```bash", "pip install flashnext",
               f"flashnext overlay fetch {repo_id} --base /path/to/base/snapshot --out ./view",
               "vllm serve ./view"

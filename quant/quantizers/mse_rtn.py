@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
+from flashnext.quant.quantizers.base import Quantizer, register_quantizer
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
@@ -222,3 +223,35 @@ def quantize_absmax_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 1
 
     chunk = chunk_groups or default_chunk_groups(weight.device)
     return _quantize_groups(weight, bits, group_size, scale_dtype, solve, chunk)
+
+
+@register_quantizer("mse")
+class MseRtn(Quantizer):
+    """The default of ``make-mtp-int4``: :func:`quantize_mse_rtn`."""
+
+    description = "MSE-searched scales, round-to-nearest"
+
+    def __init__(self, positive_scales: bool = False, search: MseSearch | None = None):
+        self.search = search or MseSearch(positive_scales=positive_scales)
+
+    def quantize(self, weight: torch.Tensor, bits: int, group_size: int,
+                 scale_dtype: torch.dtype) -> GroupQuantized:
+        return quantize_mse_rtn(weight, bits, group_size, scale_dtype, self.search)
+
+    def options(self) -> dict:
+        return {"grid": list(self.search.grid), "fine": list(self.search.fine), "refits": self.search.refits,
+                "positive_scales": self.search.positive_scales}
+
+
+@register_quantizer("rtn")
+class AbsmaxRtn(Quantizer):
+    """compressed-tensors' min-max observer: :func:`quantize_absmax_rtn`, the A side of A/B runs."""
+
+    description = "absmax scales, round-to-nearest"
+
+    def __init__(self, positive_scales: bool = False):
+        self.positive_scales = positive_scales  # absmax scales are positive anyway
+
+    def quantize(self, weight: torch.Tensor, bits: int, group_size: int,
+                 scale_dtype: torch.dtype) -> GroupQuantized:
+        return quantize_absmax_rtn(weight, bits, group_size, scale_dtype)

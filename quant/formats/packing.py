@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 
 # For 4 and 8 bits the int32 words, read as little-endian bytes, are just the values in order
 # (two nibbles per byte, low nibble first, for 4 bits), which packs without 64-bit temporaries.

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 
 HASH_CHUNK = 16 << 20
 OUTPUT_MARKER = ".flashnext-output.json"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import re
 
-from flashnext.quant.errors import FlashnextError
+from flashnext.errors import FlashnextError
 
 # The modules `repack-int6` rewrites by default: the shared experts (seed 000 §3.3, decode-05).
 DEFAULT_INT6_TARGETS = r".*mlp\.shared_expert\.(gate|up|down)_proj$"
@@ -43,7 +43,7 @@ def checked_quantization_config(quantization_config: object, where: str) -> dict
     naming ``where`` and the bad key otherwise); returned unchanged, as the plain document."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    from flashnext.quant.jsonfile import validate
+    from flashnext.quant.checkpoint.jsonfile import validate
 
     if not isinstance(quantization_config, dict):
         raise FlashnextError(f"{where}: quantization_config must be a JSON object")

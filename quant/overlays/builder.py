@@ -1,0 +1,149 @@
+"""What every overlay builder does, once: the skeleton that ``make-mtp-int4`` and ``repack-int6`` fill in.
+
+A builder decides which base shards it rewrites and how (:meth:`OverlayBuilder.plan`), writes its
+new tensors (:meth:`OverlayBuilder.fill`), and says what becomes of the index and config.json. The
+skeleton does the rest the same way for all of them: the free-space check, the atomic output with
+its guards (:func:`~flashnext.quant.checkpoint.fsutil.atomic_directory`), every untouched tensor of a
+rewritten shard copied byte for byte, the shards closed only when complete, the index's
+``total_size``, and ``overlay.json`` pinning each replaced base file by hash. A builder also writes
+its section of the Hub model card (:meth:`OverlayBuilder.card_section`), found by the overlay's kind
+in :data:`BUILDERS`::
+
+    @register_builder
+    class Int6Repack(OverlayBuilder):
+        kinds = ("int6-bitplane", "int6-to-int8", "int6-dense")
+        tool = "repack-int6"
+        ...
+
+    report = Int6Repack(snapshot, ...).build(out, force=False)
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import ClassVar
+
+from flashnext.quant.checkpoint.fsutil import (atomic_directory, check_free_space, existing_ancestor, output_file,
+                                               write_json)
+from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
+from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, copy_tensor_bytes, shard_size
+from flashnext.quant.overlays.manifest import OverlayManifest
+
+BUILDERS: dict[str, type["OverlayBuilder"]] = {}
+_BUILTIN = ("flashnext.quant.overlays.mtp_int4", "flashnext.quant.overlays.int6_repack")
+
+
+def register_builder(cls: type["OverlayBuilder"]) -> type["OverlayBuilder"]:
+    """Class decorator: the builder of each of ``cls.kinds``."""
+    for kind in cls.kinds:
+        BUILDERS[kind] = cls
+    return cls
+
+
+def builder_for_kind(kind: str) -> type["OverlayBuilder"] | None:
+    """The builder that makes overlays of ``kind`` (None for a kind no builder here makes)."""
+    for module in _BUILTIN:  # they register themselves on import
+        importlib.import_module(module)
+    return BUILDERS.get(kind)
+
+
+class OverlayBuilder(ABC):
+    kinds: ClassVar[tuple[str, ...]]  # the overlay kinds it makes (overlay.json's "kind")
+    tool: ClassVar[str]  # the command that runs it
+    headroom: ClassVar[int] = 1 << 20  # free space wanted beyond the shards
+
+    def __init__(self, snap: Snapshot):
+        self.snap = snap
+
+    @property
+    @abstractmethod
+    def kind(self) -> str:
+        """This build's kind, one of :attr:`kinds`."""
+
+    @abstractmethod
+    def plan(self) -> dict[str, list[TensorSpec]]:
+        """Each rewritten base shard and its tensors in output order. A spec whose name the base
+        shard has and that :meth:`rewritten` does not name is copied byte for byte."""
+
+    def rewritten(self) -> set[str]:
+        """Tensor names the builder writes itself although the base shard has a tensor of that name."""
+        return set()
+
+    @abstractmethod
+    def fill(self, writers: dict[str, ShardWriter], progress: bool) -> None:
+        """Write every tensor of the plan that is not copied."""
+
+    def new_weight_map(self, plans: dict[str, list[TensorSpec]]) -> dict[str, str] | None:
+        """The index's weight_map when tensors change names or shards; None: unchanged."""
+        return None
+
+    @abstractmethod
+    def new_config(self) -> dict:
+        """config.json of the overlay."""
+
+    @abstractmethod
+    def report(self) -> dict:
+        """What the build did, for ``--json``, ``--report`` and the manifest (after :meth:`fill`)."""
+
+    @classmethod
+    def card_section(cls, report: dict) -> list[str]:
+        """Markdown lines of the model card about this overlay's report."""
+        return []
+
+    def build(self, out: Path, force: bool = False, progress: bool = True) -> dict:
+        """Write the overlay ``out`` (never inside or over the snapshot). Returns the report."""
+        snap = self.snap
+        plans = self.plan()
+        metadata = {f: snap.header(f).metadata for f in plans}
+        needed = sum(shard_size(specs, metadata[f]) for f, specs in plans.items()) + self.headroom
+        check_free_space(existing_ancestor(out), needed, f"the overlay {out}")
+        manifest = OverlayManifest.new(self.kind, self.tool, snap.origin)
+        rewritten = self.rewritten()
+        with atomic_directory(out, force=force, inputs={"the source snapshot": snap.root}, made_by=self.tool) as tmp:
+            writers = {f: ShardWriter(output_file(tmp, f), specs, metadata[f]) for f, specs in plans.items()}
+            try:
+                for filename, writer in writers.items():
+                    header = snap.header(filename)
+                    for spec in plans[filename]:
+                        if spec.name in header.entries and spec.name not in rewritten:
+                            copy_tensor_bytes(snap.path(filename), header.entries[spec.name], writer)
+                self.fill(writers, progress)
+                for writer in writers.values():
+                    writer.close()
+            except BaseException:
+                for writer in writers.values():
+                    writer.abort()
+                raise
+            sizes = {f: w.size for f, w in writers.items()}
+            files = list(plans)
+            weight_map = self.new_weight_map(plans)
+            if weight_map is not None or any(sizes[f] != snap.header(f).file_size for f in plans):
+                index = copy.deepcopy(snap.index)
+                if weight_map is not None:
+                    index["weight_map"] = weight_map
+                index.setdefault("metadata", {})["total_size"] = _total_size(snap, index["weight_map"], plans)
+                write_json(tmp / INDEX_FILE, index)
+                files.append(INDEX_FILE)
+            write_json(tmp / CONFIG_FILE, self.new_config())
+            files.append(CONFIG_FILE)
+            report = self.report() | {"bytes_written": sum(sizes.values())}
+            manifest.report = report
+            for name in files:
+                manifest.replace(tmp, name, snap.path(name))
+            manifest.write(tmp)
+        return report
+
+
+def _total_size(snap: Snapshot, weight_map: dict[str, str], plans: dict[str, list[TensorSpec]]) -> int:
+    """Tensor bytes of every shard the index names (the ``metadata.total_size`` convention: no
+    headers), the rewritten shards as planned."""
+    total = 0
+    for filename in dict.fromkeys(weight_map.values()):
+        if filename in plans:
+            total += sum(spec.nbytes for spec in plans[filename])
+        else:
+            total += sum(e.nbytes for e in snap.header(filename).entries.values())
+    return total

@@ -1,0 +1,1 @@
+"""Quantizers: how weights become integer codes and scales."""
