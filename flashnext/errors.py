@@ -1,9 +1,62 @@
-"""User-facing errors.
+"""User-facing errors, and the exit code of each.
 
 A :class:`FlashnextError` is bad input or a bad environment, not a bug: the command lines print
-its message as one line and exit non-zero, without a traceback.
+its message as one line and exit with :data:`EXIT_CODES` of its type, without a traceback. A few
+outcomes are verdicts rather than failures of the command (a verification that found mismatches,
+a drive too slow for the PLE table, a preflight NO-GO): they are errors of their own type too, so
+that every non-zero exit of every command comes from the one table below.
 """
+
+from __future__ import annotations
 
 
 class FlashnextError(Exception):
     """An error a user can act on. The message is one line and says what to do."""
+
+    # A verdict the command has already printed in full: only its exit status is left to give.
+    printed = False
+
+
+class VerificationMismatch(FlashnextError):
+    """``overlay verify`` found files that differ from what the manifest pins (each was printed)."""
+
+    printed = True
+
+
+class SlowDrive(FlashnextError):
+    """``ple drive-check``: the drive's read-latency tail would stall decode (the verdict was printed)."""
+
+    printed = True
+
+
+class NoGo(FlashnextError):
+    """The preflight's verdict: a blocking finding; ``exit_code`` is that finding's (10-15)."""
+
+    printed = True
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# Exit codes of the command lines. 2 is click's own (a usage error).
+EXIT_OK = 0
+EXIT_CODES: dict[type[FlashnextError], int] = {
+    FlashnextError: 1,
+    SlowDrive: 2,
+    VerificationMismatch: 3,
+    # NoGo: 10 GPUs, 11 memory, 12 ptrace, 13 PLE table or drive, 14 overlay, 15 image
+    # (serving/preflight.py's Exit), carried by the error itself.
+}
+EXIT_INTERNAL = 70  # EX_SOFTWARE: a flashnext bug, not the user's input
+EXIT_INTERRUPTED = 130
+
+
+def exit_code(error: FlashnextError) -> int:
+    """The exit status for ``error``: its own (a NoGo's), else the table's for its nearest type."""
+    if isinstance(error, NoGo):
+        return error.exit_code
+    for cls in type(error).__mro__:
+        if cls in EXIT_CODES:
+            return EXIT_CODES[cls]
+    return EXIT_CODES[FlashnextError]

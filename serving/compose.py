@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from flashnext import __version__
+from flashnext import __version__, envs
 from flashnext.serving.profiles import Profile
 
 IMAGE = f"flashnext/vllm-openai:v0.33.0-flashnext{__version__}"
@@ -51,7 +51,7 @@ def vllm_command(profile: Profile, model: str, listen: str, port: int) -> list[s
 def runtime_env(profile: Profile, ple_table: str | None) -> dict[str, str]:
     env = dict(profile.env)
     if ple_table is not None:
-        env["VLLM_PLE_MMAP_PATH"] = ple_table
+        env[envs.VLLM_PLE_MMAP_PATH.name] = ple_table
     return env
 
 

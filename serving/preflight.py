@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from flashnext.serving.host_memory import CGROUP_MEMORY_MAX, MEMINFO, read_host_memory
 from flashnext.serving.profiles import Profile
 
 
@@ -125,17 +126,13 @@ def check_shm(profile: Profile, path: str = "/dev/shm") -> Finding:
     return Finding("shm", True, f"{path}: {_gib(size)}")
 
 
-def check_cgroup(memory_max: Path = Path("/sys/fs/cgroup/memory.max"), meminfo: Path = Path("/proc/meminfo")) -> Finding:
-    total = 0
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            total = int(line.split()[1]) * 1024
+def check_cgroup(memory_max: Path = CGROUP_MEMORY_MAX, meminfo: Path = MEMINFO) -> Finding:
+    memory = read_host_memory(meminfo, memory_max)
+    total, limit = memory.total, memory.cgroup_limit
     if not memory_max.exists():
         return Finding("cgroup", True, f"no cgroup v2 memory limit; host RAM {_gib(total)}")
-    value = memory_max.read_text().strip()
-    if value == "max":
+    if limit is None:
         return Finding("cgroup", True, f"cgroup memory.max: unlimited; host RAM {_gib(total)}")
-    limit = int(value)
     if limit < 0.9 * total:
         return Finding("cgroup", False, f"cgroup memory.max is {_gib(limit)} of {_gib(total)} RAM; pinned pools "
                                         "and the PLE page cache need the host's memory",
@@ -146,17 +143,7 @@ def check_cgroup(memory_max: Path = Path("/sys/fs/cgroup/memory.max"), meminfo: 
 HOST_RAM_HEADROOM = 4 * 2**30  # the engine's own processes, CUDA contexts and the PLE prefetcher's buffers
 
 
-def _meminfo(meminfo: Path) -> dict[str, int]:
-    out = {}
-    for line in meminfo.read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if rest.strip():
-            out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-def check_host_ram(profile: Profile, meminfo: Path = Path("/proc/meminfo"),
-                   memory_max: Path = Path("/sys/fs/cgroup/memory.max")) -> Finding:
+def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path = CGROUP_MEMORY_MAX) -> Finding:
     """Pinned host K/V from the plan, against what this host (and its cgroup) can still give."""
     from flashnext.errors import FlashnextError
     from flashnext.serving import capacity
@@ -167,10 +154,7 @@ def check_host_ram(profile: Profile, meminfo: Path = Path("/proc/meminfo"),
     except FlashnextError as e:
         return Finding("host-ram", False, f"no plan for this profile ({e})", "`flashnext plan --profile "
                        f"{profile.name}` says why", Exit.MEMORY, blocking=False)
-    info = _meminfo(meminfo)
-    available = info.get("MemAvailable", info.get("MemFree", 0))
-    if memory_max.exists() and memory_max.read_text().strip() != "max":
-        available = min(available, int(memory_max.read_text().strip()))
+    available = read_host_memory(meminfo, memory_max).allowance
     need = plan.pinned_host_bytes_needed
     rounding = "" if shape.exact_host_pool else f" (PyTorch rounds each pool to a power of two: {_gib(plan.pinned_host_bytes)} exact)"
     detail = f"pinned QSA K/V {_gib(need)}{rounding} + {_gib(HOST_RAM_HEADROOM)} headroom; {_gib(available)} available"

@@ -8,14 +8,19 @@ import sys
 
 import click
 
-from flashnext.errors import FlashnextError
-
-
-EXIT_INTERNAL = 70  # EX_SOFTWARE: a flashnext bug, not the user's input
+from flashnext.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, FlashnextError, exit_code
 
 
 class InternalError(click.ClickException):
     exit_code = EXIT_INTERNAL
+
+
+class UserError(click.ClickException):
+    """A :class:`FlashnextError` as click prints it: ``Error: <one line>``, with the table's exit code."""
+
+    def __init__(self, error: FlashnextError):
+        super().__init__(_first_line(error))
+        self.exit_code = exit_code(error)
 
 
 def _first_line(e: BaseException) -> str:
@@ -24,22 +29,25 @@ def _first_line(e: BaseException) -> str:
 
 
 def user_errors(fn):
-    """Every failure as one line on stderr and a non-zero exit: a :class:`FlashnextError` (bad
-    input, a bad environment) and an OS error exit 1; anything else is a flashnext bug, reported
-    in one line with exit 70 (``FLASHNEXT_DEBUG=1`` shows the traceback)."""
+    """Every failure as one line on stderr and a non-zero exit from ``flashnext.errors.EXIT_CODES``:
+    a :class:`FlashnextError` (bad input, a bad environment, a verdict already printed) and an OS
+    error; anything else is a flashnext bug, reported in one line with exit 70
+    (``FLASHNEXT_DEBUG=1`` shows the traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except FlashnextError as e:
-            raise click.ClickException(_first_line(e)) from None
+            if e.printed:
+                sys.exit(exit_code(e))
+            raise UserError(e) from None
         except OSError as e:  # a permission, a full disk, a vanished file: one line, not a traceback
             where = f": {e.filename}" if getattr(e, "filename", None) else ""
             raise click.ClickException(f"{e.strerror or _first_line(e)}{where}") from None
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
-            sys.exit(130)
+            sys.exit(EXIT_INTERRUPTED)
         except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
             raise
         except Exception as e:

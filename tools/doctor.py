@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from flashnext.errors import NoGo
 from flashnext.tools._common import json_option, user_errors
 
 
@@ -28,7 +29,8 @@ def report(profile_name: str, model: Path | None, overlays: tuple[Path, ...], pl
             if not f.ok and f.fix:
                 click.echo(f"       fix: {f.fix}")
         click.echo("GO" if code == 0 else f"NO-GO (exit {code})")
-    raise SystemExit(code)
+    if code:
+        raise NoGo(f"NO-GO (exit {code})", code)
 
 
 @click.command("doctor")

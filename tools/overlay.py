@@ -6,10 +6,9 @@ from pathlib import Path
 
 import click
 
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, VerificationMismatch
 from flashnext.tools._common import emit_json, json_option, user_errors
 
-EXIT_MISMATCH = 3
 
 
 @click.group("overlay")
@@ -47,7 +46,7 @@ def verify(target: Path, base: Path | None, full: bool, as_json: bool) -> None:
         if not problems:
             click.echo(f"ok: {target}")
     if problems:
-        raise SystemExit(EXIT_MISMATCH)
+        raise VerificationMismatch(f"{len(problems)} mismatch(es)")
 
 
 @main.command("apply")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, SlowDrive
 from flashnext.tools._common import emit_json, json_option, user_errors
 
 
@@ -169,4 +169,4 @@ def drive_check_cmd(path: Path, seconds: float, depth: int, as_json: bool) -> No
         click.echo(f"QD{d['depth']}: {d['iops']:.0f} IOPS ({d['mb_per_s']:.0f} MB/s)")
         click.echo(result["verdict"])
     if not result["ok"]:
-        raise SystemExit(2)
+        raise SlowDrive(result["verdict"])

@@ -24,23 +24,15 @@ import torch
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
+from flashnext.serving.host_memory import CGROUP_MEMORY_MAX, MEMINFO, read_host_memory
 
 # Left free beyond the pool: the page cache of the PLE table and the rest of the process.
 DEFAULT_HEADROOM = 4 << 30
 
 
-def available_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+def available_bytes(meminfo: Path = MEMINFO, cgroup: Path = CGROUP_MEMORY_MAX.parent) -> int:
     """MemAvailable, lowered to the cgroup's remaining allowance when a limit applies."""
-    avail = 0
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            avail = int(line.split()[1]) * 1024
-    limit, current = cgroup / "memory.max", cgroup / "memory.current"
-    if limit.exists() and current.exists():
-        text = limit.read_text().strip()
-        if text != "max":
-            avail = min(avail, int(text) - int(current.read_text().strip()))
-    return avail
+    return read_host_memory(meminfo, cgroup / "memory.max").allowance
 
 
 @contextmanager
