@@ -123,7 +123,7 @@ def test_cli_refuses_other_families():
 
 
 def test_serve_prints_the_plan_line():
-    from flashnext.tools.plan import summary_line
+    from flashnext.serving.run import summary_line
 
     line = summary_line(load_profile("3x3090"))
     assert line.startswith("plan: 244 blocks per rank, 61 per 262,144-token request: 1,048,576 tokens (4.00x)")

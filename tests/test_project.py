@@ -36,3 +36,16 @@ def test_overlay_manifest_matches_its_schema(demo_overlay):
 def test_manifests_are_json():
     for path in (ROOT / "manifests").glob("*.json"):
         json.loads(path.read_text())
+
+
+def test_commands_do_not_import_each_other():
+    """A command is a thin layer over the library; what two commands share lives in the library
+    (or, for printing, in ``tools/_common.py``), never in another command."""
+    import ast
+
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        if path.name in ("cli.py", "__init__.py", "_common.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flashnext.tools"):
+                assert node.module == "flashnext.tools._common", f"{path.name} imports {node.module}"

@@ -16,7 +16,7 @@ from flashnext.errors import FlashnextError
 from flashnext.serving.compose import ServeRequest, render_compose, vllm_command
 from flashnext.serving.profiles import available, load_profile
 from flashnext.tools.cli import main as cli
-from flashnext.tools.serve import wait_ready
+from flashnext.serving.run import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = available()

@@ -67,3 +67,25 @@ def emit_json(obj) -> None:
 
 json_option = click.option("--json", "as_json", is_flag=True,
                            help="Print a machine-readable JSON result on stdout.")
+
+
+def preflight_report(profile_name: str, model, overlays, ple_table, engine: str, as_json: bool) -> None:
+    """Run the preflight (``doctor``, ``serve --check``), print go/no-go with each fix, and raise
+    :class:`~flashnext.errors.NoGo` with the first blocking finding's exit code."""
+    from flashnext.errors import NoGo
+    from flashnext.serving.preflight import preflight, verdict
+    from flashnext.serving.profiles import load_profile
+
+    findings = preflight(load_profile(profile_name), model, list(overlays), ple_table, engine)
+    code = verdict(findings)
+    if as_json:
+        emit_json({"go": code == 0, "exit_code": code, "findings": [f.to_json() for f in findings]})
+    else:
+        for f in findings:
+            mark = "ok  " if f.ok else ("FAIL" if f.blocking else "warn")
+            click.echo(f"[{mark}] {f.check}: {f.detail}")
+            if not f.ok and f.fix:
+                click.echo(f"       fix: {f.fix}")
+        click.echo("GO" if code == 0 else f"NO-GO (exit {code})")
+    if code:
+        raise NoGo(f"NO-GO (exit {code})", code)

@@ -36,21 +36,6 @@ def _print(profile: str, p) -> None:
         click.echo(f"note: {note}")
 
 
-def summary_line(profile) -> str | None:
-    """One line of the plan for `serve` to print before starting; None when it cannot plan here."""
-    from flashnext.errors import FlashnextError
-    from flashnext.serving import capacity
-
-    if profile.model_family != "qwen4_exp":
-        return None
-    try:
-        p = capacity.plan(capacity.load_text_config(), capacity.ServingShape.from_profile(profile))
-    except FlashnextError:
-        return None
-    return (f"plan: {p.blocks} blocks per rank, {p.blocks_per_request} per {p.max_model_len:,}-token request: "
-            f"{p.capacity_tokens:,} tokens ({p.concurrency:.2f}x); pinned host K/V {_gib(p.pinned_host_bytes_needed)}")
-
-
 @click.command("plan")
 @click.option("--profile", required=True, help="Serving profile (serving/profiles/NAME.json).")
 @click.option("--kv-cache-memory-bytes", type=click.IntRange(min=1), default=None,

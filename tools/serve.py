@@ -3,89 +3,29 @@
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import shutil
 import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import click
 
 from flashnext.errors import FlashnextError
-from flashnext.tools._common import user_errors
+from flashnext.serving.run import (compose_command, exec_native, native_command, run_command, state_dir,
+                                   summary_line, wait_ready)
+from flashnext.tools._common import preflight_report, user_errors
 
 ENGINES = ("docker", "podman", "native")
 
 
-def state_dir(profile: str) -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flashnext" / "serve" / profile
-    return root
-
-
-def _compose(engine: str, compose_file: Path, *args: str) -> list[str]:
-    return [engine, "compose", "-f", str(compose_file), *args]
-
-
-def _run(cmd: list[str]) -> None:
-    try:
-        subprocess.run(cmd, check=True)
-    except FileNotFoundError:
-        raise FlashnextError(f"{cmd[0]} is not installed or not on PATH") from None
-    except subprocess.CalledProcessError as e:
-        raise FlashnextError(f"`{shlex.join(cmd)}` failed with exit status {e.returncode}") from None
-
-
-def wait_ready(base_url: str, timeout_s: float, progress=None, poll_s: float = 2.0) -> dict:
-    """Poll /health, then /v1/models, until both answer 200; returns the models listing."""
-    started = time.monotonic()
-    stage = "/health"
-    while True:
-        elapsed = time.monotonic() - started
-        if progress:
-            progress(f"waiting for {base_url}{stage} ... {elapsed:4.0f} s")
-        try:
-            with urllib.request.urlopen(base_url + stage, timeout=5) as r:
-                body = r.read()
-            if stage == "/health":
-                stage = "/v1/models"
-                continue
-            return json.loads(body or b"{}")
-        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-            pass
-        if elapsed > timeout_s:
-            raise FlashnextError(f"{base_url}{stage} did not answer within {timeout_s:.0f} s; see `serve logs`")
-        time.sleep(poll_s)
-
-
 def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | None, listen: str, port: int,
             dry_run: bool) -> None:
-    from flashnext.serving.compose import runtime_env, vllm_command
-
-    model_dir = model
-    if overlays:
-        from flashnext.quant.overlays.view import apply_overlays
-
-        if dry_run:
-            model_dir = Path("<view of the snapshot with the overlays>")
-        else:
-            model_dir = Path(tempfile.mkdtemp(prefix="flashnext-view-")) / "model"
-            apply_overlays(model, list(overlays), model_dir)
-    env = runtime_env(profile, str(ple_table) if ple_table else None)
-    cmd = vllm_command(profile, str(model_dir), listen, port)
+    cmd, env = native_command(profile, model, overlays, ple_table, listen, port, make_view=not dry_run)
     if dry_run:
         click.echo(json.dumps({"command": cmd, "env": env}, indent=2))
         return
-    if shutil.which("vllm") is None:
-        raise FlashnextError("vllm is not installed here: pip install 'flashnext[serve]', or use --engine docker")
-    from flashnext.tools.plan import summary_line
-
     if line := summary_line(profile):
         click.echo(line, err=True)
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})
+    exec_native(cmd, env)
 
 
 @click.group("serve", invoke_without_command=True)
@@ -122,9 +62,7 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
         raise FlashnextError("serve needs --profile and --model (see `serve --help`)")
     prof = load_profile(profile)
     if check:
-        from flashnext.tools.doctor import report
-
-        return report(profile, model, overlays, ple_table, engine, False)
+        return preflight_report(profile, model, overlays, ple_table, engine, False)
     if engine == "native":
         return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
     req = ServeRequest(prof, model, tuple(overlays), ple_table, bind, port)
@@ -144,12 +82,10 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     image = document["services"]["vllm"]["image"]
     if subprocess.run([engine, "image", "inspect", image], capture_output=True).returncode != 0:
         click.echo(f"building {image} (vLLM 0.33.0 with the patch series) ...", err=True)
-        _run(_compose(engine, compose_file, "build"))
-    from flashnext.tools.plan import summary_line
-
+        run_command(compose_command(engine, compose_file, "build"))
     if line := summary_line(prof):
         click.echo(line, err=True)
-    _run(_compose(engine, compose_file, "up", "-d"))
+    run_command(compose_command(engine, compose_file, "up", "-d"))
     url = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{req.host_port}"
     models = wait_ready(url, prof.healthcheck.start_period_s,
                         lambda line: click.echo("\r" + line, nl=False, err=True))
@@ -173,7 +109,7 @@ def _compose_file(profile: str) -> Path:
 @user_errors
 def down(profile: str, engine: str) -> None:
     """Stop and remove a profile's containers."""
-    _run(_compose(engine, _compose_file(profile), "down"))
+    run_command(compose_command(engine, _compose_file(profile), "down"))
 
 
 @main.command("logs")
@@ -183,7 +119,7 @@ def down(profile: str, engine: str) -> None:
 @user_errors
 def logs(profile: str, engine: str, follow: bool) -> None:
     """Show a profile's server logs."""
-    _run(_compose(engine, _compose_file(profile), "logs", *(["-f"] if follow else [])))
+    run_command(compose_command(engine, _compose_file(profile), "logs", *(["-f"] if follow else [])))
 
 
 if __name__ == "__main__":
