@@ -29,7 +29,11 @@ from flashnext.errors import FlashnextError
 
 PATCH_DIR = Path(__file__).resolve().parent / "patches"
 SERIES_FILE = PATCH_DIR / "series.json"
-_FIELDS = ("order", "id", "file", "fixes", "seed_effect", "env_switch", "touches", "hook", "probe", "upstream")
+_FIELDS = ("order", "id", "file", "fixes", "details", "seed_effect", "env_switch", "touches", "hook", "probe",
+           "upstream", "test")
+README_FILE = PATCH_DIR / "README.md"
+TABLE_BEGIN = "<!-- the table is generated from series.json: flashnext patches readme --write -->"
+TABLE_END = "<!-- end of the generated table -->"
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,15 @@ class Patch:
     order: int
     id: str
     file: str
-    fixes: str
+    fixes: str  # one sentence, for `patches list`
+    details: str  # the README's account
     seed_effect: str
     env_switch: str
     touches: tuple[str, ...]
     hook: str
     probe: str
     upstream: str
+    test: str
 
     @property
     def path(self) -> Path:
@@ -64,6 +70,24 @@ def load_series(series_file: Path = SERIES_FILE) -> list[Patch]:
         if touched != set(p.touches):
             raise FlashnextError(f"{p.id}: the series says it touches {sorted(p.touches)}, the diff touches {sorted(touched)}")
     return patches
+
+
+def readme_table(patches: list[Patch]) -> str:
+    """The patches README's table, one row a patch, from the series."""
+    rows = ["| order | id | fixes | seed 000's measured effect | off switch | test |", "|---|---|---|---|---|---|"]
+    for p in patches:
+        cells = [str(p.order), p.id, p.details, p.seed_effect, f"`{p.env_switch}`", p.test]
+        rows.append("| " + " | ".join(cell.replace("\n", " ") for cell in cells) + " |")
+    return "\n".join(rows)
+
+
+def readme_with_table(readme: str, patches: list[Patch]) -> str:
+    """``readme`` with the text between its table markers replaced by :func:`readme_table`."""
+    head, sep, rest = readme.partition(TABLE_BEGIN + "\n")
+    _, sep2, tail = rest.partition(TABLE_END)
+    if not sep or not sep2:
+        raise FlashnextError(f"{README_FILE}: the table markers are missing")
+    return head + TABLE_BEGIN + "\n" + readme_table(patches) + "\n" + TABLE_END + tail
 
 
 def installed_vllm_root() -> Path:

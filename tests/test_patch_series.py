@@ -284,3 +284,18 @@ def test_decode03_overlaps_preparation_with_the_previous_rank():
     _, stock = _two_ranks({"VLLM_PP_DEFER_RECV": "0"}, "pp_recv_scenario.py")
     assert not stock["deferred"] and stock["equal"]
     assert stock["returned_after_s"] >= 0.9 and stock["forward_ready_after_s"] >= 1.5
+
+
+def test_the_readme_table_is_generated_from_the_series():
+    from click.testing import CliRunner
+
+    from flashnext.serving.patch_series import README_FILE, load_series, readme_with_table
+    from flashnext.tools.cli import main as cli
+
+    series = load_series()
+    text = README_FILE.read_text()
+    assert readme_with_table(text, series) == text, "run `flashnext patches readme --write`"
+    for p in series:
+        assert f"| {p.order} | {p.id} | {p.details} |" in text
+    result = CliRunner().invoke(cli, ["patches", "readme"])
+    assert result.exit_code == 0 and result.output.count("\n") == len(series) + 2

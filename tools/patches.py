@@ -34,6 +34,28 @@ def list_cmd(as_json: bool) -> None:
         click.echo(f"    status: {p.upstream}")
 
 
+@main.command("readme")
+@click.option("--write", is_flag=True, help="Rewrite serving/patches/README.md's table (in a source checkout).")
+@user_errors
+def readme_cmd(write: bool) -> None:
+    """Print the patches README's table, generated from series.json, or --write it into the README.
+    Exits 1 without --write when the README's table is out of date."""
+    from flashnext.errors import FlashnextError
+    from flashnext.serving.patch_series import README_FILE, load_series, readme_table, readme_with_table
+
+    series = load_series()
+    current = README_FILE.read_text()
+    wanted = readme_with_table(current, series)
+    if write:
+        if wanted != current:
+            README_FILE.write_text(wanted)
+        click.echo(f"wrote {README_FILE}")
+        return
+    click.echo(readme_table(series))
+    if wanted != current:
+        raise FlashnextError(f"{README_FILE} is out of date: run `flashnext patches readme --write`")
+
+
 @main.command("check")
 @click.option("--vllm", type=click.Path(path_type=Path), default=None,
               help="A vllm install directory or wheel (default: the installed vllm, never modified).")
