@@ -463,3 +463,19 @@ def offload_notes() -> list[str]:
         return []
     return ["the QSA K/V offload this plan models (seed 000) is not in vLLM 0.33.0 nor yet in flashnext's "
             "patch series: until it is, the image keeps QSA K/V in VRAM and holds fewer tokens than planned"]
+
+
+# The model families `plan` can model, and how. A new family is one function from a profile (and
+# its overrides) to a Plan, registered here; the preflight and `serve` ask the same table.
+PLANNED_FAMILIES = ("qwen4_exp",)
+
+
+def plan_profile(profile, kv_cache_memory_bytes: int | None = None, prefix_caching: bool | None = None,
+                 model: Path | None = None) -> Plan:
+    """The plan of ``profile`` (a :class:`~flashnext.serving.profiles.Profile`) for its model family;
+    a family with no capacity model is a :class:`FlashnextError` that says so."""
+    if profile.model_family not in PLANNED_FAMILIES:
+        raise FlashnextError(f"profile {profile.name} serves {profile.model_family}; plan models "
+                             f"{', '.join(PLANNED_FAMILIES)} profiles only")
+    shape = ServingShape.from_profile(profile, kv_cache_memory_bytes, prefix_caching)
+    return plan(load_text_config(model), shape)

@@ -285,7 +285,9 @@ def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_ta
 
     findings = [check_gpus(profile, nvml_devices() if devices is None else devices),
                 check_memlock(profile), check_shm(profile), check_cgroup(), check_process_madvise()]
-    if profile.model_family == "qwen4_exp":
+    from flashnext.serving.capacity import PLANNED_FAMILIES
+
+    if profile.model_family in PLANNED_FAMILIES:
         findings.insert(1, check_host_ram(profile))
     if ple_table is not None:
         findings.append(check_ple_table(ple_table, model))

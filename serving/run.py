@@ -62,16 +62,14 @@ def summary_line(profile) -> str | None:
     """One line of the plan for `serve` to print before starting; None when it cannot plan here."""
     from flashnext.serving import capacity
 
-    if profile.model_family != "qwen4_exp":
+    if profile.model_family not in capacity.PLANNED_FAMILIES:
         return None
     try:
-        p = capacity.plan(capacity.load_text_config(), capacity.ServingShape.from_profile(profile))
+        p = capacity.plan_profile(profile)
     except FlashnextError:
         return None
     return (f"plan: {p.blocks} blocks per rank, {p.blocks_per_request} per {p.max_model_len:,}-token request: "
             f"{p.capacity_tokens:,} tokens ({p.concurrency:.2f}x); pinned host K/V {_gib(p.pinned_host_bytes_needed)}")
-
-
 
 
 def _gib(n: float) -> str:

@@ -51,15 +51,10 @@ def main(profile: str, kv_cache_memory_bytes: int | None, prefix_caching: bool |
     """KV cache plan for a profile: attention block size, state page, blocks per rank, blocks for one
     max-length request, token capacity and concurrency, pinned host memory and VRAM. The grouping is
     vLLM 0.33.0's own (`pip install 'flashnext[serve]'`)."""
-    from flashnext.errors import FlashnextError
-    from flashnext.serving import capacity
+    from flashnext.serving.capacity import plan_profile
     from flashnext.serving.profiles import load_profile
 
-    loaded = load_profile(profile)
-    if loaded.model_family != "qwen4_exp":
-        raise FlashnextError(f"profile {profile} serves {loaded.model_family}; plan models qwen4_exp profiles only")
-    shape = capacity.ServingShape.from_profile(loaded, kv_cache_memory_bytes, prefix_caching)
-    result = capacity.plan(capacity.load_text_config(model), shape)
+    result = plan_profile(load_profile(profile), kv_cache_memory_bytes, prefix_caching, model)
     if as_json:
         emit_json({"profile": profile, **result.to_json()})
     else:
