@@ -16,7 +16,7 @@ import pytest
 
 from test_project import readme_commands
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 

@@ -2,11 +2,10 @@
 
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
 
 
 def readme_commands() -> list[str]:

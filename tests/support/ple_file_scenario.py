@@ -1,7 +1,7 @@
 """Build vLLM 0.33.0's own ``Qwen4ExpNGramEmbedding`` for the demo checkpoint on the CPU, load its
 PLE weights from the snapshot, embed a two-request batch and print what happened, as JSON.
 
-Run by tests/test_patch_series.py against stock and patched vLLM trees: ``python
+Run by tests/serving/test_patch_series.py against stock and patched vLLM trees: ``python
 ple_file_scenario.py SNAPSHOT PORT``. With the patch series and ``VLLM_PLE_MMAP_PATH`` the layer
 is the file-backed backend, driven the way the patched model state drives it.
 """

@@ -18,7 +18,7 @@ from flashnext.serving.profiles import available, load_profile
 from flashnext.tools.cli import main as cli
 from flashnext.serving.run import wait_ready
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
 PROFILES = available()
 SCHEMA = json.loads((ROOT / "manifests" / "compose-spec.schema.json").read_text())
 

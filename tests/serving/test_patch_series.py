@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from support import SUPPORT_DIR
+
 import pytest
 from click.testing import CliRunner
 
@@ -218,7 +220,7 @@ def demo_table(tmp_path_factory, demo_snapshot) -> Path:
 
 
 def test_ple_file_backend_matches_vllm_and_obeys_its_switches(patched_tree, demo_snapshot, demo_table):
-    script = (Path(__file__).parent / "support" / "ple_file_scenario.py").read_text()
+    script = (SUPPORT_DIR / "ple_file_scenario.py").read_text()
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
 
     def run(tree, **extra):
@@ -239,7 +241,7 @@ def test_ple_file_backend_matches_vllm_and_obeys_its_switches(patched_tree, demo
 # --- mem-01: embed_tokens and lm_head only where they are used ------------------------------------
 
 def _two_ranks(extra_env: dict, scenario: str = "pp_ranks_scenario.py") -> list[dict]:
-    script = Path(__file__).parent / "support" / scenario
+    script = SUPPORT_DIR / scenario
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", **extra_env)
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), port], stdout=subprocess.PIPE,
