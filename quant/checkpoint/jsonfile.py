@@ -2,7 +2,8 @@
 
 Every JSON document flashnext reads (a snapshot's index and config, an overlay manifest, a view
 record, a PLE table sidecar, a profile) comes through :func:`read_json`, and the ones with a fixed
-shape are validated into typed objects by :func:`read_model` (pydantic models, strict types), so a
+shape are validated into typed objects by :func:`read_model` (pydantic models, strict types; see
+``records.py``), so a
 wrong type or a missing key is a :class:`FlashnextError` such as
 ``overlay.json: replaces.0.size: Input should be a valid integer`` rather than a traceback later.
 """
@@ -12,22 +13,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
-
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from typing import Any, TypeVar
 
 from flashnext.errors import FlashnextError
 
 M = TypeVar("M")
-
-Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-Count = Annotated[int, Field(ge=0)]
-
-
-class StrictRecord(BaseModel):
-    """A JSON record of flashnext's own format: strict types, unknown keys refused."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:

@@ -26,7 +26,8 @@ from typing import Literal
 from flashnext import __version__
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, atomic_directory, confined, sha256_file
-from flashnext.quant.checkpoint.jsonfile import StrictRecord, read_model
+from flashnext.quant.checkpoint.jsonfile import read_model
+from flashnext.quant.checkpoint.records import StrictRecord
 from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest, header_sha256
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot, read_config, read_index
 

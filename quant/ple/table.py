@@ -30,7 +30,8 @@ from flashnext import __version__
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import (check_free_space, fsync_dir, make_parents, output_lock, refuse_overlap,
                                     remove_empty, remove_leftovers, write_text_atomic)
-from flashnext.quant.checkpoint.jsonfile import Count, Sha256, StrictRecord, get_int, read_json, validate
+from flashnext.quant.checkpoint.jsonfile import get_int, read_json, validate
+from flashnext.quant.checkpoint.records import Count, Sha256, StrictRecord
 from flashnext.quant.overlays.manifest import header_sha256
 from flashnext.quant.ple.layout import PleLayout, ple_layout
 from flashnext.quant.formats.safetensors_io import DTYPE_BYTES, TORCH_DTYPES, TensorEntry, read_rows
