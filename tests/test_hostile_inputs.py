@@ -493,3 +493,29 @@ def test_ple_free_space_counts_the_partial(work, monkeypatch):
     assert CliRunner().invoke(cli, ple_build(work)).exit_code == 0
     full, resumed = needed
     assert resumed < full
+
+
+def test_a_writer_killed_with_sigkill_leaves_nothing_for_long(work):
+    """A real ``make-mtp-int4`` process killed (SIGKILL) while its partial output exists: the next
+    run removes what it left and completes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = work.root / "out"
+    argv = [sys.executable, "-m", "flashnext", *mtp(work, "--experts-per-batch", "1")]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = None
+    deadline = time.monotonic() + 120
+    while partial is None and proc.poll() is None and time.monotonic() < deadline:
+        partial = next((p for p in work.root.glob(".out.partial-*") if (p / MTP_SHARD).exists()), None)
+        time.sleep(0.005)
+    assert partial is not None, "the writer finished or failed before its partial output could be seen"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert partial.exists() and not out.exists()
+    result = CliRunner().invoke(cli, mtp(work))
+    assert result.exit_code == 0, result.output
+    assert not partial.exists() and not list(work.root.glob(".out.*"))
+    assert (out / "overlay.json").is_file()
