@@ -39,8 +39,7 @@ class NoGo(FlashnextError):
         self.exit_code = exit_code
 
 
-# Exit codes of the command lines. 2 is click's own (a usage error).
-EXIT_OK = 0
+# Exit codes of the command lines (0: success; 2 is also click's own, a usage error).
 EXIT_CODES: dict[type[FlashnextError], int] = {
     FlashnextError: 1,
     SlowDrive: 2,

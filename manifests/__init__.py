@@ -1,10 +1,8 @@
 """Pinned descriptions of external things (the base model, the vLLM release, the overlay manifest
-schema), shipped as package data: read them with :func:`manifest_path` or :func:`load_manifest_json`,
-never through the source tree."""
+schema), shipped as package data: read them with :func:`manifest_path`, never through the source tree."""
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 
@@ -12,7 +10,3 @@ from pathlib import Path
 def manifest_path(name: str) -> Path:
     """The installed file ``name`` (e.g. ``overlay.schema.json``)."""
     return Path(str(resources.files(__name__) / name))
-
-
-def load_manifest_json(name: str) -> dict:
-    return json.loads(manifest_path(name).read_text())

@@ -47,6 +47,8 @@ def readme_cmd(write: bool) -> None:
     current = README_FILE.read_text()
     wanted = readme_with_table(current, series)
     if write:
+        if not (README_FILE.parents[2] / "pyproject.toml").is_file():
+            raise FlashnextError(f"{README_FILE} is part of an installed package; --write edits a source checkout")
         if wanted != current:
             README_FILE.write_text(wanted)
         click.echo(f"wrote {README_FILE}")

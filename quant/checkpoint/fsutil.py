@@ -45,11 +45,6 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def is_within(path: Path, root: Path) -> bool:
-    path, root = Path(path).resolve(), Path(root).resolve()
-    return path == root or root in path.parents
-
-
 def confined(root: Path, relative: object, source: str) -> Path:
     """``root / relative`` for a relative path read from ``source`` (a file), refused unless it stays
     inside ``root``: no absolute path, no ``..``, no empty or ``.`` parts, no NUL or backslash."""

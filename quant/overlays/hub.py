@@ -22,7 +22,7 @@ from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import confined, write_text_atomic
 from flashnext.quant.overlays.builder import builder_for_kind
 from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest
-from flashnext.quant.overlays.view import apply_overlays, load_manifest, overlay_file_problems, verify_overlay
+from flashnext.quant.overlays.view import apply_overlays, overlay_file_problems, verify_overlay
 
 PUBLISHED_FILE = "overlay.published.json"
 CARD_FILE = "README.md"
@@ -33,7 +33,7 @@ _TAGS = {"mtp-int4": ["int4", "w4a16", "compressed-tensors", "mtp", "speculative
 def overlay_files(overlay: Path) -> list[tuple[str, Path]]:
     """(path in repo, local file) for every file an upload sends, except the generated card."""
     overlay = Path(overlay)
-    manifest = load_manifest(overlay)
+    manifest = OverlayManifest.load(overlay)
     names = [e.path for e in manifest.files] + [MANIFEST_FILE]
     files = []
     for name in names:
@@ -123,7 +123,7 @@ def upload_overlay(overlay: Path, repo_id: str, private: bool = False, revision:
     """Publish ``overlay`` to ``repo_id`` (created if needed) in one commit. ``dry_run`` lists the
     files and sizes and contacts nobody."""
     overlay = Path(overlay)
-    manifest = load_manifest(overlay)
+    manifest = OverlayManifest.load(overlay)
     files = overlay_files(overlay)
     card = render_model_card(manifest, repo_id)
     listing = [{"path": name, "size": local.stat().st_size} for name, local in files]

@@ -34,7 +34,6 @@ from flashnext.quant.formats.packing import packed_words
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
 from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
 
-DEFAULT_TARGETS = DEFAULT_INT6_TARGETS
 INT8_GROUP = "flashnext_int6_widened_to_int8"
 MODES = ("bitplane", "int8", "reverse")
 
@@ -177,7 +176,7 @@ class Int6Repack(OverlayBuilder):
     kinds = tuple(KINDS.values())
     tool = "repack-int6"
 
-    def __init__(self, snap: Snapshot, targets: str = DEFAULT_TARGETS, mode: str = "bitplane"):
+    def __init__(self, snap: Snapshot, targets: str = DEFAULT_INT6_TARGETS, mode: str = "bitplane"):
         if mode not in MODES:
             raise FlashnextError(f"unknown mode {mode!r}")
         super().__init__(snap)
@@ -214,7 +213,7 @@ class Int6Repack(OverlayBuilder):
                 "modules": [t.module for t in self.found], "shards": shards, "bytes_before": before}
 
 
-def repack_int6(src: Path, out: Path, targets: str = DEFAULT_TARGETS, mode: str = "bitplane",
+def repack_int6(src: Path, out: Path, targets: str = DEFAULT_INT6_TARGETS, mode: str = "bitplane",
                 force: bool = False) -> dict:
     """Build the INT6 overlay ``out`` from snapshot ``src`` (never modified). Returns the report."""
     report = Int6Repack(Snapshot.open(src), targets, mode).build(out, force=force)

@@ -35,10 +35,6 @@ VIEW_RECORD = ".flashnext-view.json"
 MERGED = (INDEX_FILE, CONFIG_FILE)
 
 
-def load_manifest(overlay: Path) -> OverlayManifest:
-    return OverlayManifest.load(overlay)
-
-
 class ViewRecord(StrictRecord):
     """``VIEW/.flashnext-view.json``: what a view was made of."""
 
@@ -60,7 +56,7 @@ class Mismatch:
 def overlay_file_problems(overlay: Path, manifest: OverlayManifest | None = None) -> list[Mismatch]:
     """The overlay's own files against its manifest, by size and content hash."""
     overlay = Path(overlay)
-    manifest = manifest or load_manifest(overlay)
+    manifest = manifest or OverlayManifest.load(overlay)
     problems = []
     for entry in manifest.files:
         mine = confined(overlay, entry.path, str(overlay / MANIFEST_FILE))
@@ -109,7 +105,7 @@ def verify_overlay(base: Path, overlay: Path, full: bool = False) -> list[Mismat
     header hash (``full``: by content hash)."""
     if not Path(base).is_dir():
         raise FlashnextError(f"{base}: the base snapshot is not a directory")
-    manifest = load_manifest(overlay)
+    manifest = OverlayManifest.load(overlay)
     return overlay_file_problems(overlay, manifest) + base_file_problems(base, manifest, full)
 
 
@@ -197,7 +193,7 @@ def apply_overlays(base: Path, overlays: list[Path], out: Path, verify: bool = T
     base = Path(base).absolute()
     overlays = [Path(o).absolute() for o in overlays]
     snap = Snapshot.open(base)
-    manifests = [load_manifest(o) for o in overlays]
+    manifests = [OverlayManifest.load(o) for o in overlays]
     if verify:
         for overlay in overlays:
             problems = verify_overlay(base, overlay)
