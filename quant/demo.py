@@ -51,7 +51,7 @@ DEMO_TEXT_CONFIG: dict = {
     "max_position_embeddings": 262144,
     "rms_norm_eps": 1e-6,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                        "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+                        "mrope_interleaved": True, "mrope_section": [3, 3, 2]},
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 32,

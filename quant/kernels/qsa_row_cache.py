@@ -1,0 +1,471 @@
+"""QSA sparse attention over K/V rows in pinned host memory, with a VRAM row cache (seed 000 §5).
+
+With the QSA main K/V offloaded, one token's K and V (all KV heads of the rank, 2 KiB at 2 x 256
+bf16) are one *row* of a host pool ``[num_blocks, block_size, kv_heads, 2 * head_dim]``, addressed
+by its physical slot ``block * block_size + offset``. The GPU reads the rows the indexer selected
+through unified addressing, over PCIe. Consecutive decode steps select mostly the same rows
+(72% overlap with the previous step, 86% with the last four), so the VRAM staging arena, idle
+during decode, doubles as a direct-mapped row cache (decode-07):
+
+* each QSA layer owns ``sets`` consecutive arena rows; a slot lives in set ``slot % sets``, its
+  tag is the slot, ``-1`` is empty. The key is the physical slot, so requests that share prefix
+  blocks share cached rows;
+* host rows change only when stored, so :func:`invalidate_slots` drops a stored slot's row; a
+  staged prefill overwrites the arena and :meth:`RowCache.invalidate_all` drops every tag.
+
+One step of one layer is two launches after the invalidation:
+
+1. :func:`plan_row_cache` (the only grid-wide step): a column whose slot is cached writes
+   ``hitmark[set] = epoch``; a missing column bids ``claim[set] = max(epoch << 32 | slot)``;
+2. :func:`row_cache_attention`: split-K sparse attention that loads each row through one pointer,
+   ``where(hit, arena_row, host_row)``, and writes a missed row and its tag only where its bid won
+   and nothing hit the set this step.
+
+A set that was hit is never written in that step, and a set that may be written is never read as
+a hit (its hitmark is not the epoch), so tags can be read and written in the same launch. Epochs
+make hitmarks and bids expire without clearing; :class:`RowCache` clears them when the epoch
+counter wraps. A hit reads the same bytes as the host row and the tile arithmetic is unchanged, so
+the output is bit-identical to reading everything from the host.
+
+Prefill does not use the cache: :func:`staged_attention` copies whole blocks of the context from
+the host pool into the arena with DMA, a window of ``arena blocks`` at a time, and runs the same
+split-K kernel over each window; every window writes its own partials, merged once at the end.
+
+Launch configurations fit the RTX 3090's 99 KiB of shared memory per block by construction
+(``tests/quant/kernels/test_qsa_row_cache.py`` compiles them for sm_86 and checks).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+EMPTY_TAG = -1
+_EMPTY = tl.constexpr(EMPTY_TAG)  # the same, as kernels read a global
+# Decode-shaped batches (at most this many query rows) use the row cache: one launch
+# configuration, compiled when the CUDA graphs are captured. Larger eager batches would load
+# more kernel variants while serving, which the fullest 3090 cannot afford (seed 000 §5: an OOM).
+ROW_CACHE_MAX_ROWS = 12
+BLOCK_N = 32
+# Triton 3.8's interpreter multiplies bf16 dot operands as their raw 16-bit integers; interpreted
+# runs widen them to fp32 first, which is exact (the products of two bf16 are exact in fp32).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# The epoch lives in the high 32 bits of a bid and in an int32 hitmark.
+EPOCH_LIMIT = 2**31 - 1
+
+
+@triton.jit
+def _column_slots(indices_ptr, stride_indices_row, block_table_ptr, stride_table_req, row, request, num_requests,
+                  num_blocks, columns, count, TOPK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  TABLE_WIDTH: tl.constexpr):
+    """The physical slots of a row's selected columns, and which of them are valid."""
+    token = tl.load(indices_ptr + row * stride_indices_row + columns, mask=(columns < TOPK) & (columns < count),
+                    other=-1)
+    safe_token = tl.maximum(token, 0)
+    page = safe_token // PAGE_SIZE
+    valid = (token >= 0) & (request >= 0) & (request < num_requests) & (page < TABLE_WIDTH)
+    safe_request = tl.minimum(tl.maximum(request, 0), num_requests - 1)
+    block = tl.load(block_table_ptr + safe_request * stride_table_req + tl.minimum(page, TABLE_WIDTH - 1),
+                    mask=valid, other=-1)
+    valid &= (block >= 0) & (block < num_blocks)
+    slot = tl.maximum(block, 0).to(tl.int64) * PAGE_SIZE + (safe_token % PAGE_SIZE)
+    return slot, valid
+
+
+@triton.jit
+def _invalidate_kernel(tags_ptr, slots_ptr, num_slots, sets, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + offsets, mask=offsets < num_slots, other=-1).to(tl.int64)
+    live = (offsets < num_slots) & (slot >= 0)
+    where = tl.where(live, slot % sets, 0)
+    tag = tl.load(tags_ptr + where, mask=live, other=_EMPTY)
+    tl.store(tags_ptr + where, tl.full(where.shape, _EMPTY, tl.int64), mask=live & (tag == slot))
+
+
+@triton.jit(do_not_specialize=["epoch", "num_requests"])
+def _plan_kernel(indices_ptr, stride_indices_row, block_table_ptr, stride_table_req, token_to_req_ptr, tags_ptr,
+                 hitmark_ptr, claim_ptr, epoch, sets, num_requests, num_blocks, TOPK: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, TABLE_WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    request = tl.load(token_to_req_ptr + row)
+    count = tl.load(indices_ptr + row * stride_indices_row + TOPK)
+    slot, valid = _column_slots(indices_ptr, stride_indices_row, block_table_ptr, stride_table_req, row, request,
+                                num_requests, num_blocks, columns, count, TOPK, PAGE_SIZE, TABLE_WIDTH)
+    where = tl.where(valid, slot % sets, 0)
+    tag = tl.load(tags_ptr + where, mask=valid, other=_EMPTY)
+    hit = valid & (tag == slot)
+    tl.store(hitmark_ptr + where, tl.full(where.shape, epoch, tl.int32), mask=hit)
+    bid = (tl.full(where.shape, epoch, tl.int64) << 32) | slot
+    tl.atomic_max(claim_ptr + where, bid, mask=valid & ~hit)
+
+
+@triton.jit(do_not_specialize=["epoch", "num_rows", "num_requests", "split_offset"])
+def _attention_kernel(q_ptr, host_ptr, arena_ptr, indices_ptr, block_table_ptr, token_to_req_ptr, tags_ptr,
+                      hitmark_ptr, claim_ptr, partial_out_ptr, partial_lse_ptr, epoch, sets, softmax_scale,
+                      stride_q_row, stride_q_head, stride_host_block, stride_host_token, stride_indices_row,
+                      stride_table_req, num_rows, num_requests, num_blocks, split_offset,
+                      TOPK: tl.constexpr, PAGE_SIZE: tl.constexpr, TABLE_WIDTH: tl.constexpr,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+                      KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK: tl.constexpr, USE_CACHE: tl.constexpr, DOT_FP32: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    request = tl.load(token_to_req_ptr + row)
+    count = tl.load(indices_ptr + row * stride_indices_row + TOPK)
+    heads = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    first_head = kv_head * GROUP
+    query = tl.load(q_ptr + row * stride_q_row + (first_head + heads[:, None]) * stride_q_head + dims[None, :],
+                    mask=heads[:, None] < GROUP, other=0.0)
+    row_width = KV_HEADS * 2 * HEAD_DIM
+    head_offset = kv_head * 2 * HEAD_DIM
+    scale = softmax_scale * 1.4426950408889634  # exp2-based online softmax
+    running_max = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    normalizer = tl.zeros((BLOCK_M,), tl.float32)
+    accumulator = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    num_tiles = tl.cdiv(tl.minimum(count, TOPK), BLOCK)
+    for tile in range(split, num_tiles, NUM_SPLITS):
+        columns = tile * BLOCK + tl.arange(0, BLOCK)
+        slot, valid = _column_slots(indices_ptr, stride_indices_row, block_table_ptr, stride_table_req, row,
+                                    request, num_requests, num_blocks, columns, count, TOPK, PAGE_SIZE,
+                                    TABLE_WIDTH)
+        host_row = host_ptr + (slot // PAGE_SIZE) * stride_host_block + (slot % PAGE_SIZE) * stride_host_token
+        if USE_CACHE:
+            where = tl.where(valid, slot % sets, 0)
+            marked = tl.load(hitmark_ptr + where, mask=valid, other=0) == epoch
+            # Only a set hit this step is read: no program writes it in this launch.
+            tag = tl.load(tags_ptr + where, mask=valid & marked, other=_EMPTY)
+            hit = valid & marked & (tag == slot)
+            cached_row = arena_ptr + where * row_width
+            row_ptr = tl.where(hit, cached_row, host_row) + head_offset
+        else:
+            row_ptr = host_row + head_offset
+        keys = tl.load(row_ptr[None, :] + dims[:, None], mask=valid[None, :], other=0.0)
+        values = tl.load(row_ptr[:, None] + HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+        if USE_CACHE:
+            bid = tl.load(claim_ptr + where, mask=valid & ~marked, other=0)
+            won = valid & ~marked & (bid == ((tl.full(where.shape, epoch, tl.int64) << 32) | slot))
+            target = cached_row + head_offset
+            tl.store(target[None, :] + dims[:, None], keys, mask=won[None, :])
+            tl.store(target[:, None] + HEAD_DIM + dims[None, :], values, mask=won[:, None])
+            tl.store(tags_ptr + where, slot, mask=won & (kv_head == 0))
+        if DOT_FP32:
+            scores = tl.dot(query.to(tl.float32), keys.to(tl.float32)) * scale
+        else:
+            scores = tl.dot(query, keys) * scale
+        scores = tl.where(valid[None, :], scores, -1.0e30)
+        next_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        alpha = tl.math.exp2(running_max - next_max)
+        probabilities = tl.where(valid[None, :], tl.math.exp2(scores - next_max[:, None]), 0.0)
+        weights = probabilities.to(values.dtype)
+        if DOT_FP32:
+            accumulator = tl.dot(weights.to(tl.float32), values.to(tl.float32), acc=accumulator * alpha[:, None])
+        else:
+            accumulator = tl.dot(weights, values, acc=accumulator * alpha[:, None])
+        normalizer = normalizer * alpha + tl.sum(probabilities, axis=1)
+        running_max = next_max
+    has_values = normalizer > 0
+    out = tl.where(has_values[:, None], accumulator / tl.maximum(normalizer, 1.0e-30)[:, None], 0.0)
+    lse = tl.where(has_values, running_max + tl.math.log2(tl.maximum(normalizer, 1.0e-30)), -float("inf"))
+    part = ((split_offset + split) * num_rows + row).to(tl.int64)
+    mask = heads < GROUP
+    tl.store(partial_out_ptr + (part * NUM_Q_HEADS + first_head + heads[:, None]) * HEAD_DIM + dims[None, :], out,
+             mask=mask[:, None])
+    tl.store(partial_lse_ptr + part * NUM_Q_HEADS + first_head + heads, lse, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _merge_kernel(partial_out_ptr, partial_lse_ptr, gate_ptr, out_ptr, num_rows, stride_gate_row,
+                  stride_out_row, HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, PARTS: tl.constexpr,
+                  BLOCK_PARTS: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    parts = tl.arange(0, BLOCK_PARTS)
+    dims = tl.arange(0, HEAD_DIM)
+    live = parts < PARTS
+    index = parts.to(tl.int64) * num_rows + row
+    lse = tl.load(partial_lse_ptr + index * NUM_Q_HEADS + head, mask=live, other=-float("inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top > -float("inf"), top, 0.0)  # no part saw a row: every weight is exp2(-inf) = 0
+    weights = tl.where(live, tl.math.exp2(lse - top), 0.0)
+    total = tl.sum(weights, axis=0)
+    partial = tl.load(partial_out_ptr + (index[:, None] * NUM_Q_HEADS + head) * HEAD_DIM + dims[None, :],
+                      mask=live[:, None], other=0.0)
+    merged = tl.where(total > 0, tl.sum(partial * weights[:, None], axis=0) / total, 0.0)
+    # Round to bf16 before the gate, as vLLM's unfused path does.
+    merged = merged.to(out_ptr.dtype.element_ty).to(tl.float32)
+    gate = tl.load(gate_ptr + row * stride_gate_row + head * HEAD_DIM + dims).to(tl.float32)
+    tl.store(out_ptr + row * stride_out_row + head * HEAD_DIM + dims, merged * tl.sigmoid(gate))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One launch of the split-K kernel: ``BLOCK`` columns per tile, ``splits`` programs per row and
+    KV head, ``warps`` and ``stages`` as Triton takes them."""
+
+    block: int = BLOCK_N
+    splits: int = 16
+    warps: int = 4
+    stages: int = 2
+
+
+def block_m(group: int) -> int:
+    return max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
+
+
+def _check(q, host_kv, indices, block_table, token_to_req):
+    if q.ndim != 3 or host_kv.ndim != 4 or host_kv.shape[3] != 2 * q.shape[2]:
+        raise ValueError("expected q [rows, heads, D] and host K/V [blocks, block_size, kv_heads, 2*D]")
+    if q.shape[1] % host_kv.shape[2]:
+        raise ValueError("query heads must be a multiple of the KV heads")
+    if indices.ndim != 2 or indices.shape[0] != q.shape[0] or indices.shape[1] < 2:
+        raise ValueError("indices must be [rows, selection + 1] with the count in the last column")
+    if token_to_req.shape != (q.shape[0],) or block_table.ndim != 2:
+        raise ValueError("token_to_req must have one entry per row and block_table two dimensions")
+    if host_kv.stride(3) != 1 or host_kv.stride(2) != host_kv.shape[3]:
+        raise ValueError("a host K/V row must be contiguous")
+    if not (indices.dtype == block_table.dtype == token_to_req.dtype == torch.int32):
+        raise ValueError("indices, block_table and token_to_req must be int32")
+
+
+def _attention_launch(q, host_kv, arena, indices, block_table, token_to_req, cache, partial_out, partial_lse,
+                      split_offset: int, config: LaunchConfig, num_blocks: int | None = None) -> None:
+    rows, num_q_heads, head_dim = q.shape
+    kv_heads = host_kv.shape[2]
+    group = num_q_heads // kv_heads
+    if cache is None:
+        tags = hitmark = claim = indices  # unused: USE_CACHE compiles their accesses out
+        epoch, sets, cached = 0, 1, False
+    else:
+        tags, hitmark, claim, epoch, sets, cached = cache
+    _attention_kernel[(rows, kv_heads, config.splits)](
+        q, host_kv, arena, indices, block_table, token_to_req, tags, hitmark, claim, partial_out, partial_lse,
+        epoch, sets, head_dim ** -0.5, q.stride(0), q.stride(1), host_kv.stride(0), host_kv.stride(1),
+        indices.stride(0), block_table.stride(0), rows, block_table.shape[0],
+        host_kv.shape[0] if num_blocks is None else num_blocks, split_offset,
+        TOPK=indices.shape[1] - 1, PAGE_SIZE=host_kv.shape[1], TABLE_WIDTH=block_table.shape[1], GROUP=group,
+        HEAD_DIM=head_dim, NUM_Q_HEADS=num_q_heads, KV_HEADS=kv_heads, NUM_SPLITS=config.splits,
+        BLOCK_M=block_m(group), BLOCK=config.block, USE_CACHE=cached, DOT_FP32=INTERPRETED, num_warps=config.warps,
+        num_stages=config.stages)
+
+
+def _merge(partial_out, partial_lse, gate, out) -> torch.Tensor:
+    parts, rows, num_q_heads, head_dim = partial_out.shape
+    gate = gate.reshape(rows, num_q_heads * head_dim)
+    flat = out.view(rows, num_q_heads * head_dim)
+    _merge_kernel[(rows, num_q_heads)](partial_out, partial_lse, gate, flat, rows, gate.stride(0), flat.stride(0),
+                                       HEAD_DIM=head_dim, NUM_Q_HEADS=num_q_heads, PARTS=parts,
+                                       BLOCK_PARTS=triton.next_power_of_2(parts), num_warps=2, num_stages=1)
+    return out
+
+
+def _partials(parts: int, q: torch.Tensor):
+    rows, heads, dim = q.shape
+    return (torch.empty((parts, rows, heads, dim), dtype=torch.float32, device=q.device),
+            torch.empty((parts, rows, heads), dtype=torch.float32, device=q.device))
+
+
+def host_attention(q, host_kv, indices, block_table, token_to_req, gate, out=None,
+                   config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+    """Sparse attention reading every selected row from ``host_kv`` (pinned host memory through a
+    UVA view, or any tensor on the query's device): the path without the row cache."""
+    _check(q, host_kv, indices, block_table, token_to_req)
+    out = torch.empty_like(q) if out is None else out
+    if q.shape[0]:
+        partial_out, partial_lse = _partials(config.splits, q)
+        _attention_launch(q, host_kv, host_kv, indices, block_table, token_to_req, None, partial_out, partial_lse,
+                          0, config)
+        _merge(partial_out, partial_lse, gate, out)
+    return out
+
+
+def invalidate_slots(tags: torch.Tensor, slots: torch.Tensor) -> None:
+    """Drop the cached rows of ``slots`` (the slots a store just wrote) from one layer's tags."""
+    if slots.numel():
+        slots = slots.reshape(-1)
+        block = 256
+        _invalidate_kernel[(triton.cdiv(slots.numel(), block),)](tags, slots, slots.numel(), tags.numel(),
+                                                                   BLOCK=block, num_warps=4)
+
+
+def plan_row_cache(indices, block_table, token_to_req, tags, hitmark, claim, epoch: int, num_blocks: int,
+                   page_size: int) -> None:
+    rows = indices.shape[0]
+    topk = indices.shape[1] - 1
+    _plan_kernel[(rows, triton.cdiv(topk, BLOCK_N))](
+        indices, indices.stride(0), block_table, block_table.stride(0), token_to_req, tags, hitmark, claim, epoch,
+        tags.numel(), block_table.shape[0], num_blocks, TOPK=topk, PAGE_SIZE=page_size,
+        TABLE_WIDTH=block_table.shape[1], BLOCK=BLOCK_N, num_warps=1)
+
+
+def row_cache_attention(q, host_kv, arena_rows, indices, block_table, token_to_req, gate, tags, hitmark, claim,
+                        epoch: int, out=None, config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+    """Plan and attention for one decode step of one layer; ``arena_rows`` is the layer's share of
+    the arena, ``[sets, kv_heads, 2 * head_dim]``, and ``tags``/``hitmark``/``claim`` its state."""
+    _check(q, host_kv, indices, block_table, token_to_req)
+    if arena_rows.shape[0] != tags.numel() or arena_rows.shape[1:] != host_kv.shape[2:]:
+        raise ValueError("the arena rows must be [sets, kv_heads, 2 * head_dim], one per tag")
+    out = torch.empty_like(q) if out is None else out
+    if q.shape[0]:
+        plan_row_cache(indices, block_table, token_to_req, tags, hitmark, claim, epoch, host_kv.shape[0],
+                       host_kv.shape[1])
+        partial_out, partial_lse = _partials(config.splits, q)
+        _attention_launch(q, host_kv, arena_rows, indices, block_table, token_to_req,
+                          (tags, hitmark, claim, epoch, tags.numel(), True), partial_out, partial_lse, 0, config)
+        _merge(partial_out, partial_lse, gate, out)
+    return out
+
+
+def staged_attention(q, host_kv, arena, indices, block_table, token_to_req, seq_lens, gate, out=None,
+                     config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+    """Prefill attention: the batch's context blocks are copied from ``host_kv`` into ``arena``
+    (``[arena_blocks, block_size, kv_heads, 2 * head_dim]`` in VRAM) a window at a time, and each
+    window's selected rows are read from VRAM. ``seq_lens`` bounds each request's blocks."""
+    _check(q, host_kv, indices, block_table, token_to_req)
+    if arena.ndim != 4 or arena.shape[1:] != host_kv.shape[1:]:
+        raise ValueError("the arena must hold whole blocks: [arena_blocks, block_size, kv_heads, 2 * head_dim]")
+    out = torch.empty_like(q) if out is None else out
+    if not q.shape[0]:
+        return out
+    block_size = host_kv.shape[1]
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * block_size < seq_lens[:, None]
+    blocks = torch.unique(block_table[used & (block_table >= 0)]).tolist()
+    capacity = arena.shape[0]
+    windows = [blocks[i:i + capacity] for i in range(0, len(blocks), capacity)] or [[]]
+    partial_out, partial_lse = _partials(config.splits * len(windows), q)
+    remap = torch.full((host_kv.shape[0] + 1,), -1, dtype=torch.int32, device=block_table.device)
+    for w, window in enumerate(windows):
+        for i, block in enumerate(window):
+            arena[i].copy_(host_kv[block], non_blocking=True)
+        remap.fill_(-1)
+        if window:
+            remap[torch.tensor(window, device=remap.device)] = torch.arange(len(window), dtype=torch.int32,
+                                                                            device=remap.device)
+        window_table = remap[block_table.long().clamp_min(-1)]  # -1 (padding) indexes the last entry: -1
+        _attention_launch(q, arena, arena, indices, window_table, token_to_req, None, partial_out, partial_lse,
+                          w * config.splits, config, num_blocks=capacity)
+    return _merge(partial_out, partial_lse, gate, out)
+
+
+class RowCache:
+    """The VRAM arena of one rank and the row-cache state of its QSA layers.
+
+    ``arena`` is ``arena_blocks`` blocks of rows, allocated once at start; prefill stages blocks in
+    it, decode splits its rows evenly among the layers as direct-mapped caches.
+    """
+
+    def __init__(self, num_layers: int, arena_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device, epoch_limit: int = EPOCH_LIMIT):
+        if num_layers <= 0 or arena_blocks <= 0:
+            raise ValueError("a row cache needs at least one layer and one arena block")
+        self.num_layers = num_layers
+        self.arena = torch.zeros((arena_blocks, block_size, kv_heads, 2 * head_dim), dtype=dtype, device=device)
+        self.sets = arena_blocks * block_size // num_layers
+        rows = self.arena.view(-1, kv_heads, 2 * head_dim)
+        self.layer_rows = [rows[i * self.sets:(i + 1) * self.sets] for i in range(num_layers)]
+        self.tags = torch.full((num_layers, self.sets), EMPTY_TAG, dtype=torch.int64, device=device)
+        self.hitmark = torch.zeros((num_layers, self.sets), dtype=torch.int32, device=device)
+        self.claim = torch.zeros((num_layers, self.sets), dtype=torch.int64, device=device)
+        self.epoch_limit = epoch_limit
+        self.epochs = [0] * num_layers
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.numel() * self.arena.element_size()
+
+    def next_epoch(self, layer: int) -> int:
+        epoch = self.epochs[layer] + 1
+        if epoch >= self.epoch_limit:  # old hitmarks and bids would collide with new epochs
+            self.hitmark[layer].zero_()
+            self.claim[layer].zero_()
+            epoch = 1
+        self.epochs[layer] = epoch
+        return epoch
+
+    def invalidate(self, layer: int, slots: torch.Tensor) -> None:
+        invalidate_slots(self.tags[layer], slots)
+
+    def invalidate_all(self) -> None:
+        self.tags.fill_(EMPTY_TAG)
+
+    def attend(self, layer: int, q, host_kv, indices, block_table, token_to_req, gate, out=None,
+               config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+        return row_cache_attention(q, host_kv, self.layer_rows[layer], indices, block_table, token_to_req, gate,
+                                   self.tags[layer], self.hitmark[layer], self.claim[layer], self.next_epoch(layer),
+                                   out, config)
+
+    def staged(self, q, host_kv, indices, block_table, token_to_req, seq_lens, gate, out=None,
+               config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+        out = staged_attention(q, host_kv, self.arena, indices, block_table, token_to_req, seq_lens, gate, out,
+                               config)
+        self.invalidate_all()
+        return out
+
+
+# --- references: the same computations in plain torch, for tests and benchmarks ---------------------
+
+
+def reference_slots(indices, block_table, token_to_req, num_blocks: int, page_size: int) -> torch.Tensor:
+    """``[rows, selection]`` physical slots, ``-1`` where a column selects nothing valid."""
+    topk = indices.shape[1] - 1
+    tokens = indices[:, :topk].long()
+    counts = indices[:, topk].long()
+    requests = token_to_req.long()
+    columns = torch.arange(topk, device=indices.device)
+    pages = tokens.clamp_min(0) // page_size
+    valid = (tokens >= 0) & (columns[None, :] < counts[:, None]) & (pages < block_table.shape[1])
+    valid &= ((requests >= 0) & (requests < block_table.shape[0]))[:, None]
+    safe_requests = requests.clamp(0, block_table.shape[0] - 1)
+    blocks = block_table.long()[safe_requests[:, None], pages.clamp(max=block_table.shape[1] - 1)]
+    valid &= (blocks >= 0) & (blocks < num_blocks)
+    return torch.where(valid, blocks * page_size + tokens.clamp_min(0) % page_size, -1)
+
+
+def reference_attention(q, host_kv, indices, block_table, token_to_req, gate) -> torch.Tensor:
+    """fp32 sparse attention over the selected rows, rounded to bf16 before the sigmoid gate."""
+    rows, num_q_heads, head_dim = q.shape
+    kv_heads = host_kv.shape[2]
+    slots = reference_slots(indices, block_table, token_to_req, host_kv.shape[0], host_kv.shape[1])
+    flat = host_kv.reshape(-1, kv_heads, 2 * head_dim).float()
+    out = torch.zeros((rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+    for r in range(rows):
+        chosen = slots[r][slots[r] >= 0]
+        if not chosen.numel():
+            continue
+        kv = flat[chosen]  # [n, kv_heads, 2D]
+        for h in range(num_q_heads):
+            k = kv[:, h * kv_heads // num_q_heads, :head_dim]
+            v = kv[:, h * kv_heads // num_q_heads, head_dim:]
+            weights = torch.softmax(q[r, h].float() @ k.T * head_dim ** -0.5, dim=0)
+            out[r, h] = weights @ v
+    return (out.to(q.dtype).float() * torch.sigmoid(gate.float().view_as(out))).to(q.dtype)
+
+
+def reference_row_cache_step(slots: torch.Tensor, tags: torch.Tensor, host_kv: torch.Tensor,
+                             arena_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What one plan + attention step leaves in a layer's cache, and which columns hit.
+
+    A column hits when its set's tag is its slot. A set that nothing hit is taken by the largest
+    missing slot that maps to it (the winning bid of a single epoch). Updates ``tags`` and
+    ``arena_rows`` in place.
+    """
+    sets = tags.numel()
+    valid = slots >= 0
+    where = torch.where(valid, slots % sets, 0)
+    hits = valid & (tags[where] == slots)
+    hit_sets = set(where[hits].tolist())
+    winners: dict[int, int] = {}
+    for s, slot in zip(where[valid & ~hits].tolist(), slots[valid & ~hits].tolist()):
+        if s not in hit_sets:
+            winners[s] = max(winners.get(s, -1), slot)
+    flat = host_kv.reshape(-1, *host_kv.shape[2:])
+    for s, slot in winners.items():
+        tags[s] = slot
+        arena_rows[s] = flat[slot]
+    return tags, hits
