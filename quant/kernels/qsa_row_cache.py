@@ -86,12 +86,13 @@ def _invalidate_kernel(tags_ptr, slots_ptr, num_slots, sets, BLOCK: tl.constexpr
     tl.store(tags_ptr + where, tl.full(where.shape, _EMPTY, tl.int64), mask=live & (tag == slot))
 
 
-@triton.jit(do_not_specialize=["epoch", "num_requests"])
+@triton.jit(do_not_specialize=["num_requests"])
 def _plan_kernel(indices_ptr, stride_indices_row, block_table_ptr, stride_table_req, token_to_req_ptr, tags_ptr,
-                 hitmark_ptr, claim_ptr, epoch, sets, num_requests, num_blocks, TOPK: tl.constexpr,
+                 hitmark_ptr, claim_ptr, epoch_ptr, sets, num_requests, num_blocks, TOPK: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, TABLE_WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    epoch = tl.load(epoch_ptr)
     request = tl.load(token_to_req_ptr + row)
     count = tl.load(indices_ptr + row * stride_indices_row + TOPK)
     slot, valid = _column_slots(indices_ptr, stride_indices_row, block_table_ptr, stride_table_req, row, request,
@@ -104,9 +105,9 @@ def _plan_kernel(indices_ptr, stride_indices_row, block_table_ptr, stride_table_
     tl.atomic_max(claim_ptr + where, bid, mask=valid & ~hit)
 
 
-@triton.jit(do_not_specialize=["epoch", "num_rows", "num_requests", "split_offset"])
+@triton.jit(do_not_specialize=["num_rows", "num_requests", "split_offset"])
 def _attention_kernel(q_ptr, host_ptr, arena_ptr, indices_ptr, block_table_ptr, token_to_req_ptr, tags_ptr,
-                      hitmark_ptr, claim_ptr, partial_out_ptr, partial_lse_ptr, epoch, sets, softmax_scale,
+                      hitmark_ptr, claim_ptr, partial_out_ptr, partial_lse_ptr, epoch_ptr, sets, softmax_scale,
                       stride_q_row, stride_q_head, stride_host_block, stride_host_token, stride_indices_row,
                       stride_table_req, num_rows, num_requests, num_blocks, split_offset,
                       TOPK: tl.constexpr, PAGE_SIZE: tl.constexpr, TABLE_WIDTH: tl.constexpr,
@@ -137,6 +138,7 @@ def _attention_kernel(q_ptr, host_ptr, arena_ptr, indices_ptr, block_table_ptr, 
                                     TABLE_WIDTH)
         host_row = host_ptr + (slot // PAGE_SIZE) * stride_host_block + (slot % PAGE_SIZE) * stride_host_token
         if USE_CACHE:
+            epoch = tl.load(epoch_ptr)
             where = tl.where(valid, slot % sets, 0)
             marked = tl.load(hitmark_ptr + where, mask=valid, other=0) == epoch
             # Only a set hit this step is read: no program writes it in this launch.
@@ -240,8 +242,8 @@ def _attention_launch(q, host_kv, arena, indices, block_table, token_to_req, cac
     kv_heads = host_kv.shape[2]
     group = num_q_heads // kv_heads
     if cache is None:
-        tags = hitmark = claim = indices  # unused: USE_CACHE compiles their accesses out
-        epoch, sets, cached = 0, 1, False
+        tags = hitmark = claim = epoch = indices  # unused: USE_CACHE compiles their accesses out
+        sets, cached = 1, False
     else:
         tags, hitmark, claim, epoch, sets, cached = cache
     _attention_kernel[(rows, kv_heads, config.splits)](
@@ -294,7 +296,7 @@ def invalidate_slots(tags: torch.Tensor, slots: torch.Tensor) -> None:
                                                                    BLOCK=block, num_warps=4)
 
 
-def plan_row_cache(indices, block_table, token_to_req, tags, hitmark, claim, epoch: int, num_blocks: int,
+def plan_row_cache(indices, block_table, token_to_req, tags, hitmark, claim, epoch: torch.Tensor, num_blocks: int,
                    page_size: int) -> None:
     rows = indices.shape[0]
     topk = indices.shape[1] - 1
@@ -305,7 +307,7 @@ def plan_row_cache(indices, block_table, token_to_req, tags, hitmark, claim, epo
 
 
 def row_cache_attention(q, host_kv, arena_rows, indices, block_table, token_to_req, gate, tags, hitmark, claim,
-                        epoch: int, out=None, config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+                        epoch: torch.Tensor, out=None, config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
     """Plan and attention for one decode step of one layer; ``arena_rows`` is the layer's share of
     the arena, ``[sets, kv_heads, 2 * head_dim]``, and ``tags``/``hitmark``/``claim`` its state."""
     _check(q, host_kv, indices, block_table, token_to_req)
@@ -373,20 +375,25 @@ class RowCache:
         self.hitmark = torch.zeros((num_layers, self.sets), dtype=torch.int32, device=device)
         self.claim = torch.zeros((num_layers, self.sets), dtype=torch.int64, device=device)
         self.epoch_limit = epoch_limit
+        # On the device, so that a step can be replayed in a CUDA graph; counted on the host too,
+        # for the wrap.
+        self.epoch = torch.zeros((num_layers, 1), dtype=torch.int32, device=device)
         self.epochs = [0] * num_layers
 
     @property
     def nbytes(self) -> int:
         return self.arena.numel() * self.arena.element_size()
 
-    def next_epoch(self, layer: int) -> int:
+    def next_epoch(self, layer: int) -> torch.Tensor:
         epoch = self.epochs[layer] + 1
         if epoch >= self.epoch_limit:  # old hitmarks and bids would collide with new epochs
             self.hitmark[layer].zero_()
             self.claim[layer].zero_()
+            self.epoch[layer].zero_()
             epoch = 1
         self.epochs[layer] = epoch
-        return epoch
+        self.epoch[layer] += 1
+        return self.epoch[layer]
 
     def invalidate(self, layer: int, slots: torch.Tensor) -> None:
         invalidate_slots(self.tags[layer], slots)
