@@ -46,8 +46,12 @@ VLLM_PLE_MMAP_PATH = EnvVar(
 
 VLLM_QSA_KV_OFFLOAD = EnvVar(
     "VLLM_QSA_KV_OFFLOAD", "0",
-    "QSA main K/V in pinned host memory (seed 000's base patch). `flashnext plan` models it; no patch "
-    "of this series implements it yet, and plan says so.")
+    "Patch qsa-offload: 1 keeps the QSA main K/V in pinned host memory, with the attention block size "
+    "of seed 000 (what `flashnext plan` models); 0 (vLLM's default) keeps it in VRAM.")
+VLLM_QSA_ROW_CACHE = EnvVar(
+    "VLLM_QSA_ROW_CACHE", "1",
+    "Patch qsa-offload (decode-07): 0 reads every selected K/V row from host memory in decode, "
+    "without the row cache in the staging arena.")
 
 VLLM_MTP_DRAFTS_PER_REQUEST = EnvVar(
     "VLLM_MTP_DRAFTS_PER_REQUEST", "1",
@@ -78,7 +82,8 @@ VLLM_HOST_POOL_LOCK = EnvVar(
     "VLLM_HOST_POOL_LOCK", "/tmp/flashnext-host-pool.lock",
     "The lock file that serialises the free-RAM check and pinning across pipeline ranks.")
 
-ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_DECODE_ADVICE, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_MTP_DRAFTS_PER_REQUEST,
+ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_DECODE_ADVICE, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_QSA_ROW_CACHE,
+       VLLM_MTP_DRAFTS_PER_REQUEST,
        VLLM_MTP_PP, VLLM_MTP_SLIM_DRAFT,
        VLLM_PP_PLE, VLLM_PP_DEFER_RECV, VLLM_PP_MISSING_LAYERS, VLLM_EXACT_HOST_POOL, VLLM_HOST_POOL_LOCK)
 

@@ -89,7 +89,8 @@ DEMO_TEXT_CONFIG: dict = {
 
 DEMO_VISION_CONFIG: dict = {"depth": 1, "hidden_size": 64, "intermediate_size": 128,
                             "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
-                            "out_hidden_size": 256, "in_channels": 3, "temporal_patch_size": 2}
+                            "out_hidden_size": 256, "in_channels": 3, "temporal_patch_size": 2,
+                            "deepstack_visual_indexes": []}
 
 # Release-style compressed-tensors layout; targets are generic (they would also match the MTP
 # head), so the MTP head is kept BF16 by ``ignore`` alone, as in the release.

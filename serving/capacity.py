@@ -46,6 +46,9 @@ ATTENTION_BLOCK_ALIGNMENT = 16
 QSA_STATE_POSITION_BYTES = 8
 KV_DTYPE_BYTES = 2  # bf16 K/V and keys
 MANIFEST = manifest_path("qwen3.8-flash-next.json")
+# Transformers 5.18 renamed `qwen_sparse_attention` to `indexed_attention`; some releases say
+# `full_attention` (vLLM 0.33.0 accepts all three).
+QSA_LAYER_TYPES = ("full_attention", "qwen_sparse_attention", "indexed_attention")
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ class TextConfig:
         if len(self.layer_types) != self.num_hidden_layers:
             raise FlashnextError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        unknown = set(self.layer_types) - {"linear_attention", "full_attention", "qwen_sparse_attention"}
+        unknown = set(self.layer_types) - {"linear_attention", *QSA_LAYER_TYPES}
         if unknown:
             raise FlashnextError(f"unknown layer types {sorted(unknown)}")
 
@@ -296,14 +299,15 @@ def _qsa_specs(text: TextConfig, shape: ServingShape, block_size: int, is_draft:
     # The ring holds an open compression group plus the draft rows, in whole groups (QSAKeyStateCache).
     ring_head = -(-text.indexer_head_dim // 4) * 4 + (12 if text.uses_mrope else 0)
     ring = CircularBufferSpec(
-        block_size=ring_capacity(text, shape), num_kv_heads=1, head_size=ring_head, head_size_v=0,
+        block_size=ring_capacity(text, shape.num_speculative_tokens), num_kv_heads=1, head_size=ring_head, head_size_v=0,
         dtype=torch.bfloat16, is_draft=is_draft)
     return compressed, ring
 
 
-def ring_capacity(text: TextConfig, shape: ServingShape) -> int:
+def ring_capacity(text: TextConfig, num_speculative_tokens: int) -> int:
+    """Raw-key ring rows: an open compression group plus the draft rows, in whole groups."""
     ratio = text.indexer_compress_ratio
-    return -(-(ratio + shape.num_speculative_tokens) // ratio) * ratio
+    return -(-(ratio + num_speculative_tokens) // ratio) * ratio
 
 
 def qsa_state_bytes(text: TextConfig) -> int:
@@ -323,7 +327,34 @@ def qsa_host_bytes_per_token(text: TextConfig) -> int:
 
 
 def _is_qsa(layer_type: str) -> bool:
-    return layer_type in ("full_attention", "qwen_sparse_attention")
+    return layer_type in QSA_LAYER_TYPES
+
+
+def qsa_layers_per_rank(text: TextConfig, pp: int, partition: tuple[int, ...] | None,
+                        num_speculative_tokens: int) -> list[int]:
+    """QSA layers on each pipeline rank; the MTP draft head's run on the last rank."""
+    ranks = rank_layers(text.num_hidden_layers, pp, partition)
+    per_rank = [sum(_is_qsa(text.layer_types[i]) for i in r) for r in ranks]
+    per_rank[-1] += text.mtp_num_hidden_layers if num_speculative_tokens else 0
+    return per_rank
+
+
+def offload_block_size(text: TextConfig, pp: int, partition: tuple[int, ...] | None, num_speculative_tokens: int,
+                       state_page_bytes: int) -> int:
+    """The attention block size with the QSA K/V offloaded (seed 000 §2, §7): the largest multiple
+    of 16 (and of the raw-key ring and the compression ratio) at which the busiest rank's QSA layers
+    fit one state page at the seed's 66 B/token. The block size is common to all ranks, so the
+    busiest one decides; the served engine (patch qsa-offload) takes its block size from here."""
+    per_token = qsa_vram_bytes_per_token(text)
+    alignment = math.lcm(ATTENTION_BLOCK_ALIGNMENT, ring_capacity(text, num_speculative_tokens),
+                         text.indexer_compress_ratio)
+    busiest = max(qsa_layers_per_rank(text, pp, partition, num_speculative_tokens))
+    block_size = (state_page_bytes // (busiest * per_token)) // alignment * alignment if busiest else alignment
+    if block_size == 0:
+        raise FlashnextError(
+            f"{busiest} QSA layers x {per_token} B/token do not fit one {state_page_bytes}-byte state page "
+            f"at a block of {alignment} tokens")
+    return block_size
 
 
 @dataclass
@@ -355,18 +386,10 @@ def kv_cache_layout(text: TextConfig, shape: ServingShape) -> KVCacheLayout:
     mtp_layers = text.mtp_num_hidden_layers if shape.num_speculative_tokens else 0
     ple_layers = {i - 1 for i in text.ple_layer_ids}
 
-    qsa_per_rank = [sum(_is_qsa(text.layer_types[i]) for i in r) for r in ranks]
-    qsa_per_rank[-1] += mtp_layers  # the draft head runs on the last rank
+    qsa_per_rank = qsa_layers_per_rank(text, pp, shape.layer_partition, shape.num_speculative_tokens)
     gdn, ple = _state_specs(text, shape)
     state_page = max(gdn.page_size_bytes, ple.page_size_bytes if ple_layers else 0)
-    per_token = qsa_vram_bytes_per_token(text)
-    alignment = math.lcm(ATTENTION_BLOCK_ALIGNMENT, ring_capacity(text, shape), text.indexer_compress_ratio)
-    busiest = max(qsa_per_rank)
-    block_size = (state_page // (busiest * per_token)) // alignment * alignment if busiest else alignment
-    if block_size == 0:
-        raise FlashnextError(
-            f"{busiest} QSA layers x {per_token} B/token do not fit one {state_page}-byte state page "
-            f"at a block of {alignment} tokens")
+    block_size = offload_block_size(text, pp, shape.layer_partition, shape.num_speculative_tokens, state_page)
 
     rank_specs: list[dict] = []
     for rank, layers in enumerate(ranks):

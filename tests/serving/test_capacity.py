@@ -111,7 +111,7 @@ def test_cli_json_and_text():
     assert {k: out[k] for k in ("block_size", "blocks", "blocks_per_request", "capacity_tokens")} == {
         "block_size": 12_144, "blocks": 171, "blocks_per_request": 42, "capacity_tokens": 1_067_300}
     assert round(out["concurrency"], 2) == 4.07 and out["pinned_host_bytes"] == 12 * 171 * 12_144 * 2048
-    assert len(out["notes"]) == 1 and "QSA K/V offload" in out["notes"][0]  # said until the series has it
+    assert out["notes"] == []  # the series has qsa-offload: no "not in the image yet" note
     r = CliRunner().invoke(cli, ["plan", "--profile", "3x3090-mtp"])
     assert r.exit_code == 0 and "blocks per rank      170" in r.stdout and "(2.00x)" in r.stdout
     assert "85 = 18 gdn x 3 + 1 ple_short_conv x 3 + 1 qsa_compressed_key x 27 + 1 qsa_key_ring x 1" in r.stdout

@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 def test_series_metadata_is_complete():
     series = load_series()
     assert [p.id for p in series] == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
-                                       "mtp-02", "decode-03"]
+                                       "mtp-02", "decode-03", "qsa-offload"]
     for p in series:
         assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.envs", fromlist=["ALL"]).ALL}
         assert p.path.is_file() and p.probe and p.upstream
@@ -74,7 +74,7 @@ def test_the_probe_fails_on_an_unpatched_tree(tmp_path, monkeypatch):
 def test_apply_in_place_to_a_copy(tmp_path):
     fake = _copy_touched(tmp_path)
     assert apply_series(fake) == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
-                                       "mtp-02", "decode-03"]
+                                       "mtp-02", "decode-03", "qsa-offload"]
     assert "self.draft_tokens_handler.drop(finished_req_ids)" in (fake / "vllm/v1/worker/gpu/model_runner.py").read_text()
 
 
@@ -236,6 +236,37 @@ def test_ple_file_backend_matches_vllm_and_obeys_its_switches(patched_tree, demo
     off = run(str(patched_tree), VLLM_PLE_MMAP_PATH=str(demo_table), VLLM_PLE_DECODE_ADVICE="0", VLLM_PLE_PREFETCH="0")
     assert (off["advised_decode"], off["prompt_windows"], off["sha256"]) == (0, 0, stock["sha256"])
     assert run(str(patched_tree), VLLM_PLE_MMAP_PATH="")["backend"] == "Qwen4ExpPLEDeviceEmbedding"
+
+
+# --- qsa-offload: the QSA K/V in host memory, planned and served by vLLM's own code --------------
+
+def test_qsa_offload_kv_cache_matches_the_plan_and_serves_from_host_rows(patched_tree, demo_snapshot):
+    """vLLM's own demo model on the CPU, its KV cache laid out as the engine core does."""
+    from flashnext.serving import capacity
+
+    env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    script = (SUPPORT_DIR / "qsa_offload_scenario.py").read_text()
+    kv_bytes = 4_000_000
+    run = lambda tree, **extra: _run_scenario(tree, {**env, **extra}, script,
+                                              (str(demo_snapshot), _free_port(), str(kv_bytes)))
+    stock = run(None, VLLM_QSA_KV_OFFLOAD="1")  # stock vLLM 0.33.0 has no such switch
+    assert "3.self_attn.attn" in stock["specs"] and stock["block_size"] == 48 and stock["offloaded_layers"] == 0
+    off = run(str(patched_tree), VLLM_QSA_KV_OFFLOAD="0")
+    assert {k: off[k] for k in ("specs", "block_size", "num_blocks", "concurrency")} == {
+        k: stock[k] for k in ("specs", "block_size", "num_blocks", "concurrency")}
+
+    on = run(str(patched_tree), VLLM_QSA_KV_OFFLOAD="1")
+    assert "3.self_attn.attn" not in on["specs"] and on["mamba_page_size_padded"] is None
+    plan = capacity.plan(capacity.load_text_config(demo_snapshot),
+                         capacity.ServingShape(1, 4096, kv_bytes, True, 0, None, True, True))
+    assert (on["block_size"], on["num_blocks"]) == (plan.block_size, plan.blocks) == (1024, 217)
+    assert on["concurrency"] == plan.concurrency and on["concurrency"] > 10 * stock["concurrency"]
+    assert len(on["groups"]) == len(plan.groups)
+    # the hooks on vLLM's bound layer: host rows for every block, exactly; a store lands in them;
+    # attention matches the reference, and the row-cache step after it is bit-identical
+    assert on["host_rows"] == [plan.blocks, plan.block_size, 2, 128] and on["host_pool_is_exact"]
+    assert on["stored_key_in_host_row"] and on["cached_step_identical"] and on["row_cache_filled"] > 0
+    assert on["attention_error"] <= 2 ** -6
 
 
 # --- mem-01: embed_tokens and lm_head only where they are used ------------------------------------

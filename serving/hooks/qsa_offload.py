@@ -1,0 +1,215 @@
+"""Patch qsa-offload: QSA main K/V rows in pinned host memory, staged prefill, the decode-07 row cache.
+
+vLLM 0.33.0 keeps each QSA layer's main K/V (2 KiB per token at 2 KV heads of 256) in VRAM, which
+limits the 3x3090 system to about 122k tokens of context (seed 000 §2). With
+``VLLM_QSA_KV_OFFLOAD=1``:
+
+* the main attention layer asks for no device KV cache (:func:`kv_cache_spec`); what stays in VRAM
+  per QSA layer is the indexer's compressed keys and its raw-key ring, vLLM's own side caches;
+* the K/V rows live in an exact-size pinned host pool (patch host-pool), one per layer, with as many
+  blocks as the compressed-key group has: one block table addresses both, so a row's host slot is
+  ``block * block_size + offset`` of the compressed group's block (:meth:`OffloadedQSA.bind`);
+* the attention block size is the largest multiple of 16 at which the busiest rank's QSA layers
+  (the draft head's included) fit one state page (:func:`align_block_size`, the rule of
+  :func:`flashnext.serving.capacity.offload_block_size`): 12,144 tokens, 9,776 with MTP;
+* stores go to the host rows through unified addressing (vLLM's own cache writers) and invalidate
+  the row cache; attention reads the selected rows (:mod:`flashnext.quant.kernels.qsa_row_cache`):
+  decode-shaped steps through the row cache in the staging arena (decode-07,
+  ``VLLM_QSA_ROW_CACHE=0`` turns it off), prefill steps window by window through the arena.
+
+HiSparse (vLLM 0.33.0's host-resident KV groups) was the other candidate: its planner already
+leaves host-resident groups out of the device pool, but its host blocks are a second block space
+with their own manager, connector and capacity (``hisparse_host_num_blocks``), built for MLA's
+hot/cold split. Here the host rows must share the device group's block ids, so that the capacity
+is the device's block count and one block table serves the compressed keys and the rows; the
+layer simply has no device spec, and its pool is sized from the group it rides on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from flashnext import envs
+from flashnext.errors import FlashnextError
+
+
+def enabled() -> bool:
+    return envs.VLLM_QSA_KV_OFFLOAD.enabled()
+
+
+def row_cache_enabled() -> bool:
+    return envs.VLLM_QSA_ROW_CACHE.enabled()
+
+
+# --- configuration: the block size the engine uses ---------------------------------------------------
+
+
+def engine_block_size(vllm_config) -> int | None:
+    """The attention block size for ``vllm_config`` with the offload, or None where it does not apply
+    (switch off, or not a ``qwen4_exp`` model with QSA layers)."""
+    if not enabled():
+        return None
+    model_config = vllm_config.model_config
+    text = getattr(model_config, "hf_text_config", None)
+    if text is None or getattr(text, "indexer_n_heads", None) is None:
+        return None
+    from flashnext.serving import capacity
+
+    config = capacity.TextConfig.from_dict(text.to_dict(), "the served model's config")
+    from vllm.model_executor.models import ModelRegistry
+
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+    state_page = max(spec.page_size_bytes for spec in model_cls.get_mamba_specs_from_config(vllm_config))
+    spec = vllm_config.speculative_config
+    partition = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    return capacity.offload_block_size(
+        config, vllm_config.parallel_config.pipeline_parallel_size,
+        tuple(int(x) for x in partition.split(",")) if partition else None,
+        spec.num_speculative_tokens if spec is not None else 0, state_page)
+
+
+def align_block_size(vllm_config) -> bool:
+    """Called first in ``Platform._align_hybrid_block_size``: with the offload, set the block size
+    by the seed's rule and leave the state pages unpadded (the QSA group's page is at most one state
+    page). Returns whether it did, so vLLM's own alignment (which sizes the attention page from the
+    main K/V that is no longer in VRAM) is skipped."""
+    block_size = engine_block_size(vllm_config)
+    if block_size is None:
+        return False
+    cache_config = vllm_config.cache_config
+    cache_config.block_size = block_size
+    if cache_config.mamba_cache_mode == "align":
+        cache_config.mamba_block_size = block_size
+    cache_config.mamba_page_size_padded = None
+    return True
+
+
+def kv_cache_spec(layer, vllm_config):
+    """What ``Qwen4ExpQSAAttention.get_kv_cache_spec`` returns with the offload: no device cache."""
+    return None
+
+
+# --- the served layer -----------------------------------------------------------------------------
+
+
+@dataclass
+class OffloadedMetadata:
+    """The part of the main layer's attention metadata that the QSA forward reads, built from the
+    compressed-key group's metadata (the group whose blocks the host rows share)."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    num_prefills: int
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    token_to_req: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+class RankArena:
+    """The rank's staging arena and row cache, shared by its offloaded QSA layers."""
+
+    def __init__(self):
+        self.layers: list[OffloadedQSA] = []
+        self.cache = None
+
+    def register(self, layer: "OffloadedQSA") -> int:
+        self.layers.append(layer)
+        return len(self.layers) - 1
+
+    def row_cache(self, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+        if self.cache is None:
+            from flashnext.quant.kernels.qsa_row_cache import RowCache
+
+            # One block of rows per QSA layer on the rank: the staged prefill's windows, and in
+            # decode a direct-mapped cache of block_size rows per layer.
+            n = len(self.layers)
+            self.cache = RowCache(n, n, block_size, kv_heads, head_dim, dtype, device)
+        return self.cache
+
+
+ARENA = RankArena()
+
+
+def attach(layer, vllm_config) -> "OffloadedQSA | None":
+    """Called at the end of ``Qwen4ExpQSAAttention.__init__``: the layer's offload, or None when the
+    switch is off."""
+    if not enabled():
+        return None
+    return OffloadedQSA(layer, vllm_config)
+
+
+class OffloadedQSA:
+    """One QSA layer's host rows and its share of the rank's arena."""
+
+    def __init__(self, layer, vllm_config):
+        if layer.kv_cache_torch_dtype != torch.bfloat16:
+            raise FlashnextError("VLLM_QSA_KV_OFFLOAD=1 serves a bf16 QSA K/V cache only; drop --kv-cache-dtype "
+                                 "or set VLLM_QSA_KV_OFFLOAD=0")
+        self.layer = layer
+        self.cache_config = vllm_config.cache_config
+        self.decode_rows = 1 + vllm_config.num_speculative_tokens
+        self.index = ARENA.register(self)
+        self.pinned = None
+
+    @property
+    def block_size(self) -> int:
+        return self.cache_config.block_size
+
+    def bind(self) -> None:
+        """Allocate the host rows on the first step that has a bound cache: as many blocks as the
+        compressed-key group's, exactly (patch host-pool), and bind their UVA view as the layer's
+        cache in the ``(blocks, heads, tokens, 2 * head_dim)`` view vLLM's writers take."""
+        if self.pinned is not None:
+            return
+        compressed = self.layer.indexer.compressed_key_cache.kv_cache
+        if compressed.numel() == 0:
+            raise RuntimeError("QSA offload: the compressed-key cache is not bound yet")
+        from flashnext.serving.hooks.host_pool import pinned_empty, uva_view
+
+        layer = self.layer
+        shape = (compressed.shape[0], self.block_size, layer.num_kv_heads, 2 * layer.head_dim)
+        self.pinned = pinned_empty(shape, torch.bfloat16, register=compressed.is_cuda)
+        host = uva_view(self.pinned) if compressed.is_cuda else self.pinned
+        layer.kv_cache = host.transpose(1, 2)
+        self.arena = ARENA.row_cache(self.block_size, layer.num_kv_heads, layer.head_dim, torch.bfloat16,
+                                     compressed.device)
+
+    @property
+    def host_kv(self) -> torch.Tensor:
+        return self.layer.kv_cache.transpose(1, 2)
+
+    def main_metadata(self, metadata: dict) -> OffloadedMetadata:
+        from vllm.models.qwen4_exp.common.qsa_cache import _logical_to_physical_qsa_slots
+
+        side = metadata[self.layer.indexer.compressed_key_cache.prefix]
+        n = side.num_actual_tokens
+        slots = _logical_to_physical_qsa_slots(side.block_table, side.token_to_req[:n],
+                                               side.logical_positions[:n], self.block_size)
+        return OffloadedMetadata(n, side.max_query_len, side.num_prefills, slots, side.block_table,
+                                 side.token_to_req, side.seq_lens)
+
+    def stored(self, metadata: OffloadedMetadata) -> None:
+        """After this step's rows were written: cached copies of those slots are stale."""
+        self.arena.invalidate(self.index, metadata.slot_mapping)
+
+    def attend(self, query, metadata: OffloadedMetadata, output, output_gate, selection) -> torch.Tensor:
+        """Sparse attention of this step's query rows over their selected host rows, into ``output``."""
+        from flashnext.quant.kernels import qsa_row_cache as kernels
+
+        n = metadata.num_actual_tokens
+        output.zero_()
+        if n == 0:
+            return output
+        q, out = query[:n], output[:n]
+        gate = output_gate[:n].reshape(q.shape)
+        token_to_req, table = metadata.token_to_req[:n], metadata.block_table
+        indices = selection[:n]
+        if metadata.max_query_len <= self.decode_rows and n <= kernels.ROW_CACHE_MAX_ROWS and row_cache_enabled():
+            return self.arena.attend(self.index, q, self.host_kv, indices, table, token_to_req, gate, out)
+        if metadata.num_prefills:
+            return self.arena.staged(q, self.host_kv, indices, table, token_to_req, metadata.seq_lens, gate, out)
+        return kernels.host_attention(q, self.host_kv, indices, table, token_to_req, gate, out)
