@@ -34,7 +34,9 @@ with set_current_vllm_config(config):
                                  local_rank=0, backend="gloo")
     initialize_model_parallel(1, 1)
     torch.set_default_dtype(torch.bfloat16)
-    import vllm.models.qwen4_exp.nvidia.model  # noqa: F401 - qsa imports it back
+    import importlib
+
+    importlib.import_module("vllm.models.qwen4_exp.nvidia.model")  # before qsa, which imports it back
     import vllm.models.qwen4_exp.nvidia.qsa as qsa
 
     qsa.is_flash_attn_varlen_func_available = lambda: True
