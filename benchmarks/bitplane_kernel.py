@@ -18,7 +18,7 @@ import triton.language as tl
 
 from flashnext.quant.formats.bitplane import codes_to_bitplane
 from flashnext.quant.kernels.bitplane_gemv import (bitplane_down_combine, bitplane_gate_up_silu,
-                                                   bitplane_gemv, set_launch_config)
+                                                   bitplane_gemv, GemvLaunch)
 from flashnext.quant.formats.packing import pack_int32
 
 
@@ -79,44 +79,6 @@ def copy_bandwidth() -> float:
 
 def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3  # µs
-
-
-EXPERIMENT_SHAPES = ((16384, 16384, 1), (16384, 16384, 4), (1280, 2560, 1), (2560, 640, 1), (1280, 2560, 4))
-
-
-def side_by_side(variant, configs, applies=lambda config, k: True, shapes=EXPERIMENT_SHAPES) -> dict:
-    """Time ``variant(x, planes, scales, **config)`` for every config that ``applies`` at each shape,
-    against the library kernel in the same process (the machines are shared and noisy); each
-    result's largest error against the fp32 product comes with it. For the experiment scripts."""
-    torch.manual_seed(0)
-    copy_bw = copy_bandwidth()
-    out = {"device": torch.cuda.get_device_name(), "copy_gb_s": round(copy_bw / 1e9, 1), "shapes": []}
-    for n, k, m in shapes:
-        q = torch.randint(-32, 32, (n, k), dtype=torch.int8, device="cuda")
-        scales = (torch.randn(n, k // 64, device="cuda") * 0.02).to(torch.bfloat16)
-        planes = codes_to_bitplane(q)
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        ref = x.float() @ (q.float() * scales.float().repeat_interleave(64, 1)).T
-        nbytes = planes.numel() + scales.numel() * 2
-        library = bench(lambda: bitplane_gemv(x, planes, scales))
-        rows = []
-        for config in configs:
-            if not applies(config, k):
-                continue
-            try:
-                y = variant(x, planes, scales, **config)
-                us = bench(lambda: variant(x, planes, scales, **config))
-            except Exception as e:  # a config the compiler refuses (resources)
-                rows.append({**config, "error": f"{type(e).__name__}: {e}"[:200]})
-                continue
-            rows.append({**config, "us": round(us, 2), "fraction_of_copy_bw": round(nbytes / (us / 1e6) / copy_bw, 3),
-                         "max_rel_err": ((y.float() - ref).abs() / ref.abs().clamp_min(1)).max().item()})
-        ok = [r for r in rows if "us" in r]
-        out["shapes"].append({"n": n, "k": k, "m": m, "library_us": round(library, 2),
-                              "library_fraction_of_copy_bw": round(nbytes / (library / 1e6) / copy_bw, 3),
-                              "best": min(ok, key=lambda r: r["us"]) if ok else None, "tried": len(rows),
-                              "errors": [r for r in rows if "error" in r][:2]})
-    return out
 
 
 def case(n, k, m, gs=64):
@@ -192,16 +154,15 @@ def sweep() -> dict:
                 for warps in (4, 8):
                     for stages in (3,):
                         cfg = {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
-                        set_launch_config(size, **cfg)
+                        launch = GemvLaunch(**cfg, wide=size == "large")
                         try:
-                            timings.append((bench(lambda: bitplane_gemv(x, planes, scales)), cfg))
+                            timings.append((bench(lambda: bitplane_gemv(x, planes, scales, launch=launch)), cfg))
                         except Exception as e:  # a config the compiler refuses (resources)
                             timings.append((float("inf"), {**cfg, "error": type(e).__name__}))
         timings.sort(key=lambda t: t[0])
         chosen[size] = {"best_us": round(timings[0][0], 2), "config": timings[0][1],
                         "worst_us": round(max(t for t, _ in timings if t != float("inf")), 2),
                         "top3": [(round(t, 2), c) for t, c in timings[:3]]}
-        set_launch_config(size, **timings[0][1])
     return chosen
 
 

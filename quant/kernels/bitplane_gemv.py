@@ -16,6 +16,8 @@ Variants, as seed 000 §3.3 fuses the shared expert:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -192,68 +194,78 @@ def _check(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> tuple
     return M, N, K
 
 
-# Launch parameters (block rows, block K, warps, pipeline stages, and whether to read eight weights
-# per load); measured on an H200, see docs/benchmarks.md. Override for experiments with
-# set_launch_config(). Matrices of at least LARGE weights use the "large" entry.
+@dataclass(frozen=True)
+class GemvLaunch:
+    """Launch parameters: rows per program, K per step, warps, pipeline stages, and whether to read
+    eight weights per load (``wide``) rather than four."""
+
+    block_n: int
+    block_k: int = 1024
+    num_warps: int = 4
+    num_stages: int = 3
+    wide: bool = False
+
+
+# Measured on an H200 (docs/benchmarks.md): matrices of at least LARGE weights read eight weights per
+# load. A benchmark or test that wants another configuration passes ``launch=``.
 LARGE = 1 << 24
-_LAUNCH = {"small": {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 3, "wide": False},
-           "large": {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 3, "wide": True}}
+SMALL_LAUNCH = GemvLaunch(block_n=4)
+LARGE_LAUNCH = GemvLaunch(block_n=8, wide=True)
 
 
-def set_launch_config(size: str, **kw) -> None:
-    _LAUNCH[size] = {**_LAUNCH[size], **kw}
+def default_launch(N: int, K: int) -> GemvLaunch:
+    return LARGE_LAUNCH if N * K >= LARGE else SMALL_LAUNCH
 
 
-def _config(N: int, K: int) -> dict:
-    return _LAUNCH["large" if N * K >= LARGE else "small"]
-
-
-def _launch(N: int, K: int, group: int, M: int) -> dict:
-    cfg = _config(N, K)
-    for bk in (cfg["block_k"], 512, 256, 128, 64):
+def _launch(N: int, K: int, group: int, M: int, cfg: GemvLaunch) -> dict:
+    for bk in (cfg.block_k, 512, 256, 128, 64):
         if K % bk == 0 and bk % group == 0:
             break
     else:
         raise ValueError(f"K={K} with group {group}: need K divisible by a block of 64..512 that holds whole groups")
-    return {"M_PAD": triton.next_power_of_2(M), "GROUP": group, "BLOCK_N": cfg["block_n"], "BLOCK_K": bk,
-            "WIDE": cfg["wide"] and K % 16 == 0, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return {"M_PAD": triton.next_power_of_2(M), "GROUP": group, "BLOCK_N": cfg.block_n, "BLOCK_K": bk,
+            "WIDE": cfg.wide and K % 16 == 0, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-def bitplane_gemv(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def bitplane_gemv(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor,
+                  launch: GemvLaunch | None = None) -> torch.Tensor:
+    """``x @ W.T`` for 1..4 tokens on CUDA cores. :func:`bitplane_matmul` picks between this and
+    the tensor-core kernel for 1..16 tokens."""
     M, N, K = _check(x, planes, scales)
     group = K // scales.shape[1]
+    cfg = launch or default_launch(N, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    _gemv_kernel[(triton.cdiv(N, _config(N, K)["block_n"]),)](x, planes, scales, y, M, N, K, x.stride(0),
-                                                            planes.stride(0), scales.stride(0), y.stride(0),
-                                                            **_launch(N, K, group, M))
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](x, planes, scales, y, M, N, K, x.stride(0), planes.stride(0),
+                                                 scales.stride(0), y.stride(0), **_launch(N, K, group, M, cfg))
     return y
 
 
-def bitplane_gate_up_silu(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def bitplane_gate_up_silu(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor,
+                          launch: GemvLaunch | None = None) -> torch.Tensor:
     M, N2, K = _check(x, planes, scales)
     if N2 % 2:
         raise ValueError("merged gate/up weights need an even number of rows")
     I = N2 // 2
     group = K // scales.shape[1]
+    cfg = launch or default_launch(N2, K)
     y = torch.empty(M, I, dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    _gate_up_kernel[(triton.cdiv(I, _config(N2, K)["block_n"]),)](x, planes, scales, y, M, I, K, x.stride(0),
-                                                                planes.stride(0), scales.stride(0), y.stride(0),
-                                                                **_launch(N2, K, group, M))
+    _gate_up_kernel[(triton.cdiv(I, cfg.block_n),)](x, planes, scales, y, M, I, K, x.stride(0), planes.stride(0),
+                                                    scales.stride(0), y.stride(0), **_launch(N2, K, group, M, cfg))
     return y
 
 
 def bitplane_down_combine(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, routed: torch.Tensor,
-                          gate: torch.Tensor) -> torch.Tensor:
+                          gate: torch.Tensor, launch: GemvLaunch | None = None) -> torch.Tensor:
     M, N, K = _check(x, planes, scales)
     group = K // scales.shape[1]
     if routed.shape != (M, N) or gate.numel() != M:
         raise ValueError(f"routed must be [{M}, {N}] and gate [{M}, 1]")
+    cfg = launch or default_launch(N, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     x, routed, gate = x.contiguous(), routed.contiguous(), gate.contiguous().view(-1)
-    _down_combine_kernel[(triton.cdiv(N, _config(N, K)["block_n"]),)](x, planes, scales, routed, gate, y, M, N, K,
-                                                                    x.stride(0), planes.stride(0), scales.stride(0),
-                                                                    routed.stride(0), y.stride(0),
-                                                                    **_launch(N, K, group, M))
+    _down_combine_kernel[(triton.cdiv(N, cfg.block_n),)](x, planes, scales, routed, gate, y, M, N, K, x.stride(0),
+                                                         planes.stride(0), scales.stride(0), routed.stride(0),
+                                                         y.stride(0), **_launch(N, K, group, M, cfg))
     return y

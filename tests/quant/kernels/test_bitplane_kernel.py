@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from flashnext.quant.formats.bitplane import codes_to_bitplane
-from flashnext.quant.kernels.bitplane_gemv import bitplane_down_combine, bitplane_gate_up_silu, bitplane_gemv
+from flashnext.quant.kernels.bitplane_gemv import (GemvLaunch, bitplane_down_combine, bitplane_gate_up_silu,
+                                                   bitplane_gemv)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -34,15 +35,10 @@ SHAPES = [(48, 256, 64), (32, 512, 128)] if DEVICE == "cpu" else [(1280, 2560, 6
 
 
 @pytest.fixture(params=["quad", "wide"])
-def loads(request, monkeypatch):
+def loads(request):
     """Both decode paths at the test shapes: four weights per load (the small matrices' default)
-    and eight (the large matrices' default)."""
-    from flashnext.quant.kernels import bitplane_gemv as kernels
-
-    if request.param == "wide":
-        monkeypatch.setitem(kernels._LAUNCH, "small", {**kernels._LAUNCH["small"], "wide": True, "block_n": 8,
-                                                       "block_k": 512})
-    return request.param
+    and eight (the large matrices' default), as a launch configuration to pass."""
+    return None if request.param == "quad" else GemvLaunch(block_n=8, block_k=512, wide=True)
 
 
 @pytest.mark.parametrize("n,k,gs", SHAPES)
@@ -51,7 +47,7 @@ def loads(request, monkeypatch):
 def test_gemv(n, k, gs, m, dtype, loads):
     planes, s, w = weights(n, k, gs, n + k + m)
     x = randn(m, k, seed=m).to(dtype)
-    close(bitplane_gemv(x, planes, s), x.float() @ w.T, dtype)
+    close(bitplane_gemv(x, planes, s, launch=loads), x.float() @ w.T, dtype)
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -61,7 +57,7 @@ def test_gate_up_silu(m, loads):
     x = randn(m, k, seed=m)
     g, u = (x @ w.T).split(n, dim=1)
     # silu(g)*u carries the summation-order error of g and of u, each scaled by the other factor
-    close(bitplane_gate_up_silu(x, planes, s), torch.nn.functional.silu(g) * u, torch.float32,
+    close(bitplane_gate_up_silu(x, planes, s, launch=loads), torch.nn.functional.silu(g) * u, torch.float32,
           scale=(g.abs() + 1) * (u.abs() + 1))
 
 
@@ -72,7 +68,7 @@ def test_down_combine(m, loads):
     x = randn(m, k, seed=m)
     routed = randn(m, n, seed=10 + m)
     gate = randn(m, 1, seed=20 + m)
-    close(bitplane_down_combine(x, planes, s, routed, gate), routed + torch.sigmoid(gate) * (x @ w.T), torch.float32)
+    close(bitplane_down_combine(x, planes, s, routed, gate, launch=loads), routed + torch.sigmoid(gate) * (x @ w.T), torch.float32)
 
 
 def test_bad_shapes():

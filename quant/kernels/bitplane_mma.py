@@ -1,0 +1,151 @@
+"""INT6 bit-plane GEMM for decode batches, 1 to 16 tokens, on tensor cores; and
+:func:`bitplane_matmul`, which picks it or the CUDA-core GEMV (:mod:`.bitplane_gemv`).
+
+``y[m, n] = sum_k x[m, k] * (q[n, k] * s[n, k // group])`` over the layout of
+:mod:`flashnext.quant.formats.bitplane`. Each program owns ``BLOCK_N`` output rows and a range of
+whole groups (split-K): per group it loads the row's low-plane and high-plane bytes with wide loads,
+rebuilds the codes in k order in registers, and multiplies them as exact bf16 integers against the
+tokens (padded to 16) with ``tl.dot``; the fp32 product is scaled once per group. bf16 holds every
+code -32..31 exactly and the products accumulate in fp32, so the only rounding is the output's.
+
+Split-K partials go to an fp32 workspace; the last program of a row block (an acq_rel counter)
+sums them and writes the output, then resets its counter, so one launch does the whole GEMM.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TOKENS = 16
+# Triton 3.8's interpreter multiplies bf16 dot operands as raw integers (see qsa_row_cache).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _codes(w_ptr, rows, n_mask, stride_wn, g, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The signed codes of group ``g`` for ``rows``, ``[BLOCK_N, GROUP]`` int32, in k order."""
+    half = tl.arange(0, GROUP // 2)
+    quarter = tl.arange(0, GROUP // 4)
+    row_base = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    lo = tl.load(row_base + g * (GROUP // 2) + half[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    hi = tl.load(row_base + K // 2 + g * (GROUP // 4) + quarter[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    low = tl.reshape(tl.join(lo & 15, lo >> 4), [BLOCK_N, GROUP])
+    high = tl.reshape(tl.join(tl.join(hi & 3, (hi >> 4) & 3), tl.join((hi >> 2) & 3, hi >> 6)), [BLOCK_N, GROUP])
+    return (low | (high << 4)) - 32
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    """``a @ b.T`` of exact bf16 values, accumulated in fp32."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+    return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                stride_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    tokens = tl.arange(0, BLOCK_M)
+    m_mask = tokens < M
+    columns = tl.arange(0, GROUP)
+    num_groups = K // GROUP
+    first = pid_k * num_groups // SPLIT_K
+    last = (pid_k + 1) * num_groups // SPLIT_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for g in range(first, last):
+        codes = _codes(w_ptr, rows, n_mask, stride_wn, g, K, GROUP, BLOCK_N)
+        x = tl.load(x_ptr + tokens[:, None] * stride_xm + g * GROUP + columns[None, :], mask=m_mask[:, None],
+                    other=0.0)
+        product = _dot(x, codes, DOT_FP32)
+        scale = tl.load(s_ptr + rows * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+        acc += product * scale[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    out_ptr = y_ptr + tokens[:, None] * stride_ym + rows[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr, acc, mask=out_mask)
+    else:
+        part = partial_ptr + (pid_k * BLOCK_M + tokens[:, None]) * N + rows[None, :]
+        tl.store(part, acc, mask=out_mask)
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(SPLIT_K):  # in split order, so the sum does not depend on who finished last
+                total += tl.load(partial_ptr + (s * BLOCK_M + tokens[:, None]) * N + rows[None, :], mask=out_mask,
+                                 other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr, total, mask=out_mask)
+            tl.store(count_ptr + pid_n, 0)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(n: int, device) -> torch.Tensor:
+    """Zeroed split-K counters, reset by the kernel after each use."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        have = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have
+
+
+def launch_shape(N: int, K: int, group: int, sms: int = 132) -> tuple[int, int]:
+    """(BLOCK_N, SPLIT_K): 64-row blocks, split over K until about two programs per SM."""
+    block_n = 64
+    blocks = triton.cdiv(N, block_n)
+    split = max(1, min(K // group, triton.cdiv(2 * sms, blocks)))
+    return block_n, split
+
+
+def bitplane_mma(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, block_n: int | None = None,
+                 split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    M, K = x.shape
+    N = planes.shape[0]
+    if not 1 <= M <= MAX_TOKENS:
+        raise ValueError(f"the bit-plane GEMM takes 1..{MAX_TOKENS} tokens, got {M}")
+    if planes.dtype != torch.uint8 or planes.shape[1] * 4 != K * 3:
+        raise ValueError(f"planes must be uint8 [N, 3K/4] for K={K}, got {planes.dtype} {list(planes.shape)}")
+    group = K // scales.shape[1]
+    if scales.shape[0] != N or group * scales.shape[1] != K or group % 16:
+        raise ValueError(f"scales {list(scales.shape)} do not fit [{N}, {K}] in groups of a multiple of 16")
+    auto_n, auto_split = launch_shape(N, K, group, _sms(x.device))
+    block_n, split = block_n or auto_n, split_k or auto_split
+    x = x.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    blocks = triton.cdiv(N, block_n)
+    partial = torch.empty((split, 16, N), dtype=torch.float32, device=x.device) if split > 1 else y
+    _mma_kernel[(blocks, split)](x, planes, scales, y, partial, _counters(blocks, x.device), M, N, K, x.stride(0),
+                                 planes.stride(0), scales.stride(0), y.stride(0), GROUP=group, BLOCK_M=16,
+                                 BLOCK_N=block_n, SPLIT_K=split, DOT_FP32=INTERPRETED, num_warps=num_warps,
+                                 num_stages=num_stages)
+    return y
+
+
+# The CUDA-core GEMV wins for one token everywhere, and for up to four on matrices this small
+# (2560 x 640); the tensor-core kernel wins otherwise (docs/benchmarks.md, 2026-12-01).
+GEMV_SMALL_MATRIX = 1 << 22
+
+
+def bitplane_matmul(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for 1..16 tokens over bit-plane weights, with the kernel that measured faster."""
+    from flashnext.quant.kernels.bitplane_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
+    from flashnext.quant.kernels.bitplane_gemv import bitplane_gemv
+
+    M, K = x.shape
+    N = planes.shape[0]
+    if M == 1 or (M <= GEMV_MAX_TOKENS and N * K < GEMV_SMALL_MATRIX):
+        return bitplane_gemv(x, planes, scales)
+    return bitplane_mma(x, planes, scales)
+
+
+def _sms(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

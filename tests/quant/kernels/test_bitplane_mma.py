@@ -1,0 +1,59 @@
+"""The tensor-core bit-plane GEMM against a float32 reference: through Triton's CPU interpreter here,
+at the real shapes on the GPU machine (``-m gpu``)."""
+
+import pytest
+import torch
+
+from flashnext.quant.formats.bitplane import codes_to_bitplane
+from flashnext.quant.kernels.bitplane_mma import bitplane_matmul, bitplane_mma
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def case(n, k, group, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    s = (torch.randn(n, k // group, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = q.float() * s.float().repeat_interleave(group, 1)
+    ref = x.float() @ w.T
+    return x.to(DEVICE), codes_to_bitplane(q).to(DEVICE), s.to(DEVICE), ref.to(DEVICE)
+
+
+def check(y, ref):
+    # products exact, fp32 sums in another order, one bf16 rounding of the output
+    assert ((y.float() - ref).abs() <= 2 ** -7 * ref.abs().clamp_min(1.0)).all(), (y.float() - ref).abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 16])
+@pytest.mark.parametrize("split", [1, 3])
+def test_matches_the_reference(m, split):
+    x, planes, scales, ref = case(80, 384, 64, m, seed=m + split)
+    check(bitplane_mma(x, planes, scales, block_n=32, split_k=split), ref)
+
+
+@pytest.mark.parametrize("m", [1, 3, 12])
+def test_matmul_picks_a_kernel_for_each_batch(m):
+    x, planes, scales, ref = case(64, 256, 64, m, seed=20 + m)
+    check(bitplane_matmul(x, planes, scales), ref)
+
+
+def test_group_of_128_and_the_automatic_launch():
+    x, planes, scales, ref = case(64, 512, 128, 4, seed=9)
+    check(bitplane_mma(x, planes, scales), ref)
+
+
+def test_refuses_what_it_cannot_run():
+    x, planes, scales, _ = case(32, 128, 64, 1, seed=1)
+    with pytest.raises(ValueError, match="1..16 tokens"):
+        bitplane_mma(torch.zeros(17, 128, dtype=torch.bfloat16, device=DEVICE), planes, scales)
+    with pytest.raises(ValueError, match="planes must be"):
+        bitplane_mma(x, planes[:, :-1], scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1280, 2560), (2560, 640), (8192, 8192), (16384, 16384)])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_real_shapes(n, k, m):
+    x, planes, scales, ref = case(n, k, 64, m, seed=n + m)
+    check(bitplane_mma(x, planes, scales), ref)
