@@ -20,7 +20,7 @@ import triton
 from flashnext.quant.formats.bitplane import codes_to_bitplane
 from flashnext.quant.kernels.bitplane_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 from flashnext.quant.kernels.bitplane_gemv import bitplane_gemv
-from flashnext.quant.kernels.bitplane_mma import bitplane_mma, launch_shape
+from flashnext.quant.kernels.decode_mma import bitplane_mma, launch_shape
 
 # The served INT6 matrices (N x K) of Qwen3.8-Flash-Next at hidden 2560 (manifests/qwen3.8-flash-next.json):
 # the shared expert's gate_up and down; the linear attention's in_proj_qkv (16 + 16 key heads and 48

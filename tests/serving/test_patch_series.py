@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 def test_series_metadata_is_complete():
     series = load_series()
     assert [p.id for p in series] == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
-                                       "mtp-02", "decode-03", "qsa-offload"]
+                                       "mtp-02", "decode-03", "qsa-offload", "int8-modules"]
     for p in series:
         assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.envs", fromlist=["ALL"]).ALL}
         assert p.path.is_file() and p.probe and p.upstream
@@ -74,7 +74,7 @@ def test_the_probe_fails_on_an_unpatched_tree(tmp_path, monkeypatch):
 def test_apply_in_place_to_a_copy(tmp_path):
     fake = _copy_touched(tmp_path)
     assert apply_series(fake) == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
-                                       "mtp-02", "decode-03", "qsa-offload"]
+                                       "mtp-02", "decode-03", "qsa-offload", "int8-modules"]
     assert "self.draft_tokens_handler.drop(finished_req_ids)" in (fake / "vllm/v1/worker/gpu/model_runner.py").read_text()
 
 
@@ -267,6 +267,23 @@ def test_qsa_offload_kv_cache_matches_the_plan_and_serves_from_host_rows(patched
     assert on["host_rows"] == [plan.blocks, plan.block_size, 2, 128] and on["host_pool_is_exact"]
     assert on["stored_key_in_host_row"] and on["cached_step_identical"] and on["row_cache_filled"] > 0
     assert on["attention_error"] <= 2 ** -6
+
+
+# --- int8-modules: the release's INT8 embed_tokens and lm_head -------------------------------------
+
+def test_int8_modules_load_and_serve_the_release_tensors(patched_tree, demo_snapshot):
+    """vLLM's own demo model and weight loader on the CPU, fed the checkpoint's INT8 tensors."""
+    env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    script = (SUPPORT_DIR / "int8_modules_scenario.py").read_text()
+    run = lambda tree, **extra: _run_scenario(tree, {**env, **extra}, script, (str(demo_snapshot), _free_port()))
+    refused = "There is no module or parameter named 'embed_tokens"
+    stock = run(None)
+    assert stock["loaded"] == refused and stock["methods"] == ["UnquantizedEmbeddingMethod"] * 2
+    served = run(str(patched_tree))
+    assert served["methods"] == ["Int8EmbeddingMethod"] * 2 and served["loaded"] is True
+    assert served["embedding_exact"] and served["logits_shape"] == [3, 4096] and served["logits_error"] <= 2 ** -6
+    assert served["weight_bytes_per_row"] == 256  # one byte a weight, as stored
+    assert run(str(patched_tree), VLLM_INT8_MODULES="0")["loaded"] == refused
 
 
 # --- mem-01: embed_tokens and lm_head only where they are used ------------------------------------

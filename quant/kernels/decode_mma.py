@@ -1,12 +1,17 @@
-"""INT6 bit-plane GEMM for decode batches, 1 to 16 tokens, on tensor cores; and
-:func:`bitplane_matmul`, which picks it or the CUDA-core GEMV (:mod:`.bitplane_gemv`).
+"""Tensor-core GEMM for decode batches (1 to 16 tokens) over group-quantized integer weights.
 
-``y[m, n] = sum_k x[m, k] * (q[n, k] * s[n, k // group])`` over the layout of
-:mod:`flashnext.quant.formats.bitplane`. Each program owns ``BLOCK_N`` output rows and a range of
-whole groups (split-K): per group it loads the row's low-plane and high-plane bytes with wide loads,
-rebuilds the codes in k order in registers, and multiplies them as exact bf16 integers against the
-tokens (padded to 16) with ``tl.dot``; the fp32 product is scaled once per group. bf16 holds every
-code -32..31 exactly and the products accumulate in fp32, so the only rounding is the output's.
+``y[m, n] = sum_k x[m, k] * (q[n, k] * s[n, k // group])`` for two weight formats:
+
+* INT6 in the bit-plane layout of :mod:`flashnext.quant.formats.bitplane` (:func:`bitplane_mma`;
+  :func:`bitplane_matmul` picks it or the CUDA-core GEMV of :mod:`.bitplane_gemv`);
+* INT8 as compressed-tensors packs it (``pack-quantized``, 8 bits: four ``q + 128`` bytes per
+  little-endian int32, so the words viewed as bytes are the codes in k order) (:func:`int8_mma`).
+
+Each program owns ``BLOCK_N`` output rows and a range of whole groups (split-K): per group it loads
+the rows' bytes with wide loads, rebuilds the codes in k order in registers, and multiplies them as
+exact bf16 integers against the tokens (padded to 16) with ``tl.dot``; the fp32 product is scaled
+once per group. bf16 holds every code exactly and the products accumulate in fp32, so the only
+rounding is the output's.
 
 Split-K partials go to an fp32 workspace; the last program of a row block (an acq_rel counter)
 sums them and writes the output, then resets its counter, so one launch does the whole GEMM.
@@ -39,6 +44,14 @@ def _codes(w_ptr, rows, n_mask, stride_wn, g, K, GROUP: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def _int8_codes(w_ptr, rows, n_mask, stride_wn, g, GROUP: tl.constexpr):
+    """Group ``g``'s INT8 codes for ``rows`` from compressed-tensors' packed words, viewed as bytes."""
+    columns = tl.arange(0, GROUP)
+    row_base = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    return tl.load(row_base + g * GROUP + columns[None, :], mask=n_mask[:, None], other=128).to(tl.int32) - 128
+
+
+@triton.jit
 def _dot(a, b, DOT_FP32: tl.constexpr):
     """``a @ b.T`` of exact bf16 values, accumulated in fp32."""
     if DOT_FP32:
@@ -49,7 +62,7 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                 stride_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr):
+                SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, BITS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,7 +75,10 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, str
     last = (pid_k + 1) * num_groups // SPLIT_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for g in range(first, last):
-        codes = _codes(w_ptr, rows, n_mask, stride_wn, g, K, GROUP, BLOCK_N)
+        if BITS == 8:
+            codes = _int8_codes(w_ptr, rows, n_mask, stride_wn, g, GROUP)
+        else:
+            codes = _codes(w_ptr, rows, n_mask, stride_wn, g, K, GROUP, BLOCK_N)
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + g * GROUP + columns[None, :], mask=m_mask[:, None],
                     other=0.0)
         product = _dot(x, codes, DOT_FP32)
@@ -104,14 +120,12 @@ def launch_shape(N: int, K: int, group: int, sms: int = 132) -> tuple[int, int]:
     return block_n, split
 
 
-def bitplane_mma(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, block_n: int | None = None,
-                 split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int, block_n: int | None,
+         split_k: int | None, num_warps: int, num_stages: int) -> torch.Tensor:
     M, K = x.shape
-    N = planes.shape[0]
+    N = weights.shape[0]
     if not 1 <= M <= MAX_TOKENS:
-        raise ValueError(f"the bit-plane GEMM takes 1..{MAX_TOKENS} tokens, got {M}")
-    if planes.dtype != torch.uint8 or planes.shape[1] * 4 != K * 3:
-        raise ValueError(f"planes must be uint8 [N, 3K/4] for K={K}, got {planes.dtype} {list(planes.shape)}")
+        raise ValueError(f"the decode GEMM takes 1..{MAX_TOKENS} tokens, got {M}")
     group = K // scales.shape[1]
     if scales.shape[0] != N or group * scales.shape[1] != K or group % 16:
         raise ValueError(f"scales {list(scales.shape)} do not fit [{N}, {K}] in groups of a multiple of 16")
@@ -121,11 +135,29 @@ def bitplane_mma(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, bl
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(N, block_n)
     partial = torch.empty((split, 16, N), dtype=torch.float32, device=x.device) if split > 1 else y
-    _mma_kernel[(blocks, split)](x, planes, scales, y, partial, _counters(blocks, x.device), M, N, K, x.stride(0),
-                                 planes.stride(0), scales.stride(0), y.stride(0), GROUP=group, BLOCK_M=16,
-                                 BLOCK_N=block_n, SPLIT_K=split, DOT_FP32=INTERPRETED, num_warps=num_warps,
-                                 num_stages=num_stages)
+    _mma_kernel[(blocks, split)](x, weights, scales, y, partial, _counters(blocks, x.device), M, N, K, x.stride(0),
+                                 weights.stride(0), scales.stride(0), y.stride(0), GROUP=group, BLOCK_M=16,
+                                 BLOCK_N=block_n, SPLIT_K=split, DOT_FP32=INTERPRETED, BITS=bits,
+                                 num_warps=num_warps, num_stages=num_stages)
     return y
+
+
+def bitplane_mma(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, block_n: int | None = None,
+                 split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """``x @ W.T`` over INT6 bit-plane weights ``uint8 [N, 3K/4]`` and scales ``[N, K / group]``."""
+    K = x.shape[1]
+    if planes.dtype != torch.uint8 or planes.shape[1] * 4 != K * 3:
+        raise ValueError(f"planes must be uint8 [N, 3K/4] for K={K}, got {planes.dtype} {list(planes.shape)}")
+    return _mma(x, planes, scales, 6, block_n, split_k, num_warps, num_stages)
+
+
+def int8_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block_n: int | None = None,
+             split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """``x @ W.T`` over compressed-tensors INT8 ``weight_packed`` (``int32 [N, K/4]``) and scales."""
+    K = x.shape[1]
+    if packed.dtype != torch.int32 or packed.shape[1] * 4 != K or not packed.is_contiguous():
+        raise ValueError(f"packed must be contiguous int32 [N, K/4] for K={K}, got {packed.dtype} {list(packed.shape)}")
+    return _mma(x, packed.view(torch.uint8), scales, 8, block_n, split_k, num_warps, num_stages)
 
 
 # The CUDA-core GEMV wins for one token everywhere, and for up to four on matrices this small

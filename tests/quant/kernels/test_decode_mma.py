@@ -1,11 +1,12 @@
-"""The tensor-core bit-plane GEMM against a float32 reference: through Triton's CPU interpreter here,
+"""The tensor-core decode GEMMs (INT6 bit-plane, INT8) against a float32 reference: through Triton's CPU interpreter here,
 at the real shapes on the GPU machine (``-m gpu``)."""
 
 import pytest
 import torch
 
 from flashnext.quant.formats.bitplane import codes_to_bitplane
-from flashnext.quant.kernels.bitplane_mma import bitplane_matmul, bitplane_mma
+from flashnext.quant.formats.packing import pack_int32
+from flashnext.quant.kernels.decode_mma import bitplane_matmul, bitplane_mma, int8_mma
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,6 +42,17 @@ def test_matmul_picks_a_kernel_for_each_batch(m):
 def test_group_of_128_and_the_automatic_launch():
     x, planes, scales, ref = case(64, 512, 128, 4, seed=9)
     check(bitplane_mma(x, planes, scales), ref)
+
+
+@pytest.mark.parametrize("m", [1, 6])
+def test_int8_from_compressed_tensors_words(m):
+    g = torch.Generator().manual_seed(m)
+    q = torch.randint(-128, 128, (48, 256), generator=g, dtype=torch.int8)
+    s = (torch.rand(48, 2, generator=g) * 0.01).to(torch.bfloat16)
+    x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
+    ref = x.float() @ (q.float() * s.float().repeat_interleave(128, 1)).T
+    packed = pack_int32(q, 8)
+    check(int8_mma(x.to(DEVICE), packed.to(DEVICE), s.to(DEVICE), block_n=16, split_k=2), ref.to(DEVICE))
 
 
 def test_refuses_what_it_cannot_run():
