@@ -76,6 +76,28 @@ def point(n: int, k: int, m: int) -> dict:
     return out
 
 
+def int8_point(n: int, k: int, m: int) -> dict:
+    """The INT8 kernel (patch int8-modules' LM head) against bf16 at one shape."""
+    from flashnext.quant.formats.packing import pack_int32
+    from flashnext.quant.kernels.decode_mma import int8_mma
+
+    g = torch.Generator(device="cuda").manual_seed(n + m)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
+    scales = (torch.rand(n, k // 128, device="cuda", generator=g) * 0.01).to(torch.bfloat16)
+    packed = pack_int32(codes, 8)
+    weight = (codes.float() * scales.float().repeat_interleave(128, 1)).to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    ref = x.float() @ weight.float().T
+    error = float(((int8_mma(x, packed, scales).float() - ref).abs() / ref.abs().clamp_min(1.0)).max())
+    out = {"n": n, "k": k, "tokens": m, "max_rel_error": round(error, 5),
+           "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
+           "int8_us": round(bench(lambda: int8_mma(x, packed, scales)), 2)}
+    out["int8_read_gbps"] = round((packed.numel() * 4 + scales.numel() * 2) / out["int8_us"] / 1e3, 1)
+    out["bf16_read_gbps"] = round(weight.numel() * 2 / out["bf16_us"] / 1e3, 1)
+    out["speedup_vs_bf16"] = round(out["bf16_us"] / out["int8_us"], 2)
+    return out
+
+
 def sweep(shapes, tokens) -> list[dict]:
     """The tensor-core kernel's launch parameters, timed against bf16 at each shape."""
     out = []
@@ -111,10 +133,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the tensor-core kernel's launch parameters")
+    parser.add_argument("--int8", action="store_true", help="the INT8 kernel instead, default shape: the LM head")
     args = parser.parse_args()
     shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SERVED + LARGE)
     if args.sweep:
         sweep(shapes, args.tokens)
+        return
+    if args.int8:
+        for n, k in ([tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else [(248320, 2560)]):
+            for m in args.tokens:
+                print(json.dumps(int8_point(n, k, m)), flush=True)
         return
     results = []
     for n, k in shapes:
