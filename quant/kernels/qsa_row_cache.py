@@ -454,6 +454,14 @@ def reference_attention(q, host_kv, indices, block_table, token_to_req, gate) ->
     return (out.to(q.dtype).float() * torch.sigmoid(gate.float().view_as(out))).to(q.dtype)
 
 
+def reference_invalidate(tags: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """:func:`invalidate_slots` in torch: a stored slot's cached row is dropped."""
+    slots = slots[slots >= 0].to(tags.device)
+    where = slots % tags.numel()
+    tags[where[tags[where] == slots]] = EMPTY_TAG  # two stored slots may share a set: only its own slot clears it
+    return tags
+
+
 def reference_row_cache_step(slots: torch.Tensor, tags: torch.Tensor, host_kv: torch.Tensor,
                              arena_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What one plan + attention step leaves in a layer's cache, and which columns hit.

@@ -38,10 +38,13 @@ class Cache:
             self.pinned = self.host_kv = host
 
     def rewrite(self, slots):
-        """A store: new bytes in ``slots``' host rows."""
-        flat = self.pinned.view(-1, self.kv_heads, 2 * self.head_dim)
-        flat[slots.cpu()] = torch.randn(len(slots), self.kv_heads, 2 * self.head_dim,
-                                        generator=self.g).to(torch.bfloat16)
+        """A store: new bytes in ``slots``' host rows, written through the UVA view (by the GPU
+        there) as the served store path writes them."""
+        flat = self.host_kv.view(-1, self.kv_heads, 2 * self.head_dim)
+        rows = torch.randn(len(slots), self.kv_heads, 2 * self.head_dim, generator=self.g).to(torch.bfloat16)
+        flat[slots.to(flat.device)] = rows.to(flat.device)
+        if GPU:
+            torch.cuda.synchronize()
 
     def step(self, tables, contexts, rows_per_request=1, previous=None, overlap=0.0):
         """Query rows, their selections (``overlap`` of each kept from ``previous``) and gates."""
@@ -77,8 +80,10 @@ def test_host_attention_matches_the_reference():
 
 def test_invalidate_drops_exactly_the_stored_slots():
     tags = torch.tensor([16, -1, 2, 35, 4, 21, 6, 7], dtype=torch.int64, device=DEVICE)
-    rc.invalidate_slots(tags, torch.tensor([2, 3, 21, 99, -1, 35 + 8], device=DEVICE))
-    assert tags.tolist() == [16, -1, -1, 35, 4, -1, 6, 7]  # 3, 99 and 43 were not cached; 35 stays
+    stored = torch.tensor([2, 3, 21, 99, -1, 35 + 8], device=DEVICE)
+    expected = rc.reference_invalidate(tags.clone().cpu(), stored.cpu())
+    rc.invalidate_slots(tags, stored)
+    assert tags.tolist() == expected.tolist() == [16, -1, -1, 35, 4, -1, 6, 7]  # 3, 99, 43 were not cached
 
 
 def test_row_cache_steps_are_bit_exact_and_keep_the_protocol():
@@ -94,9 +99,10 @@ def test_row_cache_steps_are_bit_exact_and_keep_the_protocol():
                                                       previous=previous, overlap=0.8)
         if step in (4, 9):  # a store rewrites rows, then invalidates them
             stored = rc.reference_slots(indices, table, token_to_req, 10, 16)[0, :5].cpu()
+            stored = stored[stored >= 0]
             c.rewrite(stored)
             cache.invalidate(0, stored.to(DEVICE))
-            rc.invalidate_slots(tags_ref, stored)
+            rc.reference_invalidate(tags_ref, stored)
         got = cache.attend(0, q, c.host_kv, indices, table, token_to_req, gate, config=CONFIG)
         plain = rc.host_attention(q, c.host_kv, indices, table, token_to_req, gate, config=CONFIG)
         assert torch.equal(got, plain), step
