@@ -9,7 +9,7 @@ when the checkpoint's quantization config gives their names an INT8 group scheme
 
 * the embedding gathers the packed rows of the step's tokens and dequantizes just those;
 * the LM head multiplies through :func:`flashnext.quant.kernels.decode_mma.int8_mma` (tensor
-  cores, 1-16 tokens; larger batches dequantize once per call and use a bf16 matmul).
+  cores, 16 rows a launch).
 
 Both keep the checkpoint's bytes in memory: 1 byte per weight plus a bf16 scale per 128.
 """
@@ -106,20 +106,15 @@ class Int8EmbeddingMethod(_method_base()):
         return self.dequantize_rows(layer, input_)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from flashnext.quant.kernels.decode_mma import MAX_TOKENS, int8_mma
+        from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, int8_mma
 
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= MAX_TOKENS and flat.is_cuda or _interpreted():
+        if flat.shape[0] and (flat.is_cuda or INTERPRETED):
+            # Logits are taken for the sampled rows only (a few per request), so this is the path.
             out = torch.cat([int8_mma(chunk, layer.weight_packed, layer.weight_scale)
-                             for chunk in flat.split(MAX_TOKENS)]) if flat.shape[0] else flat.new_empty(0, 0)
-        else:
+                             for chunk in flat.split(MAX_TOKENS)])
+        else:  # a CPU backend with no Triton
             out = torch.nn.functional.linear(flat, self.dequantize_rows(layer))
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], -1)
-
-
-def _interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -4,7 +4,7 @@ vLLM 0.33.0 keeps each QSA layer's main K/V (2 KiB per token at 2 KV heads of 25
 limits the 3x3090 system to about 122k tokens of context (seed 000 §2). With
 ``VLLM_QSA_KV_OFFLOAD=1``:
 
-* the main attention layer asks for no device KV cache (:func:`kv_cache_spec`); what stays in VRAM
+* the main attention layer asks for no device KV cache (the patch's ``get_kv_cache_spec``); what stays in VRAM
   per QSA layer is the indexer's compressed keys and its raw-key ring, vLLM's own side caches;
 * the K/V rows live in an exact-size pinned host pool (patch host-pool), one per layer, with as many
   blocks as the compressed-key group has: one block table addresses both, so a row's host slot is
@@ -85,11 +85,6 @@ def align_block_size(vllm_config) -> bool:
         cache_config.mamba_block_size = block_size
     cache_config.mamba_page_size_padded = None
     return True
-
-
-def kv_cache_spec(layer, vllm_config):
-    """What ``Qwen4ExpQSAAttention.get_kv_cache_spec`` returns with the offload: no device cache."""
-    return None
 
 
 # --- the served layer -----------------------------------------------------------------------------

@@ -123,8 +123,9 @@ SCENARIO = textwrap.dedent('''
 def _run_scenario(pythonpath: str | None, extra_env: dict | None = None, script: str = SCENARIO,
                   args: tuple = ()) -> dict:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1", **(extra_env or {}))
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join([pythonpath, *sys.path[1:]])
+    tests = str(SUPPORT_DIR.parent)  # the scripts import the shared helpers in support/
+    env["PYTHONPATH"] = os.pathsep.join([pythonpath, *sys.path[1:], tests] if pythonpath
+                                        else [tests, *filter(None, [os.environ.get("PYTHONPATH")])])
     out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -6,13 +6,12 @@ Run by tests/serving/test_patch_series.py against stock and patched vLLM trees:
 from the quantization config (the CPU has no kernels for them, and these layers do not depend on
 them), and so are the INT8 linear layers other than these two (no CPU kernel for those either).
 """
-import importlib, json, os, sys
+import json, os, sys
 import torch
 from safetensors import safe_open
-from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
 from flashnext.quant.formats.packing import unpack_int32
+from support.vllm_demo import build_model, demo_vllm
 
 snapshot, port = sys.argv[1], sys.argv[2]
 
@@ -28,24 +27,9 @@ def only_these_int8_layers(config):
     return config
 
 
-model_config = ModelConfig(model=snapshot, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16",
-                           hf_overrides=only_these_int8_layers)
-config = VllmConfig(model_config=model_config)
-config.engram_config.cpu_offload = False
 out = {}
-with set_current_vllm_config(config):
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:" + port,
-                                 local_rank=0, backend="gloo")
-    initialize_model_parallel(1, 1)
-    torch.set_default_dtype(torch.bfloat16)
-    importlib.import_module("vllm.models.qwen4_exp.nvidia.model")  # before qsa, which imports it back
-    import vllm.models.qwen4_exp.nvidia.qsa as qsa
-
-    qsa.is_flash_attn_varlen_func_available = lambda: True  # QSA never runs flash-attn; only the probe
-    from vllm.model_executor.models import ModelRegistry
-
-    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
-    model = model_cls(vllm_config=config, prefix="")
+with demo_vllm(snapshot, port, only_these_int8_layers) as (config, _):
+    model = build_model(config)
     embed = model.language_model.model.embed_tokens
     lm_head = model.language_model.lm_head
     out["methods"] = [type(embed.quant_method).__name__, type(lm_head.quant_method).__name__]

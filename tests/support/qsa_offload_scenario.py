@@ -5,15 +5,14 @@ bind / store / attention hooks through the Triton interpreter. Prints JSON.
 Run by tests/serving/test_patch_series.py against stock and patched vLLM trees:
 ``python qsa_offload_scenario.py SNAPSHOT PORT KV_BYTES``.
 
-What cannot exist here is stood in for, and only that: FlashAttention's availability probe (QSA
-never runs flash-attn over its cache; the probe only guards the import), and the release's INT6
-weight kernels, for which the CPU has none (the quantization config is dropped: KV cache specs do
-not depend on it).
+The release's quantization config is dropped: the CPU has no kernels for its INT6 weights, and KV
+cache specs do not depend on it (the rest of what is stood in for: ``support/vllm_demo.py``).
 """
 import json, sys
 import torch
-from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.config import CacheConfig
+
+from support.vllm_demo import build_model, demo_vllm
 
 snapshot, port, kv_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -23,33 +22,16 @@ def drop_quantization(config):
     return config
 
 
-model_config = ModelConfig(model=snapshot, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16",
-                           hf_overrides=drop_quantization)
-config = VllmConfig(model_config=model_config,
-                    cache_config=CacheConfig(mamba_cache_mode="align", enable_prefix_caching=True))
-config.engram_config.cpu_offload = False
 out = {}
-with set_current_vllm_config(config):
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:" + port,
-                                 local_rank=0, backend="gloo")
-    initialize_model_parallel(1, 1)
-    torch.set_default_dtype(torch.bfloat16)
-    import importlib
-
-    importlib.import_module("vllm.models.qwen4_exp.nvidia.model")  # before qsa, which imports it back
-    import vllm.models.qwen4_exp.nvidia.qsa as qsa
-
-    qsa.is_flash_attn_varlen_func_available = lambda: True
+with demo_vllm(snapshot, port, drop_quantization,
+               CacheConfig(mamba_cache_mode="align", enable_prefix_caching=True)) as (config, qsa):
     from vllm.platforms.interface import Platform
 
     Platform._align_hybrid_block_size(config, qsa.Qwen4ExpQSAFlashAttentionBackend)
     out["block_size"] = config.cache_config.block_size
     out["mamba_page_size_padded"] = config.cache_config.mamba_page_size_padded
 
-    from vllm.model_executor.models import ModelRegistry
-
-    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
-    model = model_cls(vllm_config=config, prefix="")
+    model = build_model(config)
 
     # The engine core's KV cache planning, step by step (EngineCore._initialize_kv_caches).
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout

@@ -1,0 +1,39 @@
+"""vLLM 0.33.0's own ``qwen4_exp`` model for the demo checkpoint, built on the CPU by the scenario
+scripts (run in their own processes against stock and patched vLLM trees).
+
+What cannot exist on the CPU is stood in for, and only that: FlashAttention's availability probe
+(QSA never runs flash-attn over its cache; the probe only guards the import).
+"""
+import importlib
+from contextlib import contextmanager
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+
+@contextmanager
+def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheConfig | None = None):
+    """A current ``VllmConfig`` for the demo checkpoint with one gloo rank; yields it and vLLM's
+    ``qsa`` module (imported after the model module, which it imports back)."""
+    model_config = ModelConfig(model=snapshot, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16",
+                               hf_overrides=hf_overrides)
+    config = VllmConfig(model_config=model_config, cache_config=cache_config or CacheConfig())
+    config.engram_config.cpu_offload = False  # the PLE table in (CPU) device memory, not pinned
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:" + port,
+                                     local_rank=0, backend="gloo")
+        initialize_model_parallel(1, 1)
+        torch.set_default_dtype(torch.bfloat16)
+        importlib.import_module("vllm.models.qwen4_exp.nvidia.model")
+        qsa = importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa")
+        qsa.is_flash_attn_varlen_func_available = lambda: True
+        yield config, qsa
+
+
+def build_model(config):
+    """The model class vLLM resolves for the config, built on the CPU."""
+    from vllm.model_executor.models import ModelRegistry
+
+    model_cls, _ = ModelRegistry.resolve_model_cls(config.model_config.architecture, model_config=config.model_config)
+    return model_cls(vllm_config=config, prefix="")
