@@ -27,7 +27,6 @@ layer simply has no device spec, and its pool is sized from the group it rides o
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +63,9 @@ def engine_block_size(vllm_config) -> int | None:
     model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
     state_page = max(spec.page_size_bytes for spec in model_cls.get_mamba_specs_from_config(vllm_config))
     spec = vllm_config.speculative_config
-    partition = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    import vllm.envs as vllm_envs
+
+    partition = vllm_envs.VLLM_PP_LAYER_PARTITION  # vLLM's own knob, read as get_pp_indices reads it
     return capacity.offload_block_size(
         config, vllm_config.parallel_config.pipeline_parallel_size,
         tuple(int(x) for x in partition.split(",")) if partition else None,
