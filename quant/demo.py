@@ -98,7 +98,7 @@ EXPERTS_INT4 = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 INT6_TARGETS = [r"re:.*linear_attn\.(in_proj_qkv|in_proj_z|out_proj)$",
                 r"re:.*self_attn\.(q|k|v|o)_proj$",
                 r"re:.*mlp\.shared_expert\.(gate|up|down)_proj$"]
-INT8_G64_TARGETS = [r"re:.*hyper_connection\.(input_mix_weight_down|block_inject_weight|input_mix_weight_up)$"]
+INT8_G64_TARGETS = [r"re:.*hyper_connection(_mixer)?\.(input_mix_weight_down|block_inject_weight|input_mix_weight_up)$"]
 INT8_G128_TARGETS = ["lm_head", r"re:.*embed_tokens$", r"re:.*ple\.(key|value)_proj$",
                      r"re:.*indexer\.index_qk_proj$"]
 DEMO_IGNORE = [r"re:.*ple_embedding\.ngram_embedding\..*", r"re:.*mlp\.gate$",

@@ -126,3 +126,13 @@ def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
             values[:, :, i] = value & mask
         values = values.view(rows, blocks * 32)
     return (values[:, :cols] - offset).to(torch.int8)
+
+
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Weights ``q * s[group]`` from integer codes ``[rows, cols]`` and group scales
+    ``[rows, cols / group]``, computed in fp32 (exact for a bf16 scale) and cast to ``dtype``."""
+    rows, cols = codes.shape
+    if scales.shape[0] != rows or cols % scales.shape[1]:
+        raise FlashnextError(f"scales {list(scales.shape)} are no group scaling of [{rows}, {cols}]")
+    groups = codes.float().view(rows, scales.shape[1], -1) * scales.float().unsqueeze(-1)
+    return groups.view(rows, cols).to(dtype)

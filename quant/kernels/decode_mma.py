@@ -15,6 +15,10 @@ rounding is the output's.
 
 Split-K partials go to an fp32 workspace; the last program of a row block (an acq_rel counter)
 sums them and writes the output, then resets its counter, so one launch does the whole GEMM.
+
+The output can go through one epilogue on the way out, for the hyper-connection's down projection
+(decode-04, :mod:`.hc_mix`): the first ``silu_columns`` outputs become ``silu(bf16(y) / silu_div)``,
+rounded where vLLM's unfused ``hc_silu`` rounds.
 """
 
 from __future__ import annotations
@@ -59,10 +63,20 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
     return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
 
 
+@triton.jit
+def _epilogue(y, rows, SILU_COLUMNS: tl.constexpr, SILU_DIV: tl.constexpr):
+    """``y`` as stored: unchanged, or with the first ``SILU_COLUMNS`` outputs through the HC SiLU."""
+    if SILU_COLUMNS == 0:
+        return y
+    v = y.to(tl.bfloat16).to(tl.float32) / SILU_DIV  # the GEMM's bf16 output is what hc_silu reads
+    return tl.where((rows < SILU_COLUMNS)[None, :], v * tl.sigmoid(v), y)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                 stride_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, BITS: tl.constexpr):
+                SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, BITS: tl.constexpr,
+                SILU_COLUMNS: tl.constexpr = 0, SILU_DIV: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,7 +101,7 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, str
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_ptr = y_ptr + tokens[:, None] * stride_ym + rows[None, :]
     if SPLIT_K == 1:
-        tl.store(out_ptr, acc, mask=out_mask)
+        tl.store(out_ptr, _epilogue(acc, rows, SILU_COLUMNS, SILU_DIV), mask=out_mask)
     else:
         part = partial_ptr + (pid_k * BLOCK_M + tokens[:, None]) * N + rows[None, :]
         tl.store(part, acc, mask=out_mask)
@@ -97,7 +111,7 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, str
             for s in range(SPLIT_K):  # in split order, so the sum does not depend on who finished last
                 total += tl.load(partial_ptr + (s * BLOCK_M + tokens[:, None]) * N + rows[None, :], mask=out_mask,
                                  other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr, total, mask=out_mask)
+            tl.store(out_ptr, _epilogue(total, rows, SILU_COLUMNS, SILU_DIV), mask=out_mask)
             tl.store(count_ptr + pid_n, 0)
 
 
@@ -121,7 +135,8 @@ def launch_shape(N: int, K: int, group: int, sms: int = 132) -> tuple[int, int]:
 
 
 def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int, block_n: int | None,
-         split_k: int | None, num_warps: int, num_stages: int) -> torch.Tensor:
+         split_k: int | None, num_warps: int, num_stages: int, silu_columns: int = 0,
+         silu_div: int = 1) -> torch.Tensor:
     M, K = x.shape
     N = weights.shape[0]
     if not 1 <= M <= MAX_TOKENS:
@@ -131,14 +146,16 @@ def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int
         raise ValueError(f"scales {list(scales.shape)} do not fit [{N}, {K}] in groups of a multiple of 16")
     auto_n, auto_split = launch_shape(N, K, group, _sms(x.device))
     block_n, split = block_n or auto_n, split_k or auto_split
-    x = x.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(N, block_n)
     partial = torch.empty((split, 16, N), dtype=torch.float32, device=x.device) if split > 1 else y
     _mma_kernel[(blocks, split)](x, weights, scales, y, partial, _counters(blocks, x.device), M, N, K, x.stride(0),
                                  weights.stride(0), scales.stride(0), y.stride(0), GROUP=group, BLOCK_M=16,
                                  BLOCK_N=block_n, SPLIT_K=split, DOT_FP32=INTERPRETED, BITS=bits,
-                                 num_warps=num_warps, num_stages=num_stages)
+                                 SILU_COLUMNS=silu_columns, SILU_DIV=silu_div, num_warps=num_warps,
+                                 num_stages=num_stages)
     return y
 
 
@@ -152,12 +169,15 @@ def bitplane_mma(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, bl
 
 
 def int8_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block_n: int | None = None,
-             split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """``x @ W.T`` over compressed-tensors INT8 ``weight_packed`` (``int32 [N, K/4]``) and scales."""
+             split_k: int | None = None, num_warps: int = 4, num_stages: int = 3, silu_columns: int = 0,
+             silu_div: int = 1) -> torch.Tensor:
+    """``x @ W.T`` over compressed-tensors INT8 ``weight_packed`` (``int32 [N, K/4]``) and scales;
+    ``silu_columns`` > 0 applies the HC SiLU epilogue (module docstring) to that many outputs."""
     K = x.shape[1]
     if packed.dtype != torch.int32 or packed.shape[1] * 4 != K or not packed.is_contiguous():
         raise ValueError(f"packed must be contiguous int32 [N, K/4] for K={K}, got {packed.dtype} {list(packed.shape)}")
-    return _mma(x, packed.view(torch.uint8), scales, 8, block_n, split_k, num_warps, num_stages)
+    return _mma(x, packed.view(torch.uint8), scales, 8, block_n, split_k, num_warps, num_stages, silu_columns,
+                silu_div)
 
 
 # The CUDA-core GEMV wins for one token everywhere, and for up to four on matrices this small

@@ -1,17 +1,22 @@
-"""Patch int8-modules: the release's INT8 ``embed_tokens`` and ``lm_head``, served as INT8.
+"""Patch int8-modules: the release's INT8 ``embed_tokens``, ``lm_head`` and hyper-connection
+mixers, served as INT8.
 
-The release stores ``embed_tokens`` and ``lm_head`` as compressed-tensors INT8, group 128
-(``weight_packed`` int32 words, ``weight_scale``, ``weight_shape``; seed 000 §3.3, §7). vLLM 0.33.0
-builds both without a quantization method, with a bf16 ``weight``, so its own loader refuses the
-checkpoint (``There is no module or parameter named 'embed_tokens.weight_packed'``). With
-``VLLM_INT8_MODULES=1`` (the default) the model hands both layers :class:`Int8EmbeddingMethod`
-when the checkpoint's quantization config gives their names an INT8 group scheme:
+The release stores ``embed_tokens`` and ``lm_head`` as compressed-tensors INT8, group 128, and the
+hyper-connection mixers' projections as INT8, group 64 (``weight_packed`` int32 words,
+``weight_scale``, ``weight_shape``; seed 000 §3.3, §7). vLLM 0.33.0 builds all of them without a
+quantization method, with a bf16 ``weight``, so its own loader refuses the checkpoint
+(``There is no module or parameter named 'embed_tokens.weight_packed'``; for the mixers an
+AttributeError in the merged layer's loader). With ``VLLM_INT8_MODULES=1`` (the default), where the
+checkpoint's quantization config gives a layer's name a symmetric INT8 group scheme:
 
-* the embedding gathers the packed rows of the step's tokens and dequantizes just those;
-* the LM head multiplies through :func:`flashnext.quant.kernels.decode_mma.int8_mma` (tensor
-  cores, 16 rows a launch).
+* ``embed_tokens`` and ``lm_head`` get :class:`Int8EmbeddingMethod`: the embedding gathers the
+  packed rows of the step's tokens and dequantizes just those; the LM head multiplies through
+  :func:`flashnext.quant.kernels.decode_mma.int8_mma` (tensor cores, 16 rows a launch);
+* the mixers' linear layers get :class:`Int8LinearMethod` (through :func:`hc_quant_config`):
+  ``int8_mma`` for decode batches, a dequantized bf16 GEMM for prefill. Patch decode-04
+  (:mod:`.hc_decode`) reads the same words in its fused kernels.
 
-Both keep the checkpoint's bytes in memory: 1 byte per weight plus a bf16 scale per 128.
+All keep the checkpoint's bytes in memory: 1 byte per weight plus a bf16 scale per group.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ from __future__ import annotations
 import re
 
 import torch
-from torch.nn import Parameter
 
 from flashnext import envs
+from flashnext.quant.formats.packing import dequantize_groups
 
 
 def enabled() -> bool:
@@ -64,10 +69,137 @@ def embedding_method(quant_config, prefix: str):
     return Int8EmbeddingMethod(group) if group else None
 
 
+# Above this many weights a prefill GEMM goes through the kernel 16 rows at a time rather than
+# materialise a bf16 copy (the LM head: 0.6 G weights).
+DEQUANTIZE_LIMIT = 1 << 26
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weights ``q * s`` of compressed-tensors INT8 words (``int32 [rows, K/4]``), each rounded once."""
+    codes = packed.contiguous().view(torch.uint8).view(packed.shape[0], -1).to(torch.int16) - 128
+    return dequantize_groups(codes, scale, dtype)
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for ``x [M, K]``: the INT8 tensor-core kernel for decode batches and very large
+    weights (16 rows a launch), else a bf16 GEMM over the dequantized weights."""
+    from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, int8_mma
+
+    kernel = x.is_cuda or INTERPRETED  # a CPU backend has no Triton
+    if x.shape[0] and kernel and (x.shape[0] <= MAX_TOKENS or packed.numel() * 4 > DEQUANTIZE_LIMIT):
+        return torch.cat([int8_mma(chunk, packed, scale) for chunk in x.split(MAX_TOKENS)])
+    return torch.nn.functional.linear(x, dequantize(packed, scale, x.dtype))
+
+
+def _int8_parameters(layer: torch.nn.Module, rows: int, cols: int, group: int, dtype: torch.dtype,
+                     weight_loader=None) -> None:
+    """``weight_packed``, ``weight_scale`` and ``weight_shape`` as compressed-tensors stores them,
+    as vLLM parameters (so merged layers load each shard into its rows); zeros, so rows no
+    checkpoint tensor fills (alignment padding) multiply to zero."""
+    from vllm.model_executor.parameter import BasevLLMParameter, GroupQuantScaleParameter, PackedvLLMParameter
+
+    if cols % 4 or cols % group:
+        raise ValueError(f"INT8 {layer.__class__.__name__}: width {cols} is not a multiple of 4 and of the "
+                         f"group size {group}")
+    layer.register_parameter("weight_packed", PackedvLLMParameter(
+        data=torch.zeros(rows, cols // 4, dtype=torch.int32), input_dim=1, output_dim=0, packed_dim=1,
+        packed_factor=4, weight_loader=weight_loader))
+    layer.register_parameter("weight_scale", GroupQuantScaleParameter(
+        data=torch.zeros(rows, cols // group, dtype=dtype), input_dim=1, output_dim=0, weight_loader=weight_loader))
+    layer.register_parameter("weight_shape", BasevLLMParameter(
+        data=torch.empty(2, dtype=torch.int64), weight_loader=weight_loader))
+
+
 def _method_base():
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
     return QuantizeMethodBase
+
+
+def _linear_method_base():
+    from vllm.model_executor.layers.linear import LinearMethodBase
+
+    return LinearMethodBase
+
+
+def _register_weight_loader_v2(cls):
+    from vllm.model_executor.layers.linear import register_weight_loader_v2_supported_method
+
+    return register_weight_loader_v2_supported_method(cls)
+
+
+@_register_weight_loader_v2
+class Int8LinearMethod(_linear_method_base()):
+    """compressed-tensors INT8 (group) weights for a linear layer, kept as stored."""
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        _int8_parameters(layer, sum(output_partition_sizes), input_size_per_partition, self.group_size,
+                         params_dtype, extra_weight_attrs.get("weight_loader"))
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = int8_linear(x.reshape(-1, x.shape[-1]), layer.weight_packed, layer.weight_scale)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], -1)
+
+
+def _config_base():
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    return QuantizationConfig
+
+
+class Int8LayersConfig(_config_base()):
+    """What a linear layer that vLLM builds with no quantization config is handed instead: every
+    linear layer it builds gets :class:`Int8LinearMethod`."""
+
+    def __init__(self, group_size: int):
+        super().__init__()
+        self.group_size = group_size
+
+    def get_name(self) -> str:
+        return "flashnext-int8"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 75
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict):
+        raise NotImplementedError("built by flashnext.serving.hooks.int8_modules.hc_quant_config, not from a file")
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.linear import LinearBase
+
+        return Int8LinearMethod(self.group_size) if isinstance(layer, LinearBase) else None
+
+
+def hc_quant_config(prefix: str, checkpoint_names: list[str]) -> Int8LayersConfig | None:
+    """The quantization config for a hyper-connection projection at ``prefix`` that the checkpoint
+    stores as ``checkpoint_names`` (two for the merged down/inject layer): INT8 where the current
+    vLLM config quantizes every one of them as an INT8 group scheme and the switch is on, else None
+    (vLLM's bf16 layer)."""
+    from vllm.config import get_current_vllm_config
+
+    quant_config = get_current_vllm_config().quant_config
+    if not enabled() or quant_config is None:
+        return None
+    parent = prefix.rpartition(".")[0]
+    groups = {int8_group_size(quant_config, f"{parent}.{name}" if parent else name) for name in checkpoint_names}
+    if len(groups) != 1 or None in groups:
+        return None
+    return Int8LayersConfig(groups.pop())
 
 
 class Int8EmbeddingMethod(_method_base()):
@@ -80,41 +212,20 @@ class Int8EmbeddingMethod(_method_base()):
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
         from vllm.model_executor.utils import set_weight_attrs
 
-        rows = sum(output_partition_sizes)
-        if input_size_per_partition % 4 or input_size_per_partition % self.group_size:
-            raise ValueError(f"INT8 {layer.__class__.__name__}: width {input_size_per_partition} is not a multiple "
-                             f"of 4 and of the group size {self.group_size}")
-        packed = Parameter(torch.empty(rows, input_size_per_partition // 4, dtype=torch.int32), requires_grad=False)
-        scale = Parameter(torch.empty(rows, input_size_per_partition // self.group_size, dtype=params_dtype),
-                          requires_grad=False)
-        shape = Parameter(torch.empty(2, dtype=torch.int64), requires_grad=False)
-        for name, param, attrs in (("weight_packed", packed, {"output_dim": 0, "input_dim": 1}),
-                                   ("weight_scale", scale, {"output_dim": 0, "input_dim": 1}),
-                                   ("weight_shape", shape, {})):
-            layer.register_parameter(name, param)
-            set_weight_attrs(param, {**attrs, **extra_weight_attrs})
-
-    def dequantize_rows(self, layer: torch.nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """bf16 rows of the weight (all of them, or ``rows``), each exactly ``q * scale`` rounded once."""
-        packed = layer.weight_packed if rows is None else layer.weight_packed[rows]
-        scale = layer.weight_scale if rows is None else layer.weight_scale[rows]
-        codes = packed.contiguous().view(torch.uint8).view(*packed.shape[:-1], -1).to(torch.int16) - 128
-        groups = codes.view(*codes.shape[:-1], scale.shape[-1], self.group_size).float()
-        return (groups * scale.float().unsqueeze(-1)).view(codes.shape).to(scale.dtype)
+        attrs = dict(extra_weight_attrs)
+        _int8_parameters(layer, sum(output_partition_sizes), input_size_per_partition, self.group_size, params_dtype,
+                         attrs.pop("weight_loader", None))
+        for name in ("weight_packed", "weight_scale", "weight_shape"):
+            set_weight_attrs(getattr(layer, name), attrs)
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        return self.dequantize_rows(layer, input_)
+        rows = dequantize(layer.weight_packed[input_.reshape(-1)], layer.weight_scale[input_.reshape(-1)],
+                          layer.weight_scale.dtype)
+        return rows.view(*input_.shape, -1)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, int8_mma
-
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] and (flat.is_cuda or INTERPRETED):
-            # Logits are taken for the sampled rows only (a few per request), so this is the path.
-            out = torch.cat([int8_mma(chunk, layer.weight_packed, layer.weight_scale)
-                             for chunk in flat.split(MAX_TOKENS)])
-        else:  # a CPU backend with no Triton
-            out = torch.nn.functional.linear(flat, self.dequantize_rows(layer))
+        # Logits are taken for the sampled rows only (a few per request): the kernel's case.
+        out = int8_linear(x.reshape(-1, x.shape[-1]), layer.weight_packed, layer.weight_scale)
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], -1)

@@ -273,18 +273,26 @@ def test_qsa_offload_kv_cache_matches_the_plan_and_serves_from_host_rows(patched
 # --- int8-modules: the release's INT8 embed_tokens and lm_head -------------------------------------
 
 def test_int8_modules_load_and_serve_the_release_tensors(patched_tree, demo_snapshot):
-    """vLLM's own demo model and weight loader on the CPU, fed the checkpoint's INT8 tensors."""
+    """vLLM's own demo model and weight loader on the CPU, fed the checkpoint's INT8 tensors
+    (int8-modules, and decode-04's fused mix on vLLM's own GatedResidual)."""
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
     script = (SUPPORT_DIR / "int8_modules_scenario.py").read_text()
     run = lambda tree, **extra: _run_scenario(tree, {**env, **extra}, script, (str(demo_snapshot), _free_port()))
     refused = "There is no module or parameter named 'embed_tokens"
     stock = run(None)
     assert stock["loaded"] == refused and stock["methods"] == ["UnquantizedEmbeddingMethod"] * 2
+    assert stock["hc_loaded"] == "AttributeError"  # the mixers' INT8 words meet a bf16 merged layer
     served = run(str(patched_tree))
     assert served["methods"] == ["Int8EmbeddingMethod"] * 2 and served["loaded"] is True
     assert served["embedding_exact"] and served["logits_shape"] == [3, 4096] and served["logits_error"] <= 2 ** -6
     assert served["weight_bytes_per_row"] == 256  # one byte a weight, as stored
-    assert run(str(patched_tree), VLLM_INT8_MODULES="0")["loaded"] == refused
+    # the mixers (decode-04 included): the checkpoint's words in place, padding rows zero; the fused
+    # mix applies and equals both vLLM's unfused path (switch off) and the torch reference bit for bit
+    assert served["hc_loaded"] is True and served["hc_methods"] == ["Int8LinearMethod"]
+    assert served["hc_weights_exact"] and served["hc_fused_applies"]
+    assert served["hc_fused_equals_unfused"] and served["hc_equals_reference"]
+    off = run(str(patched_tree), VLLM_INT8_MODULES="0")
+    assert off["loaded"] == refused and off["hc_loaded"] == "AttributeError"
 
 
 # --- mem-01: embed_tokens and lm_head only where they are used ------------------------------------

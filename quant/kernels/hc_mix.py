@@ -1,0 +1,136 @@
+"""decode-04: the hyper-connection's GatedResidual mix in two kernels, reading INT8 weights as stored.
+
+vLLM 0.33.0 runs one GatedResidual mix (given the normalized streams ``xn [M, HC*H]``) as
+
+1. ``y = xn @ W_down_inject.T``: the low-rank down rows and the ``HC`` injection rows, one GEMM;
+2. ``lowrank = silu(y[:, :R] / HC)`` (``hc_silu``);
+3. ``gate = lowrank @ W_up.T`` (``[M, HC*H]``);
+4. ``block_input = mean_s sigmoid(gate[:, s]) * xn[:, s]`` over the ``HC`` streams (``hc_gate_mix``),
+
+each rounded to bf16 in between. The release stores ``W_down_inject`` and ``W_up`` as
+compressed-tensors INT8 (group 64), whose packed words viewed as bytes are ``q + 128`` in k order,
+so the kernels read them with no repack and no extra memory (seed 000 §3.3):
+
+* :func:`hc_down_inject_silu`: steps 1-2, :func:`~.decode_mma.int8_mma` with its SiLU epilogue;
+* :func:`hc_up_gate_mix`: steps 3-4; a program owns ``BLOCK_J`` hidden columns and computes their
+  gate in all ``HC`` streams, so the mix happens in registers and ``gate`` is never stored.
+
+The bf16 rounding points are the unfused path's, so with exactly representable inputs the result is
+bit-identical to :func:`reference_mix` (the unfused path in torch); tests check that.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
+from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, _dot, _int8_codes, int8_mma
+
+
+@triton.jit(do_not_specialize=["M"])
+def _up_gate_mix_kernel(x_ptr, w_ptr, s_ptr, xn_ptr, y_ptr, M, H, K, stride_xm, stride_wn, stride_sn, stride_xnm,
+                        stride_ym, HC: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_J: tl.constexpr, DOT_FP32: tl.constexpr):
+    columns = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+    j_mask = columns < H
+    tokens = tl.arange(0, BLOCK_M)
+    m_mask = tokens < M
+    k_offsets = tl.arange(0, GROUP)
+    out_mask = m_mask[:, None] & j_mask[None, :]
+    mixed = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
+    for stream in tl.static_range(HC):  # in stream order, as hc_gate_mix sums
+        rows = stream * H + columns
+        gate = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
+        for g in range(0, K // GROUP):
+            codes = _int8_codes(w_ptr, rows, j_mask, stride_wn, g, GROUP)
+            x = tl.load(x_ptr + tokens[:, None] * stride_xm + g * GROUP + k_offsets[None, :], mask=m_mask[:, None],
+                        other=0.0)
+            scale = tl.load(s_ptr + rows * stride_sn + g, mask=j_mask, other=0).to(tl.float32)
+            gate += _dot(x, codes, DOT_FP32) * scale[None, :]
+        gate = gate.to(tl.bfloat16).to(tl.float32)  # the up projection's bf16 output
+        xn = tl.load(xn_ptr + tokens[:, None] * stride_xnm + rows[None, :], mask=out_mask, other=0.0)
+        mixed += tl.sigmoid(gate) * xn.to(tl.float32)
+    mixed /= HC
+    tl.store(y_ptr + tokens[:, None] * stride_ym + columns[None, :], mixed, mask=out_mask)
+
+
+def _check_int8(packed: torch.Tensor, scales: torch.Tensor, k: int, what: str) -> int:
+    if packed.dtype != torch.int32 or packed.shape[1] * 4 != k or not packed.is_contiguous():
+        raise ValueError(f"{what}: packed must be contiguous int32 [N, {k // 4}], got {packed.dtype} "
+                         f"{list(packed.shape)}")
+    if scales.shape[0] != packed.shape[0] or k % scales.shape[1] or (k // scales.shape[1]) % 16:
+        raise ValueError(f"{what}: scales {list(scales.shape)} are no group scaling of [{packed.shape[0]}, {k}]")
+    return k // scales.shape[1]
+
+
+def hc_down_inject_silu(xn: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lowrank: int,
+                        hc_count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps 1-2 for 1..16 tokens: ``(silu(y[:, :lowrank] / hc_count), y[:, lowrank:lowrank + hc_count])``
+    as bf16 views of one ``[M, N]`` output; the injection is None when ``N == lowrank`` (the final
+    mixer, which has no inject rows). Rows past ``lowrank + hc_count`` (alignment padding) are
+    computed and ignored, as vLLM does."""
+    _check_int8(packed, scales, xn.shape[1], "down/inject")
+    y = int8_mma(xn, packed, scales, silu_columns=lowrank, silu_div=hc_count)
+    injection = y[:, lowrank:lowrank + hc_count] if packed.shape[0] > lowrank else None
+    return y[:, :lowrank], injection
+
+
+def hc_up_gate_mix(lowrank: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, xn: torch.Tensor,
+                   hc_count: int, block_j: int = 32, num_warps: int = 4) -> torch.Tensor:
+    """Steps 3-4 for 1..16 tokens: the block input ``[M, H]`` from ``lowrank [M, R]``, the up
+    projection (``int32 [HC*H, R/4]`` words, scales) and ``xn [M, HC*H]``."""
+    M, K = lowrank.shape
+    group = _check_int8(packed, scales, K, "up")
+    if not 1 <= M <= MAX_TOKENS:
+        raise ValueError(f"the fused HC mix takes 1..{MAX_TOKENS} tokens, got {M}")
+    if xn.shape != (M, packed.shape[0]) or packed.shape[0] % hc_count or xn.stride(1) != 1 or lowrank.stride(1) != 1:
+        raise ValueError(f"xn {list(xn.shape)} does not match the up projection's {packed.shape[0]} rows")
+    H = packed.shape[0] // hc_count
+    y = torch.empty(M, H, dtype=xn.dtype, device=xn.device)
+    _up_gate_mix_kernel[(triton.cdiv(H, block_j),)](
+        lowrank, packed.view(torch.uint8), scales, xn, y, M, H, K, lowrank.stride(0), packed.stride(0) * 4,
+        scales.stride(0), xn.stride(0), y.stride(0), HC=hc_count, GROUP=group, BLOCK_M=16, BLOCK_J=block_j,
+        DOT_FP32=INTERPRETED, num_warps=num_warps)
+    return y
+
+
+def hc_mix(xn: torch.Tensor, down: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
+           lowrank: int, hc_count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole mix (steps 1-4) in two launches: ``(block_input, injection)``."""
+    low, injection = hc_down_inject_silu(xn, *down, lowrank, hc_count)
+    return hc_up_gate_mix(low, *up, xn, hc_count), injection
+
+
+# --- the unfused path in torch, rounding where vLLM does -----------------------------------------
+
+def _weights(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return dequantize_groups(unpack_int32(packed, 8, packed.shape[1] * 4), scales)
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def round_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """fp32 to bf16 as Triton 3.8's CPU interpreter converts (it truncates; GPUs round to nearest
+    even), for references that must match interpreted kernels bit for bit."""
+    return (x.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def reference_mix(xn: torch.Tensor, down: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
+                  lowrank: int, hc_count: int, to_bf16=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(block_input, injection, lowrank_activations)`` by the unfused steps, in fp32 with a bf16
+    rounding (``to_bf16``, default: to nearest even) after each step."""
+    to_bf16 = to_bf16 or (lambda t: t.to(torch.bfloat16))
+    y = to_bf16(xn.float() @ _weights(*down).T)
+    low = y[:, :lowrank].float() / hc_count
+    low = to_bf16(low * _sigmoid(low))
+    injection = y[:, lowrank:lowrank + hc_count] if y.shape[1] > lowrank else None
+    gate = to_bf16(low.float() @ _weights(*up).T).float()
+    H = gate.shape[1] // hc_count
+    mixed = torch.zeros(xn.shape[0], H, dtype=torch.float32, device=xn.device)
+    for s in range(hc_count):
+        mixed += _sigmoid(gate[:, s * H:(s + 1) * H]) * xn[:, s * H:(s + 1) * H].float()
+    return to_bf16(mixed / hc_count), injection, low
