@@ -57,6 +57,10 @@ VLLM_INT8_MODULES = EnvVar(
     "VLLM_INT8_MODULES", "1",
     "Patch int8-modules: 0 builds qwen4_exp's embed_tokens, lm_head and hyper-connection mixers as vLLM "
     "0.33.0 does, in bf16 (its loader then refuses the release's INT8 tensors).")
+VLLM_INT6_BITPLANE = EnvVar(
+    "VLLM_INT6_BITPLANE", "1",
+    "Patch int6-bitplane: 0 turns a bit-plane overlay's modules back into dense INT6 words at load and "
+    "serves them with vLLM's own INT6 path.")
 VLLM_HC_FUSED_DECODE = EnvVar(
     "VLLM_HC_FUSED_DECODE", "1",
     "Patch decode-04: 0 runs a decode step's hyper-connection mix through vLLM's unfused GEMMs and "
@@ -92,7 +96,7 @@ VLLM_HOST_POOL_LOCK = EnvVar(
     "The lock file that serialises the free-RAM check and pinning across pipeline ranks.")
 
 ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_DECODE_ADVICE, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_QSA_ROW_CACHE, VLLM_INT8_MODULES,
-       VLLM_HC_FUSED_DECODE, VLLM_MTP_DRAFTS_PER_REQUEST,
+       VLLM_HC_FUSED_DECODE, VLLM_INT6_BITPLANE, VLLM_MTP_DRAFTS_PER_REQUEST,
        VLLM_MTP_PP, VLLM_MTP_SLIM_DRAFT,
        VLLM_PP_PLE, VLLM_PP_DEFER_RECV, VLLM_PP_MISSING_LAYERS, VLLM_EXACT_HOST_POOL, VLLM_HOST_POOL_LOCK)
 

@@ -358,3 +358,24 @@ def test_the_readme_table_is_generated_from_the_series():
         assert f"| {p.order} | {p.id} | {p.details} |" in text
     result = CliRunner().invoke(cli, ["patches", "readme"])
     assert result.exit_code == 0 and result.output.count("\n") == len(series) + 2
+
+
+# --- int6-bitplane: the bit-plane overlay served ---------------------------------------------------
+
+def test_int6_bitplane_overlay_is_served(patched_tree, demo_snapshot, tmp_path):
+    """vLLM's own demo model on the CPU, with the bit-plane overlay applied. (Stock vLLM refuses the
+    planes on shape: tests/quant/overlays/test_repack_int6.py loads them into its own INT6 parameter.)"""
+    from flashnext.quant.overlays.int6_repack import repack_int6
+    from flashnext.quant.overlays.view import apply_overlays
+
+    repack_int6(demo_snapshot, tmp_path / "overlay")
+    apply_overlays(demo_snapshot, [tmp_path / "overlay"], tmp_path / "view")
+    env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    script = (SUPPORT_DIR / "int6_bitplane_scenario.py").read_text()
+    served = _run_scenario(str(patched_tree), env, script, (str(tmp_path / "view"), str(demo_snapshot), _free_port()))
+    assert served["methods"] == ["BitplaneLinearMethod"] and served["loaded"] is True
+    assert served["weight_dtype"] == "torch.uint8"  # the planes as loaded, 3K/4 bytes a row
+    assert served["gate_up_error"] <= 2 ** -7  # against the original dense weights; one bf16 rounding
+    # switch off: the planes load, then become the original words for vLLM's own INT6 scheme
+    assert served["fallback_method"] == ["BitplaneLinearMethod", "CompressedTensorsWNA16", False]
+    assert served["fallback_words_equal_original"]

@@ -32,8 +32,12 @@ def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheCo
 
 
 def build_model(config):
-    """The model class vLLM resolves for the config, built on the CPU."""
+    """The model class vLLM resolves for the config, built on the CPU; the quantization config gets
+    the class's module mappings first, as vLLM's ``initialize_model`` does."""
+    from vllm.model_executor.model_loader.utils import configure_quant_config
     from vllm.model_executor.models import ModelRegistry
 
     model_cls, _ = ModelRegistry.resolve_model_cls(config.model_config.architecture, model_config=config.model_config)
+    if config.quant_config is not None:
+        configure_quant_config(config.quant_config, model_cls)
     return model_cls(vllm_config=config, prefix="")
