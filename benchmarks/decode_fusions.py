@@ -1,0 +1,139 @@
+"""decode-04 and decode-05's kernels against the unfused path, side by side in one run, at the
+real shapes. CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median, us).
+
+decode-04, the INT8 hyper-connection mix (hidden 2560, 4 streams, low rank 320, merged down/inject
+rows padded to 336):
+
+* ``fused``: :func:`flashnext.quant.kernels.hc_mix.hc_mix`, two launches;
+* ``int8_gemms``: the unfused path's two GEMMs alone through ``int8_mma`` (what int8-modules runs
+  with decode-04 off), a lower bound of that path, which also launches ``hc_silu`` and
+  ``hc_gate_mix``;
+* ``bf16_gemms``: the same two GEMMs in bf16 through cuBLAS (vLLM on a bf16 checkpoint), also
+  without the elementwise kernels;
+* ``int8_unfused_torch``: the whole unfused path with its elementwise steps in torch (more
+  launches than vLLM's Triton ``hc_silu`` / ``hc_gate_mix``; an upper bound).
+
+decode-05's router (512 experts + the shared expert's gate over hidden 2560, top 10):
+
+* ``fused``: :func:`flashnext.quant.kernels.moe_route.route`, one launch;
+* ``gemms``: the router GEMV and the shared gate's GEMV in bf16 through cuBLAS alone, a lower bound
+  of vLLM's path, which adds ``topk_softmax``;
+* ``unfused_torch``: those GEMMs, then softmax, top-k and renormalization in torch.
+
+Needs a CUDA GPU.
+
+    python benchmarks/decode_fusions.py [--json] [--tokens 1 2 4 8 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from flashnext.quant.formats.packing import pack_int32
+from flashnext.quant.kernels.decode_mma import int8_mma
+from flashnext.quant.kernels.hc_mix import hc_mix, reference_mix
+from flashnext.quant.kernels.moe_route import reference_route, route
+
+HIDDEN, HC, LOWRANK = 2560, 4, 320
+ROWS = LOWRANK + HC + (-(LOWRANK + HC)) % 16
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1000
+
+
+def weights(rows: int, cols: int, g: torch.Generator):
+    codes = torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int16).to(torch.int8)
+    scales = (torch.rand(rows, cols // 64, generator=g) * 2e-3 + 1e-4).to(torch.bfloat16)
+    dense = (codes.float().view(rows, -1, 64) * scales.float().unsqueeze(-1)).view(rows, cols).to(torch.bfloat16)
+    return pack_int32(codes, 8).cuda(), scales.cuda(), dense.cuda()
+
+
+EXPERTS, TOP_K = 512, 10
+
+
+def route_point(m: int) -> dict:
+    g = torch.Generator().manual_seed(1000 + m)
+    rows = (torch.randn(EXPERTS + 1, HIDDEN, generator=g) * 0.02).to(torch.bfloat16).cuda()
+    router, gate = rows[:EXPERTS], rows[EXPERTS:]
+    x = torch.randn(m, HIDDEN, generator=g).to(torch.bfloat16).cuda()
+
+    def unfused():
+        logits = torch.nn.functional.linear(x, router)
+        shared = torch.nn.functional.linear(x, gate)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, TOP_K, dim=-1)
+        return weights / weights.sum(-1, keepdim=True), ids, shared
+
+    got = route(x, rows, TOP_K)
+    want = reference_route(x.cpu(), rows.cpu(), TOP_K)
+    return {
+        "tokens": m,
+        "fused": bench(lambda: route(x, rows, TOP_K)),
+        "gemms": bench(lambda: (torch.nn.functional.linear(x, router), torch.nn.functional.linear(x, gate))),
+        "unfused_torch": bench(unfused),
+        "same_experts": bool(torch.equal(got[2].cpu(), want[2])),
+    }
+
+
+def point(m: int) -> dict:
+    g = torch.Generator().manual_seed(m)
+    down_packed, down_scales, down_dense = weights(ROWS, HC * HIDDEN, g)
+    up_packed, up_scales, up_dense = weights(HC * HIDDEN, LOWRANK, g)
+    down, up = (down_packed, down_scales), (up_packed, up_scales)
+    xn = torch.randn(m, HC * HIDDEN, generator=g).to(torch.bfloat16).cuda()
+
+    def unfused_torch():
+        y = int8_mma(xn, *down)
+        low = y[:, :LOWRANK].float() / HC
+        low = (low * torch.sigmoid(low)).to(torch.bfloat16)
+        gate = int8_mma(low, *up).float()
+        return (torch.sigmoid(gate).view(m, HC, HIDDEN) * xn.float().view(m, HC, HIDDEN)).mean(1).to(torch.bfloat16)
+
+    low = torch.randn(m, LOWRANK, generator=g).to(torch.bfloat16).cuda()
+    block, injection = hc_mix(xn, down, up, LOWRANK, HC)
+    want_block, want_injection, _ = reference_mix(xn.cpu(), tuple(t.cpu() for t in down), tuple(t.cpu() for t in up),
+                                                  LOWRANK, HC)
+    weight_bytes = ROWS * HC * HIDDEN + HC * HIDDEN * LOWRANK + (down_scales.numel() + up_scales.numel()) * 2
+    row = {
+        "tokens": m,
+        "fused": bench(lambda: hc_mix(xn, down, up, LOWRANK, HC)),
+        "int8_gemms": bench(lambda: (int8_mma(xn, *down), int8_mma(low, *up))),
+        "bf16_gemms": bench(lambda: (torch.nn.functional.linear(xn, down_dense),
+                                     torch.nn.functional.linear(low, up_dense))),
+        "int8_unfused_torch": bench(unfused_torch),
+        "block_input_bit_exact": bool(torch.equal(block.cpu(), want_block)),
+        "injection_bit_exact": bool(torch.equal(injection.cpu(), want_injection)),
+    }
+    row["fused_read_GBps"] = weight_bytes / row["fused"] / 1e3
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = [point(m) for m in args.tokens]
+    routes = [route_point(m) for m in args.tokens]
+    if args.json:
+        print(json.dumps({"device": torch.cuda.get_device_name(), "hc_mix": rows, "route": routes}, indent=1))
+        return
+    print(f"# {torch.cuda.get_device_name()}; hidden {HIDDEN}, {HC} streams, low rank {LOWRANK}; us")
+    print("tokens  fused  int8_gemms  bf16_gemms  int8_unfused_torch  fused GB/s  bit-exact (random data)")
+    for r in rows:
+        print(f"{r['tokens']:>6}  {r['fused']:5.1f}  {r['int8_gemms']:10.1f}  {r['bf16_gemms']:10.1f}  "
+              f"{r['int8_unfused_torch']:18.1f}  {r['fused_read_GBps']:10.0f}  "
+              f"{r['block_input_bit_exact'] and r['injection_bit_exact']}")
+    print(f"# router: {EXPERTS} experts + shared gate over {HIDDEN}, top {TOP_K}; us")
+    print("tokens  fused  gemms  unfused_torch  same experts as the reference")
+    for r in routes:
+        print(f"{r['tokens']:>6}  {r['fused']:5.1f}  {r['gemms']:5.1f}  {r['unfused_torch']:13.1f}  {r['same_experts']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""decode-05's router: the router and the shared expert's gate in one GEMV, top-k and renormalized
+weights by the last program, in one launch.
+
+vLLM 0.33.0 routes a decode step's MoE block with a router GEMV, ``topk_softmax`` (one CTA), and the
+shared expert's gate as its own small GEMV (seed 000 §3.3: 12 + 7 + 7 us on a 3090). Here:
+
+* one GEMV over ``[E + 1, H]`` bf16 rows (the router's ``E`` rows, then the shared expert gate's
+  row), for 1..16 tokens, written as bf16 logits (the router's output dtype on sm8x);
+* the program that finishes last (an acq_rel counter, as in :mod:`.decode_mma`) picks each token's
+  top ``k`` experts and their weights. ``norm_topk_prob`` cancels the softmax denominator over all
+  experts, so the weights are a softmax over the ``k`` selected logits. Each round takes one max
+  over 32-bit keys ``order(bf16 logit) << 16 | (65535 - expert)``: the value and the expert at once,
+  the smaller expert winning a tie, as vLLM's ``topk_softmax`` does.
+
+:func:`reference_route` is vLLM's unfused arithmetic in torch (softmax over all experts, top-k,
+renormalize), for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, _dot
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # one zeroed counter per device, reset by the kernel
+
+
+@triton.jit
+def _order_keys(logits, experts):
+    """int64 keys that sort like the bf16 ``logits``, ties to the smaller expert."""
+    bits = logits.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    ordered = tl.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000)  # negatives reversed below positives
+    return ordered.to(tl.int64) * 65536 + (65535 - experts).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _route_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, count_ptr, M, H, stride_xm, stride_wn,
+                  E: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < E + 1
+    tokens = tl.arange(0, BLOCK_M)
+    m_mask = tokens < M
+    k_offsets = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, H, BLOCK_K):
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + k + k_offsets[None, :], mask=n_mask[:, None],
+                    other=0.0)
+        x = tl.load(x_ptr + tokens[:, None] * stride_xm + k + k_offsets[None, :], mask=m_mask[:, None], other=0.0)
+        acc += _dot(x, w, DOT_FP32)
+    tl.store(logits_ptr + tokens[:, None] * (E + 1) + rows[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
+
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:
+        experts = tl.arange(0, E_PAD)
+        e_mask = experts < E
+        logits = tl.load(logits_ptr + tokens[:, None] * (E + 1) + experts[None, :],
+                         mask=m_mask[:, None] & e_mask[None, :], other=float("-inf"), cache_modifier=".cg")
+        keys = tl.where(e_mask[None, :], _order_keys(logits, experts[None, :]), -1)
+        best = tl.max(keys, axis=1)
+        top = tl.load(logits_ptr + tokens * (E + 1) + (65535 - (best & 0xFFFF)).to(tl.int32), mask=m_mask,
+                      cache_modifier=".cg").to(tl.float32)
+        slots = tl.arange(0, TOPK_PAD)
+        chosen = tl.zeros((BLOCK_M, TOPK_PAD), tl.int32)
+        weights = tl.zeros((BLOCK_M, TOPK_PAD), tl.float32)
+        for slot in tl.static_range(TOP_K):
+            expert = (65535 - (best & 0xFFFF)).to(tl.int32)
+            value = tl.load(logits_ptr + tokens * (E + 1) + expert, mask=m_mask, cache_modifier=".cg")
+            chosen = tl.where(slots[None, :] == slot, expert[:, None], chosen)
+            weights = tl.where(slots[None, :] == slot, tl.exp(value.to(tl.float32) - top)[:, None], weights)
+            keys = tl.where(keys == best[:, None], -1, keys)
+            best = tl.max(keys, axis=1)
+        out_mask = m_mask[:, None] & (slots < TOP_K)[None, :]
+        tl.store(ids_ptr + tokens[:, None] * TOP_K + slots[None, :], chosen, mask=out_mask)
+        tl.store(weights_ptr + tokens[:, None] * TOP_K + slots[None, :], weights / tl.sum(weights, axis=1)[:, None],
+                 mask=out_mask)
+        tl.store(count_ptr, 0)
+
+
+def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, block_n: int = 16, block_k: int = 256,
+          num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(router_logits [M, E], shared_gate_logit [M, 1], topk_ids int32 [M, k], topk_weights fp32
+    [M, k])`` for ``x [M, H]`` (1..16 tokens) and the merged rows ``[E + 1, H]`` (router, then the
+    shared expert's gate)."""
+    M, H = x.shape
+    E = router_and_gate.shape[0] - 1
+    if not 1 <= M <= MAX_TOKENS:
+        raise ValueError(f"the fused router takes 1..{MAX_TOKENS} tokens, got {M}")
+    if router_and_gate.shape[1] != H or H % block_k or not router_and_gate.is_contiguous():
+        raise ValueError(f"router rows {list(router_and_gate.shape)} do not fit x {list(x.shape)} "
+                         f"(K must be a multiple of {block_k})")
+    if not 1 <= top_k <= min(E, 64):
+        raise ValueError(f"top_k {top_k} does not fit {E} experts")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    logits = torch.empty(M, E + 1, dtype=x.dtype, device=x.device)
+    ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    counter = _COUNTERS.get(x.device)
+    if counter is None:
+        counter = _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    _route_kernel[(triton.cdiv(E + 1, block_n),)](
+        x, router_and_gate, logits, ids, weights, counter, M, H, x.stride(0), router_and_gate.stride(0), E=E,
+        TOP_K=top_k, TOPK_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E), BLOCK_M=16,
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=INTERPRETED, num_warps=num_warps)
+    return logits[:, :E], logits[:, E:], ids, weights
+
+
+def reference_route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, to_bf16=None):
+    """vLLM's unfused routing in torch: bf16 logits (``to_bf16``, default: to nearest even), softmax
+    over all experts in fp32, the top ``k`` (ties to the smaller expert), renormalized."""
+    to_bf16 = to_bf16 or (lambda t: t.to(torch.bfloat16))
+    logits = to_bf16(x.float() @ router_and_gate.float().T)
+    E = logits.shape[1] - 1
+    probs = torch.softmax(logits[:, :E].float(), dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, order)
+    return logits[:, :E], logits[:, E:], order.to(torch.int32), weights / weights.sum(-1, keepdim=True)

@@ -1,0 +1,64 @@
+"""decode-05's fused router against vLLM's unfused routing in torch: through Triton's CPU
+interpreter in CI, at the real shape on the GPU (``-m gpu``)."""
+import pytest
+import torch
+
+from flashnext.quant.kernels.decode_mma import INTERPRETED
+from flashnext.quant.kernels.hc_mix import round_toward_zero
+from flashnext.quant.kernels.moe_route import reference_route, route
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROUND = round_toward_zero if INTERPRETED else None  # how the kernel's bf16 stores round
+
+
+def case(m: int, experts: int, hidden: int, seed: int, exact: bool, ties: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    if exact:  # small integers times powers of two: the fp32 sums are exact in any order
+        x = (torch.randint(-4, 5, (m, hidden), generator=g).float() / 8).to(torch.bfloat16)
+        w = (torch.randint(-4, 5, (experts + 1, hidden), generator=g).float() / 64).to(torch.bfloat16)
+    else:
+        x = torch.randn(m, hidden, generator=g).to(torch.bfloat16)
+        w = (torch.randn(experts + 1, hidden, generator=g) * 0.05).to(torch.bfloat16)
+    if ties:
+        w[7] = w[3]  # experts 3 and 7 always tie; vLLM picks 3 first
+        w[40] = w[3]
+    return x, w
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_route_matches_vllm_routing(m):
+    x, w = case(m, 64, 512, seed=m, exact=True, ties=True)
+    want = reference_route(x, w, 10, ROUND)
+    got = route(x.to(DEVICE), w.to(DEVICE), 10)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])  # logits, bit for bit
+    assert torch.equal(got[2].cpu(), want[2])  # the same experts in the same order, ties included
+    assert torch.allclose(got[3].cpu(), want[3], rtol=2e-6, atol=1e-7)  # softmax over k vs over all
+    assert torch.allclose(got[3].sum(-1).cpu(), torch.ones(m))
+
+
+def test_route_random_weights_select_the_same_experts():
+    x, w = case(3, 128, 256, seed=11, exact=False)
+    want = reference_route(x, w, 8, ROUND)
+    got = route(x.to(DEVICE), w.to(DEVICE), 8)
+    assert torch.equal(got[2].cpu(), want[2])
+    assert torch.allclose(got[3].cpu(), want[3], rtol=1e-5, atol=1e-6)
+
+
+def test_route_checks_its_inputs():
+    x, w = case(2, 16, 256, seed=0, exact=True)
+    with pytest.raises(ValueError, match="1..16 tokens"):
+        route(torch.zeros(17, 256, dtype=torch.bfloat16), w, 4)
+    with pytest.raises(ValueError, match="top_k"):
+        route(x, w, 17)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_real_shape(m):
+    """512 experts + the shared gate over hidden 2560, top 10 (Qwen3.8-Flash-Next)."""
+    x, w = case(m, 512, 2560, seed=50 + m, exact=True, ties=True)
+    want = reference_route(x, w, 10)
+    got = route(x.cuda(), w.cuda(), 10)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    assert torch.equal(got[2].cpu(), want[2])
+    assert torch.allclose(got[3].cpu(), want[3], rtol=2e-6, atol=1e-7)
