@@ -13,7 +13,7 @@ so the kernels read them with no repack and no extra memory (seed 000 §3.3):
 
 * :func:`hc_down_inject_silu`: steps 1-2, :func:`~.decode_mma.int8_mma` with its SiLU epilogue;
 * :func:`hc_up_gate_mix`: steps 3-4; a program owns ``BLOCK_J`` hidden columns and computes their
-  gate in all ``HC`` streams, so the mix happens in registers and ``gate`` is never stored.
+  gate in all four streams, so the mix happens in registers and ``gate`` is never stored.
 
 The bf16 rounding points are the unfused path's, so with exactly representable inputs the result is
 bit-identical to :func:`reference_mix` (the unfused path in torch); tests check that.
@@ -29,31 +29,52 @@ from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
 from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, _dot, _int8_codes, int8_mma
 
 
+@triton.jit
+def _stream_gate(x, w_ptr, s_ptr, rows, j_mask, stride_wn, stride_sn, g, GROUP: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One group's contribution to one stream's gate, ``[BLOCK_M, BLOCK_J]``."""
+    codes = _int8_codes(w_ptr, rows, j_mask, stride_wn, g, GROUP)
+    scale = tl.load(s_ptr + rows * stride_sn + g, mask=j_mask, other=0).to(tl.float32)
+    return _dot(x, codes, DOT_FP32) * scale[None, :]
+
+
+@triton.jit
+def _gated(gate, xn_ptr, tokens, rows, mask, stride_xnm):
+    """``sigmoid(bf16(gate)) * xn`` for one stream, in fp32."""
+    xn = tl.load(xn_ptr + tokens[:, None] * stride_xnm + rows[None, :], mask=mask, other=0.0)
+    return tl.sigmoid(gate.to(tl.bfloat16).to(tl.float32)) * xn.to(tl.float32)  # the up GEMM's bf16 output
+
+
 @triton.jit(do_not_specialize=["M"])
 def _up_gate_mix_kernel(x_ptr, w_ptr, s_ptr, xn_ptr, y_ptr, M, H, K, stride_xm, stride_wn, stride_sn, stride_xnm,
                         stride_ym, HC: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_J: tl.constexpr, DOT_FP32: tl.constexpr):
+    # The four streams' gates are computed side by side in each group's iteration (HC == 4: the
+    # model's count; other counts go through vLLM's path), so their loads overlap.
     columns = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
     j_mask = columns < H
     tokens = tl.arange(0, BLOCK_M)
     m_mask = tokens < M
     k_offsets = tl.arange(0, GROUP)
-    out_mask = m_mask[:, None] & j_mask[None, :]
+    g0 = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
+    g1 = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
+    g2 = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
+    g3 = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
+    for g in range(0, K // GROUP):
+        x = tl.load(x_ptr + tokens[:, None] * stride_xm + g * GROUP + k_offsets[None, :], mask=m_mask[:, None],
+                    other=0.0)
+        g0 += _stream_gate(x, w_ptr, s_ptr, columns, j_mask, stride_wn, stride_sn, g, GROUP, DOT_FP32)
+        g1 += _stream_gate(x, w_ptr, s_ptr, H + columns, j_mask, stride_wn, stride_sn, g, GROUP, DOT_FP32)
+        g2 += _stream_gate(x, w_ptr, s_ptr, 2 * H + columns, j_mask, stride_wn, stride_sn, g, GROUP, DOT_FP32)
+        g3 += _stream_gate(x, w_ptr, s_ptr, 3 * H + columns, j_mask, stride_wn, stride_sn, g, GROUP, DOT_FP32)
+    mask = m_mask[:, None] & j_mask[None, :]
+    # From zero and in stream order, as hc_gate_mix sums, so that on a GPU each step compiles to the
+    # same fused multiply-add as there.
     mixed = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
-    for stream in tl.static_range(HC):  # in stream order, as hc_gate_mix sums
-        rows = stream * H + columns
-        gate = tl.zeros((BLOCK_M, BLOCK_J), tl.float32)
-        for g in range(0, K // GROUP):
-            codes = _int8_codes(w_ptr, rows, j_mask, stride_wn, g, GROUP)
-            x = tl.load(x_ptr + tokens[:, None] * stride_xm + g * GROUP + k_offsets[None, :], mask=m_mask[:, None],
-                        other=0.0)
-            scale = tl.load(s_ptr + rows * stride_sn + g, mask=j_mask, other=0).to(tl.float32)
-            gate += _dot(x, codes, DOT_FP32) * scale[None, :]
-        gate = gate.to(tl.bfloat16).to(tl.float32)  # the up projection's bf16 output
-        xn = tl.load(xn_ptr + tokens[:, None] * stride_xnm + rows[None, :], mask=out_mask, other=0.0)
-        mixed += tl.sigmoid(gate) * xn.to(tl.float32)
-    mixed /= HC
-    tl.store(y_ptr + tokens[:, None] * stride_ym + columns[None, :], mixed, mask=out_mask)
+    mixed += _gated(g0, xn_ptr, tokens, columns, mask, stride_xnm)
+    mixed += _gated(g1, xn_ptr, tokens, H + columns, mask, stride_xnm)
+    mixed += _gated(g2, xn_ptr, tokens, 2 * H + columns, mask, stride_xnm)
+    mixed += _gated(g3, xn_ptr, tokens, 3 * H + columns, mask, stride_xnm)
+    tl.store(y_ptr + tokens[:, None] * stride_ym + columns[None, :], mixed / HC, mask=mask)
 
 
 def _check_int8(packed: torch.Tensor, scales: torch.Tensor, k: int, what: str) -> int:
@@ -72,7 +93,10 @@ def hc_down_inject_silu(xn: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     mixer, which has no inject rows). Rows past ``lowrank + hc_count`` (alignment padding) are
     computed and ignored, as vLLM does."""
     _check_int8(packed, scales, xn.shape[1], "down/inject")
-    y = int8_mma(xn, packed, scales, silu_columns=lowrank, silu_div=hc_count)
+    # A few hundred rows over a long K: narrow row blocks split 16 ways beat int8_mma's default
+    # (64 rows, split to two programs per SM) 6.2 against 12.7 us on the H200 (docs/benchmarks.md).
+    y = int8_mma(xn, packed, scales, block_n=32, split_k=min(16, scales.shape[1]), silu_columns=lowrank,
+                 silu_div=hc_count)
     injection = y[:, lowrank:lowrank + hc_count] if packed.shape[0] > lowrank else None
     return y[:, :lowrank], injection
 
@@ -85,6 +109,8 @@ def hc_up_gate_mix(lowrank: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     group = _check_int8(packed, scales, K, "up")
     if not 1 <= M <= MAX_TOKENS:
         raise ValueError(f"the fused HC mix takes 1..{MAX_TOKENS} tokens, got {M}")
+    if hc_count != 4:
+        raise ValueError(f"the fused HC mix takes 4 streams (Qwen3.8-Flash-Next's), got {hc_count}")
     if xn.shape != (M, packed.shape[0]) or packed.shape[0] % hc_count or xn.stride(1) != 1 or lowrank.stride(1) != 1:
         raise ValueError(f"xn {list(xn.shape)} does not match the up projection's {packed.shape[0]} rows")
     H = packed.shape[0] // hc_count
@@ -109,7 +135,7 @@ def _weights(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return dequantize_groups(unpack_int32(packed, 8, packed.shape[1] * 4), scales)
 
 
-def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+def _exact_sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-x))
 
 
@@ -120,10 +146,17 @@ def round_toward_zero(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_mix(xn: torch.Tensor, down: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
-                  lowrank: int, hc_count: int, to_bf16=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                  lowrank: int, hc_count: int, to_bf16=None, sigmoid=None, fused_multiply_add: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(block_input, injection, lowrank_activations)`` by the unfused steps, in fp32 with a bf16
-    rounding (``to_bf16``, default: to nearest even) after each step."""
+    rounding (``to_bf16``, default: to nearest even) after each step.
+
+    Two things differ on a GPU, where Triton compiles vLLM's ``hc_silu`` / ``hc_gate_mix`` and these
+    kernels alike: ``tl.sigmoid`` is an approximation (pass it as ``sigmoid``; the default is
+    ``1 / (1 + exp(-x))`` in fp32), and ``acc += sigmoid(g) * x`` becomes one fused multiply-add
+    (``fused_multiply_add=True``; the interpreter rounds the product first)."""
     to_bf16 = to_bf16 or (lambda t: t.to(torch.bfloat16))
+    _sigmoid = sigmoid or _exact_sigmoid
     y = to_bf16(xn.float() @ _weights(*down).T)
     low = y[:, :lowrank].float() / hc_count
     low = to_bf16(low * _sigmoid(low))
@@ -132,5 +165,6 @@ def reference_mix(xn: torch.Tensor, down: tuple[torch.Tensor, torch.Tensor], up:
     H = gate.shape[1] // hc_count
     mixed = torch.zeros(xn.shape[0], H, dtype=torch.float32, device=xn.device)
     for s in range(hc_count):
-        mixed += _sigmoid(gate[:, s * H:(s + 1) * H]) * xn[:, s * H:(s + 1) * H].float()
+        product = _sigmoid(gate[:, s * H:(s + 1) * H]).double() * xn[:, s * H:(s + 1) * H].double()  # exact
+        mixed = (mixed.double() + product).float() if fused_multiply_add else mixed + product.float()
     return to_bf16(mixed / hc_count), injection, low

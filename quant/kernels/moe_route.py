@@ -6,11 +6,13 @@ shared expert's gate as its own small GEMV (seed 000 §3.3: 12 + 7 + 7 us on a 3
 
 * one GEMV over ``[E + 1, H]`` bf16 rows (the router's ``E`` rows, then the shared expert gate's
   row), for 1..16 tokens, written as bf16 logits (the router's output dtype on sm8x);
-* the program that finishes last (an acq_rel counter, as in :mod:`.decode_mma`) picks each token's
-  top ``k`` experts and their weights. ``norm_topk_prob`` cancels the softmax denominator over all
+* the GEMV is split over K like :mod:`.decode_mma`'s; the last program of each row block sums its
+  partials in split order, and the row block that finishes last (a second acq_rel counter) picks
+  each token's top ``k`` experts and their weights. ``norm_topk_prob`` cancels the softmax denominator over all
   experts, so the weights are a softmax over the ``k`` selected logits. Each round takes one max
   over 32-bit keys ``order(bf16 logit) << 16 | (65535 - expert)``: the value and the expert at once,
-  the smaller expert winning a tie, as vLLM's ``topk_softmax`` does.
+  the smaller expert winning a tie, as vLLM's ``topk_softmax`` does; the logit is rebuilt from the
+  key, so the rounds load nothing.
 
 :func:`reference_route` is vLLM's unfused arithmetic in torch (softmax over all experts, top-k,
 renormalize), for the tests.
@@ -22,68 +24,95 @@ import torch
 import triton
 import triton.language as tl
 
-from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, _dot
+from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, _dot, _sms
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # one zeroed counter per device, reset by the kernel
+# per device: the row blocks' split-K counters after one for the whole grid, reset by the kernel
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
 def _order_keys(logits, experts):
-    """int64 keys that sort like the bf16 ``logits``, ties to the smaller expert."""
+    """int32 keys that sort like the bf16 ``logits``, ties to the smaller expert: the logit's
+    order-preserving 16 bits (less 2^15, so the key keeps its sign) above ``65535 - expert``."""
     bits = logits.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     ordered = tl.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000)  # negatives reversed below positives
-    return ordered.to(tl.int64) * 65536 + (65535 - experts).to(tl.int64)
+    return (ordered - 0x8000) * 65536 + (65535 - experts)
+
+
+@triton.jit
+def _key_logit(key):
+    """The fp32 value of the bf16 logit a key was made from."""
+    ordered = (key >> 16) + 0x8000
+    bits = tl.where(ordered >= 0x8000, ordered & 0x7FFF, 0xFFFF - ordered)
+    return (bits << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _route_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, count_ptr, M, H, stride_xm, stride_wn,
-                  E: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _route_kernel(x_ptr, w_ptr, logits_ptr, partial_ptr, ids_ptr, weights_ptr, count_ptr, M, H, stride_xm,
+                  stride_wn, E: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr, TOPK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < E + 1
     tokens = tl.arange(0, BLOCK_M)
     m_mask = tokens < M
     k_offsets = tl.arange(0, BLOCK_K)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    chunks = H // BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, H, BLOCK_K):
+    for c in range(pid_k * chunks // SPLIT_K, (pid_k + 1) * chunks // SPLIT_K):
+        k = c * BLOCK_K
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + k + k_offsets[None, :], mask=n_mask[:, None],
                     other=0.0)
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + k + k_offsets[None, :], mask=m_mask[:, None], other=0.0)
         acc += _dot(x, w, DOT_FP32)
-    tl.store(logits_ptr + tokens[:, None] * (E + 1) + rows[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
-
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if done == tl.num_programs(0) - 1:
-        experts = tl.arange(0, E_PAD)
-        e_mask = experts < E
-        logits = tl.load(logits_ptr + tokens[:, None] * (E + 1) + experts[None, :],
-                         mask=m_mask[:, None] & e_mask[None, :], other=float("-inf"), cache_modifier=".cg")
-        keys = tl.where(e_mask[None, :], _order_keys(logits, experts[None, :]), -1)
-        best = tl.max(keys, axis=1)
-        top = tl.load(logits_ptr + tokens * (E + 1) + (65535 - (best & 0xFFFF)).to(tl.int32), mask=m_mask,
-                      cache_modifier=".cg").to(tl.float32)
-        slots = tl.arange(0, TOPK_PAD)
-        chosen = tl.zeros((BLOCK_M, TOPK_PAD), tl.int32)
-        weights = tl.zeros((BLOCK_M, TOPK_PAD), tl.float32)
-        for slot in tl.static_range(TOP_K):
-            expert = (65535 - (best & 0xFFFF)).to(tl.int32)
-            value = tl.load(logits_ptr + tokens * (E + 1) + expert, mask=m_mask, cache_modifier=".cg")
-            chosen = tl.where(slots[None, :] == slot, expert[:, None], chosen)
-            weights = tl.where(slots[None, :] == slot, tl.exp(value.to(tl.float32) - top)[:, None], weights)
-            keys = tl.where(keys == best[:, None], -1, keys)
+    logits_out = logits_ptr + tokens[:, None] * (E + 1) + rows[None, :]
+    block_done = True
+    if SPLIT_K == 1:
+        tl.store(logits_out, acc, mask=out_mask)
+    else:  # the row block's last program sums the partials, in split order
+        tl.store(partial_ptr + (pid_k * BLOCK_M + tokens[:, None]) * (E + 1) + rows[None, :], acc, mask=out_mask)
+        block_done = tl.atomic_add(count_ptr + 1 + pid_n, 1, sem="acq_rel") == SPLIT_K - 1
+        if block_done:
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(partial_ptr + (s * BLOCK_M + tokens[:, None]) * (E + 1) + rows[None, :],
+                                 mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(logits_out, total, mask=out_mask)
+            tl.store(count_ptr + 1 + pid_n, 0)
+    if block_done:
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:  # every row block stored
+            tl.store(count_ptr, 0)
+            picks = tl.arange(0, TOPK_M)
+            p_mask = picks < M
+            experts = tl.arange(0, E_PAD)
+            e_mask = experts < E
+            logits = tl.load(logits_ptr + picks[:, None] * (E + 1) + experts[None, :],
+                             mask=p_mask[:, None] & e_mask[None, :], other=0.0, cache_modifier=".cg")
+            keys = tl.where(e_mask[None, :], _order_keys(logits, experts[None, :]), -2147483648)
             best = tl.max(keys, axis=1)
-        out_mask = m_mask[:, None] & (slots < TOP_K)[None, :]
-        tl.store(ids_ptr + tokens[:, None] * TOP_K + slots[None, :], chosen, mask=out_mask)
-        tl.store(weights_ptr + tokens[:, None] * TOP_K + slots[None, :], weights / tl.sum(weights, axis=1)[:, None],
-                 mask=out_mask)
-        tl.store(count_ptr, 0)
+            top = _key_logit(best)
+            slots = tl.arange(0, TOPK_PAD)
+            chosen = tl.zeros((TOPK_M, TOPK_PAD), tl.int32)
+            weights = tl.zeros((TOPK_M, TOPK_PAD), tl.float32)
+            for slot in tl.static_range(TOP_K):
+                chosen = tl.where(slots[None, :] == slot, (65535 - (best & 0xFFFF))[:, None], chosen)
+                weights = tl.where(slots[None, :] == slot, tl.exp(_key_logit(best) - top)[:, None], weights)
+                keys = tl.where(keys == best[:, None], -2147483648, keys)
+                best = tl.max(keys, axis=1)
+            pick_mask = p_mask[:, None] & (slots < TOP_K)[None, :]
+            tl.store(ids_ptr + picks[:, None] * TOP_K + slots[None, :], chosen, mask=pick_mask)
+            tl.store(weights_ptr + picks[:, None] * TOP_K + slots[None, :],
+                     weights / tl.sum(weights, axis=1)[:, None], mask=pick_mask)
 
 
-def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, block_n: int = 16, block_k: int = 256,
-          num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, block_n: int = 16, block_k: int = 128,
+          split_k: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(router_logits [M, E], shared_gate_logit [M, 1], topk_ids int32 [M, k], topk_weights fp32
     [M, k])`` for ``x [M, H]`` (1..16 tokens) and the merged rows ``[E + 1, H]`` (router, then the
-    shared expert's gate)."""
+    shared expert's gate). ``split_k`` (default: about two programs per SM) splits the GEMV over K."""
     M, H = x.shape
     E = router_and_gate.shape[0] - 1
     if not 1 <= M <= MAX_TOKENS:
@@ -95,16 +124,20 @@ def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, block_n: i
         raise ValueError(f"top_k {top_k} does not fit {E} experts")
     if x.stride(1) != 1:
         x = x.contiguous()
+    blocks = triton.cdiv(E + 1, block_n)
+    split = split_k or max(1, min(H // block_k, triton.cdiv(2 * _sms(x.device), blocks)))
     logits = torch.empty(M, E + 1, dtype=x.dtype, device=x.device)
+    partial = torch.empty(split, 16, E + 1, dtype=torch.float32, device=x.device) if split > 1 else logits
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
-    counter = _COUNTERS.get(x.device)
-    if counter is None:
-        counter = _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
-    _route_kernel[(triton.cdiv(E + 1, block_n),)](
-        x, router_and_gate, logits, ids, weights, counter, M, H, x.stride(0), router_and_gate.stride(0), E=E,
-        TOP_K=top_k, TOPK_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E), BLOCK_M=16,
-        BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=INTERPRETED, num_warps=num_warps)
+    counters = _COUNTERS.get(x.device)
+    if counters is None or counters.numel() < blocks + 1:
+        counters = _COUNTERS[x.device] = torch.zeros(blocks + 1, dtype=torch.int32, device=x.device)
+    _route_kernel[(blocks, split)](
+        x, router_and_gate, logits, partial, ids, weights, counters, M, H, x.stride(0), router_and_gate.stride(0),
+        E=E, TOP_K=top_k, TOPK_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E), BLOCK_M=16,
+        TOPK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, DOT_FP32=INTERPRETED,
+        num_warps=num_warps)
     return logits[:, :E], logits[:, E:], ids, weights
 
 

@@ -26,7 +26,7 @@ def mix(module: torch.nn.Module, xn: torch.Tensor) -> tuple[torch.Tensor, torch.
     from flashnext.quant.kernels.hc_mix import hc_mix
     from flashnext.serving.hooks.int8_modules import Int8LinearMethod
 
-    if not enabled() or not 1 <= xn.shape[0] <= MAX_TOKENS or not (xn.is_cuda or INTERPRETED):
+    if not enabled() or module.hc_count != 4 or not 1 <= xn.shape[0] <= MAX_TOKENS or not (xn.is_cuda or INTERPRETED):
         return None
     import vllm.envs
 
