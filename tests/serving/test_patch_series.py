@@ -379,3 +379,37 @@ def test_int6_bitplane_overlay_is_served(patched_tree, demo_snapshot, tmp_path):
     # switch off: the planes load, then become the original words for vLLM's own INT6 scheme
     assert served["fallback_method"] == ["BitplaneLinearMethod", "CompressedTensorsWNA16", False]
     assert served["fallback_words_equal_original"]
+
+
+# --- issue 15: the vision tower on the first pipeline rank only ------------------------------------
+
+def test_vision_tower_only_on_the_first_rank_under_model_runner_v2(patched_tree, demo_snapshot):
+    """Two gloo ranks build vLLM 0.33.0's own model for the demo checkpoint at PP=2 (which takes
+    patch pp-ple) and load its vision tensors with the model's own loader. The vision part is
+    stock: vLLM 0.33.0 already does what seed 000 §6 patched:
+    under Model Runner V2 (its default here, pinned by the 3x3090 profiles) a later rank holds a
+    ``StageMissingLayer`` and loads none of the tower; under V1 every rank holds the tower."""
+    script = SUPPORT_DIR / "vision_ranks_scenario.py"
+
+    def ranks(extra: dict) -> list[dict]:
+        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
+                   TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(patched_tree), str(SUPPORT_DIR.parent)]),
+                   **extra)
+        port = _free_port()
+        procs = [subprocess.Popen([sys.executable, str(script), str(demo_snapshot), str(rank), port],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for rank in range(2)]
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+
+    first, later = ranks({"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    assert first["v2_model_runner"] and first["visual"] == "Qwen3_VisionTransformer"
+    assert first["loaded_visual"] == first["checkpoint_visual_tensors"] > 0
+    assert later["visual"] == "StageMissingLayer" and later["visual_parameters"] == 0
+    assert later["loaded_visual"] == 0  # the tower's tensors are skipped, not refused
+    first, later = ranks({"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    assert later["visual"] == "Qwen3_VisionTransformer" and later["visual_parameters"] == first["visual_parameters"]
