@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 
 from flashnext import envs
+from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS
+from flashnext.quant.kernels.hc_mix import hc_mix
+from flashnext.serving.hooks.int8_modules import Int8LinearMethod
 
 
 def enabled() -> bool:
@@ -22,10 +25,6 @@ def enabled() -> bool:
 def mix(module: torch.nn.Module, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(block_input, injection)`` of vLLM's ``GatedResidual`` ``module`` for the normalized
     streams ``xn``, or None where the fused kernels do not apply."""
-    from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS
-    from flashnext.quant.kernels.hc_mix import hc_mix
-    from flashnext.serving.hooks.int8_modules import Int8LinearMethod
-
     if not enabled() or module.hc_count != 4 or not 1 <= xn.shape[0] <= MAX_TOKENS or not (xn.is_cuda or INTERPRETED):
         return None
     import vllm.envs

@@ -27,6 +27,7 @@ from flashnext import envs
 from flashnext.errors import FlashnextError
 from flashnext.quant.formats.bitplane import LAYOUT, bitplane_to_codes, bitplane_to_dense6
 from flashnext.quant.formats.packing import dequantize_groups
+from flashnext.serving.hooks.vllm_bases import linear_method_base, loads_with_weight_loader_v2
 
 
 def enabled() -> bool:
@@ -83,20 +84,8 @@ def linear_method(quant_config, prefix: str, method):
     return BitplaneLinearMethod(quant_config)
 
 
-def _linear_method_base():
-    from vllm.model_executor.layers.linear import LinearMethodBase
-
-    return LinearMethodBase
-
-
-def _register_weight_loader_v2(cls):
-    from vllm.model_executor.layers.linear import register_weight_loader_v2_supported_method
-
-    return register_weight_loader_v2_supported_method(cls)
-
-
-@_register_weight_loader_v2
-class BitplaneLinearMethod(_linear_method_base()):
+@loads_with_weight_loader_v2
+class BitplaneLinearMethod(linear_method_base()):
     """INT6 bit-plane weights for a linear layer whose compressed-tensors scheme is on ``layer.scheme``."""
 
     def __init__(self, quant_config):

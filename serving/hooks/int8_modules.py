@@ -27,6 +27,8 @@ import torch
 
 from flashnext import envs
 from flashnext.quant.formats.packing import dequantize_groups
+from flashnext.serving.hooks.vllm_bases import (linear_method_base, loads_with_weight_loader_v2,
+                                                quantization_config_base, quantize_method_base)
 
 
 def enabled() -> bool:
@@ -110,26 +112,8 @@ def _int8_parameters(layer: torch.nn.Module, rows: int, cols: int, group: int, d
         data=torch.empty(2, dtype=torch.int64), weight_loader=weight_loader))
 
 
-def _method_base():
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    return QuantizeMethodBase
-
-
-def _linear_method_base():
-    from vllm.model_executor.layers.linear import LinearMethodBase
-
-    return LinearMethodBase
-
-
-def _register_weight_loader_v2(cls):
-    from vllm.model_executor.layers.linear import register_weight_loader_v2_supported_method
-
-    return register_weight_loader_v2_supported_method(cls)
-
-
-@_register_weight_loader_v2
-class Int8LinearMethod(_linear_method_base()):
+@loads_with_weight_loader_v2
+class Int8LinearMethod(linear_method_base()):
     """compressed-tensors INT8 (group) weights for a linear layer, kept as stored."""
 
     def __init__(self, group_size: int):
@@ -147,13 +131,7 @@ class Int8LinearMethod(_linear_method_base()):
         return out.view(*x.shape[:-1], -1)
 
 
-def _config_base():
-    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-
-    return QuantizationConfig
-
-
-class Int8LayersConfig(_config_base()):
+class Int8LayersConfig(quantization_config_base()):
     """What a linear layer that vLLM builds with no quantization config is handed instead: every
     linear layer it builds gets :class:`Int8LinearMethod`."""
 
@@ -202,7 +180,7 @@ def hc_quant_config(prefix: str, checkpoint_names: list[str]) -> Int8LayersConfi
     return Int8LayersConfig(groups.pop())
 
 
-class Int8EmbeddingMethod(_method_base()):
+class Int8EmbeddingMethod(quantize_method_base()):
     """compressed-tensors INT8 (group) weights for a vocabulary-parallel embedding or LM head."""
 
     def __init__(self, group_size: int):

@@ -297,11 +297,12 @@ def test_int8_modules_load_and_serve_the_release_tensors(patched_tree, demo_snap
 
 # --- mem-01: embed_tokens and lm_head only where they are used ------------------------------------
 
-def _two_ranks(extra_env: dict, scenario: str = "pp_ranks_scenario.py") -> list[dict]:
+def _two_ranks(extra_env: dict, scenario: str = "pp_ranks_scenario.py", args: tuple = ()) -> list[dict]:
+    """Run ``scenario RANK PORT *args`` as both ranks of a two-rank gloo group; their JSON results."""
     script = SUPPORT_DIR / scenario
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", **extra_env)
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, *map(str, args)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for rank in range(2)]
     results = []
     for p in procs:
@@ -389,27 +390,14 @@ def test_vision_tower_only_on_the_first_rank_under_model_runner_v2(patched_tree,
     stock: vLLM 0.33.0 already does what seed 000 §6 patched:
     under Model Runner V2 (its default here, pinned by the 3x3090 profiles) a later rank holds a
     ``StageMissingLayer`` and loads none of the tower; under V1 every rank holds the tower."""
-    script = SUPPORT_DIR / "vision_ranks_scenario.py"
-
-    def ranks(extra: dict) -> list[dict]:
-        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
-                   TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(patched_tree), str(SUPPORT_DIR.parent)]),
-                   **extra)
-        port = _free_port()
-        procs = [subprocess.Popen([sys.executable, str(script), str(demo_snapshot), str(rank), port],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                 for rank in range(2)]
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=600)
-            assert p.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        return results
-
-    first, later = ranks({"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    env = {"HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(patched_tree), str(SUPPORT_DIR.parent)])}
+    ranks = lambda runner: _two_ranks({**env, "VLLM_USE_V2_MODEL_RUNNER": runner}, "vision_ranks_scenario.py",
+                                      (demo_snapshot,))
+    first, later = ranks("1")
     assert first["v2_model_runner"] and first["visual"] == "Qwen3_VisionTransformer"
     assert first["loaded_visual"] == first["checkpoint_visual_tensors"] > 0
     assert later["visual"] == "StageMissingLayer" and later["visual_parameters"] == 0
     assert later["loaded_visual"] == 0  # the tower's tensors are skipped, not refused
-    first, later = ranks({"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    first, later = ranks("0")
     assert later["visual"] == "Qwen3_VisionTransformer" and later["visual_parameters"] == first["visual_parameters"]

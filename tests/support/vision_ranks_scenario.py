@@ -2,7 +2,7 @@
 ``qwen4_exp`` model for the demo checkpoint on the CPU and loading the vision tower's tensors with
 the model's own loader; prints what the rank holds, as JSON.
 
-``python vision_ranks_scenario.py SNAPSHOT RANK PORT``. The quantization groups are dropped (no CPU
+``python vision_ranks_scenario.py RANK PORT SNAPSHOT``. The quantization groups are dropped (no CPU
 kernels for them; the vision tower is bf16 in the release).
 """
 import importlib, json, os, sys
@@ -11,7 +11,7 @@ from safetensors import safe_open
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-snapshot, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rank, port, snapshot = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 
 
 def bf16_only(config):
