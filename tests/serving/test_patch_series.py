@@ -21,11 +21,13 @@ from flashnext.tools.cli import main as cli
 
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
+SERIES = ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01", "mtp-02",
+          "decode-03", "qsa-offload", "int8-modules", "decode-04", "int6-bitplane"]
+
 
 def test_series_metadata_is_complete():
     series = load_series()
-    assert [p.id for p in series] == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
-                                       "mtp-02", "decode-03", "qsa-offload", "int8-modules"]
+    assert [p.id for p in series] == SERIES
     for p in series:
         assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.envs", fromlist=["ALL"]).ALL}
         assert p.path.is_file() and p.probe and p.upstream
@@ -73,8 +75,7 @@ def test_the_probe_fails_on_an_unpatched_tree(tmp_path, monkeypatch):
 
 def test_apply_in_place_to_a_copy(tmp_path):
     fake = _copy_touched(tmp_path)
-    assert apply_series(fake) == ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01",
-                                       "mtp-02", "decode-03", "qsa-offload", "int8-modules"]
+    assert apply_series(fake) == SERIES
     assert "self.draft_tokens_handler.drop(finished_req_ids)" in (fake / "vllm/v1/worker/gpu/model_runner.py").read_text()
 
 
