@@ -15,7 +15,8 @@ rows padded to 336):
 
 decode-05's router (512 experts + the shared expert's gate over hidden 2560, top 10):
 
-* ``fused``: :func:`flashnext.quant.kernels.moe_route.route`, one launch;
+* ``fused``: :func:`flashnext.quant.kernels.moe_route.route`, one launch; ``fused+align`` also
+  writes Marlin's block alignment (block 8) in the same launch;
 * ``gemms``: the router GEMV and the shared gate's GEMV in bf16 through cuBLAS alone, a lower bound
   of vLLM's path, which adds ``topk_softmax``;
 * ``unfused_torch``: those GEMMs, then softmax, top-k and renormalization in torch.
@@ -74,6 +75,7 @@ def route_point(m: int) -> dict:
     return {
         "tokens": m,
         "fused": bench(lambda: route(x, rows, TOP_K)),
+        "fused_with_alignment": bench(lambda: route(x, rows, TOP_K, align_block=8)),
         "gemms": bench(lambda: (torch.nn.functional.linear(x, router), torch.nn.functional.linear(x, gate))),
         "unfused_torch": bench(unfused),
         "same_experts": bool(torch.equal(got[2].cpu(), want[2])),
@@ -136,9 +138,10 @@ def main() -> None:
               f"{r['int8_unfused_torch']:18.1f}  {r['fused_read_GBps']:10.0f}  "
               f"{r['block_input_max_rel_error']:17.1e}  {r['injection_bit_exact']}")
     print(f"# router: {EXPERTS} experts + shared gate over {HIDDEN}, top {TOP_K}; us")
-    print("tokens  fused  gemms  unfused_torch  same experts as the reference")
+    print("tokens  fused  fused+align  gemms  unfused_torch  same experts as the reference")
     for r in routes:
-        print(f"{r['tokens']:>6}  {r['fused']:5.1f}  {r['gemms']:5.1f}  {r['unfused_torch']:13.1f}  {r['same_experts']}")
+        print(f"{r['tokens']:>6}  {r['fused']:5.1f}  {r['fused_with_alignment']:11.1f}  {r['gemms']:5.1f}  "
+              f"{r['unfused_torch']:13.1f}  {r['same_experts']}")
 
 
 def sweep() -> None:

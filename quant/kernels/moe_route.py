@@ -47,9 +47,35 @@ def _key_logit(key):
     return (bits << 16).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _align_blocks(expert, flat, valid, sentinel, sorted_ptr, blocks_ptr, total_ptr, ALIGN: tl.constexpr,
+                  A: tl.constexpr):
+    """Marlin's block alignment of the step's assignments, in vLLM's ``moe_align_block_size``
+    layout: each expert's assignments (``flat = token * k + slot``, ascending) padded with
+    ``sentinel`` (``M * k``) to a multiple of ``ALIGN``, experts ascending; one expert per block,
+    -1 past the end; the padded total. Pairwise over the ``A`` (padded) assignments, in registers."""
+    same = (expert[:, None] == expert[None, :]) & valid[:, None] & valid[None, :]
+    rank = tl.sum((same & (flat[None, :] < flat[:, None])).to(tl.int32), axis=1)
+    padded = (tl.sum(same.to(tl.int32), axis=1) + ALIGN - 1) // ALIGN * ALIGN
+    first = valid & (rank == 0)  # one lane per expert in use
+    below = first[None, :] & (expert[None, :] < expert[:, None])
+    offset = tl.sum(tl.where(below, padded[None, :], 0), axis=1)
+    lane = tl.arange(0, A)
+    for start in range(0, sentinel * ALIGN, A):  # every slot a padding slot first
+        tl.store(sorted_ptr + start + lane, sentinel, mask=start + lane < sentinel * ALIGN)
+    tl.debug_barrier()  # the scatter below must land after the fill, across the program's threads
+    tl.store(sorted_ptr + offset + rank, flat, mask=valid)
+    starts = lane * ALIGN
+    owner = first[None, :] & (offset[None, :] <= starts[:, None]) & (starts[:, None] < (offset + padded)[None, :])
+    owned = tl.sum(owner.to(tl.int32), axis=1) > 0
+    block_expert = tl.sum(tl.where(owner, expert[None, :], 0), axis=1)
+    tl.store(blocks_ptr + lane, tl.where(owned, block_expert, -1), mask=lane < sentinel)
+    tl.store(total_ptr, tl.sum(tl.where(first, padded, 0), axis=0))
+
+
 @triton.jit(do_not_specialize=["M"])
-def _route_kernel(x_ptr, w_ptr, logits_ptr, partial_ptr, ids_ptr, weights_ptr, count_ptr, M, H, stride_xm,
-                  stride_wn, E: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr,
+def _route_kernel(x_ptr, w_ptr, logits_ptr, partial_ptr, ids_ptr, weights_ptr, count_ptr, sorted_ptr, blocks_ptr,
+                  total_ptr, M, H, stride_xm, stride_wn, E: tl.constexpr, ALIGN: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr,
                   BLOCK_M: tl.constexpr, TOPK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -106,13 +132,21 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, partial_ptr, ids_ptr, weights_ptr, c
             tl.store(ids_ptr + picks[:, None] * TOP_K + slots[None, :], chosen, mask=pick_mask)
             tl.store(weights_ptr + picks[:, None] * TOP_K + slots[None, :],
                      weights / tl.sum(weights, axis=1)[:, None], mask=pick_mask)
+            if ALIGN > 0:
+                A: tl.constexpr = TOPK_M * TOPK_PAD
+                _align_blocks(tl.reshape(chosen, [A]), tl.reshape(picks[:, None] * TOP_K + slots[None, :], [A]),
+                              tl.reshape(pick_mask, [A]), M * TOP_K, sorted_ptr, blocks_ptr, total_ptr, ALIGN, A)
 
 
-def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, block_n: int = 16, block_k: int = 128,
-          split_k: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_block: int = 0, block_n: int = 16,
+          block_k: int = 128, split_k: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, ...]:
     """``(router_logits [M, E], shared_gate_logit [M, 1], topk_ids int32 [M, k], topk_weights fp32
     [M, k])`` for ``x [M, H]`` (1..16 tokens) and the merged rows ``[E + 1, H]`` (router, then the
-    shared expert's gate). ``split_k`` (default: about two programs per SM) splits the GEMV over K."""
+    shared expert's gate). ``split_k`` (default: about two programs per SM) splits the GEMV over K.
+
+    With ``align_block`` > 0 (Marlin's ``block_size_m``; 8 for a decode step) the same launch also
+    returns Marlin's block alignment: ``sorted_token_ids int32 [M*k*align_block]``,
+    ``expert_ids int32 [M*k]`` and ``num_tokens_post_padded int32 [1]``."""
     M, H = x.shape
     E = router_and_gate.shape[0] - 1
     if not 1 <= M <= MAX_TOKENS:
@@ -130,15 +164,22 @@ def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, block_n: i
     partial = torch.empty(split, 16, E + 1, dtype=torch.float32, device=x.device) if split > 1 else logits
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    if align_block:
+        sorted_ids = torch.empty(M * top_k * align_block, dtype=torch.int32, device=x.device)
+        expert_ids = torch.empty(M * top_k, dtype=torch.int32, device=x.device)
+        total = torch.empty(1, dtype=torch.int32, device=x.device)
+    else:
+        sorted_ids = expert_ids = total = ids
     counters = _COUNTERS.get(x.device)
     if counters is None or counters.numel() < blocks + 1:
         counters = _COUNTERS[x.device] = torch.zeros(blocks + 1, dtype=torch.int32, device=x.device)
     _route_kernel[(blocks, split)](
-        x, router_and_gate, logits, partial, ids, weights, counters, M, H, x.stride(0), router_and_gate.stride(0),
-        E=E, TOP_K=top_k, TOPK_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E), BLOCK_M=16,
+        x, router_and_gate, logits, partial, ids, weights, counters, sorted_ids, expert_ids, total, M, H, x.stride(0),
+        router_and_gate.stride(0), E=E, ALIGN=align_block, TOP_K=top_k, TOPK_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E), BLOCK_M=16,
         TOPK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, DOT_FP32=INTERPRETED,
         num_warps=num_warps)
-    return logits[:, :E], logits[:, E:], ids, weights
+    routed = (logits[:, :E], logits[:, E:], ids, weights)
+    return routed + (sorted_ids, expert_ids, total) if align_block else routed
 
 
 def reference_route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, to_bf16=None):
@@ -151,3 +192,21 @@ def reference_route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, 
     order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = probs.gather(1, order)
     return logits[:, :E], logits[:, E:], order.to(torch.int32), weights / weights.sum(-1, keepdim=True)
+
+
+def reference_align(topk_ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's ``moe_align_block_size`` layout for ``topk_ids [M, k]`` (documented in vLLM): each
+    used expert's flat assignment indices, ascending, padded with ``M * k`` to a multiple of
+    ``block``; experts ascending; one expert per block (-1 past the end); the padded total."""
+    flat = topk_ids.reshape(-1).long()
+    sentinel = flat.numel()
+    sorted_ids = torch.full((sentinel * block,), sentinel, dtype=torch.int32)
+    expert_ids = torch.full((sentinel,), -1, dtype=torch.int32)
+    position = 0
+    for expert in sorted(set(flat.tolist())):
+        members = torch.nonzero(flat == expert).reshape(-1)
+        sorted_ids[position:position + members.numel()] = members.to(torch.int32)
+        blocks = -(-members.numel() // block)
+        expert_ids[position // block:position // block + blocks] = expert
+        position += blocks * block
+    return sorted_ids, expert_ids, torch.tensor([position], dtype=torch.int32)

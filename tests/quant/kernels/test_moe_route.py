@@ -55,10 +55,31 @@ def test_route_checks_its_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
 def test_real_shape(m):
-    """512 experts + the shared gate over hidden 2560, top 10 (Qwen3.8-Flash-Next)."""
+    """512 experts + the shared gate over hidden 2560, top 10 (Qwen3.8-Flash-Next), with Marlin's
+    decode block alignment (8)."""
+    from flashnext.quant.kernels.moe_route import reference_align
+
     x, w = case(m, 512, 2560, seed=50 + m, exact=True, ties=True)
+    x[-1] = x[0]
     want = reference_route(x, w, 10)
-    got = route(x.cuda(), w.cuda(), 10)
+    got = route(x.cuda(), w.cuda(), 10, align_block=8)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     assert torch.equal(got[2].cpu(), want[2])
     assert torch.allclose(got[3].cpu(), want[3], rtol=2e-6, atol=1e-7)
+    aligned = reference_align(want[2], 8)
+    assert all(torch.equal(g.cpu(), a) for g, a in zip(got[4:], aligned))
+
+
+@pytest.mark.parametrize("m,align", [(1, 8), (3, 8), (16, 16)])
+def test_marlin_block_alignment_in_the_same_launch(m, align):
+    """vLLM's moe_align_block_size layout, from the router's own picks (the last token repeats the
+    first, so experts are shared between tokens)."""
+    from flashnext.quant.kernels.moe_route import reference_align
+
+    x, w = case(m, 64, 256, seed=30 + m, exact=True, ties=True)
+    x[-1] = x[0]
+    logits, gate, ids, weights, sorted_ids, expert_ids, total = route(x.to(DEVICE), w.to(DEVICE), 6, align_block=align)
+    want = reference_align(ids.cpu(), align)
+    assert int(total) == int(want[2][0]) and torch.equal(expert_ids.cpu(), want[1])
+    assert torch.equal(sorted_ids.cpu(), want[0])
+    assert torch.equal(route(x.to(DEVICE), w.to(DEVICE), 6)[2].cpu(), ids.cpu())  # the routing itself unchanged
