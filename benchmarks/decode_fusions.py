@@ -75,7 +75,7 @@ def route_point(m: int) -> dict:
     return {
         "tokens": m,
         "fused": bench(lambda: route(x, rows, TOP_K)),
-        "fused_with_alignment": bench(lambda: route(x, rows, TOP_K, align_block=8)),
+        "fused_with_alignment": bench(lambda: route(x, rows, TOP_K, align_block=8)) if m <= 4 else None,
         "gemms": bench(lambda: (torch.nn.functional.linear(x, router), torch.nn.functional.linear(x, gate))),
         "unfused_torch": bench(unfused),
         "same_experts": bool(torch.equal(got[2].cpu(), want[2])),
@@ -140,7 +140,7 @@ def main() -> None:
     print(f"# router: {EXPERTS} experts + shared gate over {HIDDEN}, top {TOP_K}; us")
     print("tokens  fused  fused+align  gemms  unfused_torch  same experts as the reference")
     for r in routes:
-        print(f"{r['tokens']:>6}  {r['fused']:5.1f}  {r['fused_with_alignment']:11.1f}  {r['gemms']:5.1f}  "
+        print(f"{r['tokens']:>6}  {r['fused']:5.1f}  {r['fused_with_alignment'] or float('nan'):11.1f}  {r['gemms']:5.1f}  "
               f"{r['unfused_torch']:13.1f}  {r['same_experts']}")
 
 

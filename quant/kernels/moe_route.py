@@ -28,6 +28,10 @@ from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, _dot, _s
 
 # per device: the row blocks' split-K counters after one for the whole grid, reset by the kernel
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# The alignment compares every assignment with every other in one program: +1 us at 1-2 tokens,
+# +5 at 4, +25 at 8 and +115 at 16 on the H200 (docs/benchmarks.md); beyond 4 tokens vLLM's own
+# moe_align_block_size is the faster choice.
+ALIGN_MAX_TOKENS = 4
 
 
 @triton.jit
@@ -156,6 +160,8 @@ def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_bloc
                          f"(K must be a multiple of {block_k})")
     if not 1 <= top_k <= min(E, 64):
         raise ValueError(f"top_k {top_k} does not fit {E} experts")
+    if align_block and M > ALIGN_MAX_TOKENS:
+        raise ValueError(f"the fused block alignment takes 1..{ALIGN_MAX_TOKENS} tokens, got {M}")
     if x.stride(1) != 1:
         x = x.contiguous()
     blocks = triton.cdiv(E + 1, block_n)

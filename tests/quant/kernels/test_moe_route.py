@@ -50,10 +50,12 @@ def test_route_checks_its_inputs():
         route(torch.zeros(17, 256, dtype=torch.bfloat16), w, 4)
     with pytest.raises(ValueError, match="top_k"):
         route(x, w, 17)
+    with pytest.raises(ValueError, match="alignment takes 1..4 tokens"):
+        route(torch.zeros(5, 256, dtype=torch.bfloat16), w, 4, align_block=8)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4])
 def test_real_shape(m):
     """512 experts + the shared gate over hidden 2560, top 10 (Qwen3.8-Flash-Next), with Marlin's
     decode block alignment (8)."""
@@ -70,7 +72,7 @@ def test_real_shape(m):
     assert all(torch.equal(g.cpu(), a) for g, a in zip(got[4:], aligned))
 
 
-@pytest.mark.parametrize("m,align", [(1, 8), (3, 8), (16, 16)])
+@pytest.mark.parametrize("m,align", [(1, 8), (3, 8), (4, 16)])
 def test_marlin_block_alignment_in_the_same_launch(m, align):
     """vLLM's moe_align_block_size layout, from the router's own picks (the last token repeats the
     first, so experts are shared between tokens)."""
