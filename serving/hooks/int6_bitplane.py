@@ -27,6 +27,7 @@ from flashnext import envs
 from flashnext.errors import FlashnextError
 from flashnext.quant.formats.bitplane import LAYOUT, bitplane_to_codes, bitplane_to_dense6
 from flashnext.quant.formats.packing import dequantize_groups
+from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, bitplane_matmul
 from flashnext.serving.hooks.vllm_bases import linear_method_base, loads_with_weight_loader_v2
 
 
@@ -138,8 +139,6 @@ class BitplaneLinearMethod(linear_method_base()):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.planes_kept:
             return layer.scheme.apply_weights(layer, x, bias)
-        from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, bitplane_matmul
-
         flat = x.reshape(-1, x.shape[-1])
         if 1 <= flat.shape[0] <= MAX_TOKENS and (flat.is_cuda or INTERPRETED):
             out = bitplane_matmul(flat, layer.weight_packed, layer.weight_scale).to(x.dtype)

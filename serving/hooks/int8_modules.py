@@ -26,7 +26,8 @@ import re
 import torch
 
 from flashnext import envs
-from flashnext.quant.formats.packing import dequantize_groups
+from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
+from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, int8_mma
 from flashnext.serving.hooks.vllm_bases import (linear_method_base, loads_with_weight_loader_v2,
                                                 quantization_config_base, quantize_method_base)
 
@@ -78,15 +79,12 @@ DEQUANTIZE_LIMIT = 1 << 26
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weights ``q * s`` of compressed-tensors INT8 words (``int32 [rows, K/4]``), each rounded once."""
-    codes = packed.contiguous().view(torch.uint8).view(packed.shape[0], -1).to(torch.int16) - 128
-    return dequantize_groups(codes, scale, dtype)
+    return dequantize_groups(unpack_int32(packed, 8, packed.shape[1] * 4), scale, dtype)
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for ``x [M, K]``: the INT8 tensor-core kernel for decode batches and very large
     weights (16 rows a launch), else a bf16 GEMM over the dequantized weights."""
-    from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, int8_mma
-
     kernel = x.is_cuda or INTERPRETED  # a CPU backend has no Triton
     if x.shape[0] and kernel and (x.shape[0] <= MAX_TOKENS or packed.numel() * 4 > DEQUANTIZE_LIMIT):
         return torch.cat([int8_mma(chunk, packed, scale) for chunk in x.split(MAX_TOKENS)])
