@@ -113,6 +113,8 @@ def hc_up_gate_mix(lowrank: torch.Tensor, packed: torch.Tensor, scales: torch.Te
         raise ValueError(f"the fused HC mix takes 4 streams (Qwen3.8-Flash-Next's), got {hc_count}")
     if xn.shape != (M, packed.shape[0]) or packed.shape[0] % hc_count or xn.stride(1) != 1 or lowrank.stride(1) != 1:
         raise ValueError(f"xn {list(xn.shape)} does not match the up projection's {packed.shape[0]} rows")
+    if xn.dtype != torch.bfloat16 or lowrank.dtype != torch.bfloat16:
+        raise ValueError(f"the fused HC mix rounds as vLLM's bf16 path does; got {xn.dtype} activations")
     H = packed.shape[0] // hc_count
     y = torch.empty(M, H, dtype=xn.dtype, device=xn.device)
     _up_gate_mix_kernel[(triton.cdiv(H, block_j),)](

@@ -8,8 +8,8 @@ shared expert's gate as its own small GEMV (seed 000 §3.3: 12 + 7 + 7 us on a 3
   row), for 1..16 tokens, written as bf16 logits (the router's output dtype on sm8x);
 * the GEMV is split over K like :mod:`.decode_mma`'s; the last program of each row block sums its
   partials in split order, and the row block that finishes last (a second acq_rel counter) picks
-  each token's top ``k`` experts and their weights. ``norm_topk_prob`` cancels the softmax denominator over all
-  experts, so the weights are a softmax over the ``k`` selected logits. Each round takes one max
+  each token's top ``k`` experts and their weights. ``norm_topk_prob`` cancels the softmax
+  denominator over all experts, so the weights are a softmax over the ``k`` selected logits. Each round takes one max
   over 32-bit keys ``order(bf16 logit) << 16 | (65535 - expert)``: the value and the expert at once,
   the smaller expert winning a tie, as vLLM's ``topk_softmax`` does; the logit is rebuilt from the
   key, so the rounds load nothing.
@@ -155,6 +155,9 @@ def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_bloc
     E = router_and_gate.shape[0] - 1
     if not 1 <= M <= MAX_TOKENS:
         raise ValueError(f"the fused router takes 1..{MAX_TOKENS} tokens, got {M}")
+    if x.dtype != torch.bfloat16 or router_and_gate.dtype != torch.bfloat16:
+        raise ValueError(f"the fused router takes bf16 (its top-k orders bf16 logits), got {x.dtype} and "
+                         f"{router_and_gate.dtype}")
     if router_and_gate.shape[1] != H or H % block_k or not router_and_gate.is_contiguous():
         raise ValueError(f"router rows {list(router_and_gate.shape)} do not fit x {list(x.shape)} "
                          f"(K must be a multiple of {block_k})")

@@ -25,7 +25,8 @@ def enabled() -> bool:
 def mix(module: torch.nn.Module, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(block_input, injection)`` of vLLM's ``GatedResidual`` ``module`` for the normalized
     streams ``xn``, or None where the fused kernels do not apply."""
-    if not enabled() or module.hc_count != 4 or not 1 <= xn.shape[0] <= MAX_TOKENS or not (xn.is_cuda or INTERPRETED):
+    if (not enabled() or module.hc_count != 4 or xn.dtype != torch.bfloat16 or not 1 <= xn.shape[0] <= MAX_TOKENS
+            or not (xn.is_cuda or INTERPRETED)):
         return None
     import vllm.envs
 

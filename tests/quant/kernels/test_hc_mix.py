@@ -81,6 +81,8 @@ def test_shapes_are_checked():
     down, up = _layer(128, 64, gen, exact=True)
     with pytest.raises(ValueError, match="1..16 tokens"):
         hc_up_gate_mix(torch.zeros(17, 64, dtype=torch.bfloat16), *up, torch.zeros(17, HC * 128), HC)
+    with pytest.raises(ValueError, match="bf16"):
+        hc_up_gate_mix(torch.zeros(2, 64, dtype=torch.half), *up, torch.zeros(2, HC * 128, dtype=torch.half), HC)
     with pytest.raises(ValueError, match="does not match"):
         hc_up_gate_mix(torch.zeros(2, 64, dtype=torch.bfloat16), *up, torch.zeros(2, 128), HC)
 

@@ -50,6 +50,8 @@ def test_route_checks_its_inputs():
         route(torch.zeros(17, 256, dtype=torch.bfloat16), w, 4)
     with pytest.raises(ValueError, match="top_k"):
         route(x, w, 17)
+    with pytest.raises(ValueError, match="bf16"):
+        route(x.half(), w, 4)
     with pytest.raises(ValueError, match="alignment takes 1..4 tokens"):
         route(torch.zeros(5, 256, dtype=torch.bfloat16), w, 4, align_block=8)
 
