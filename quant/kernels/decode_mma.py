@@ -7,11 +7,15 @@
 * INT8 as compressed-tensors packs it (``pack-quantized``, 8 bits: four ``q + 128`` bytes per
   little-endian int32, so the words viewed as bytes are the codes in k order) (:func:`int8_mma`).
 
-Each program owns ``BLOCK_N`` output rows and a range of whole groups (split-K): per group it loads
-the rows' bytes with wide loads, rebuilds the codes in k order in registers, and multiplies them as
-exact bf16 integers against the tokens (padded to 16) with ``tl.dot``; the fp32 product is scaled
-once per group. bf16 holds every code exactly and the products accumulate in fp32, so the only
-rounding is the output's.
+Each program owns ``BLOCK_N`` output rows and a range of K (split-K), walked in steps. Per step it
+loads the rows' bytes with wide loads, rebuilds the codes in k order in registers, and multiplies
+them against the tokens (padded to 16) with ``tl.dot``, accumulating in fp32:
+
+* INT8, one group a step: the codes as exact bf16 integers, the fp32 product scaled once per
+  group, so the only rounding is the output's;
+* INT6, four groups a step (256 columns): the weights dequantized to ``bf16(q * s)`` before the
+  dot, the weights a dense bf16 checkpoint would hold. One wide dot per step instead of one per
+  group made the kernel 10-20% faster on the H200 (docs/benchmarks.md).
 
 Split-K partials go to an fp32 workspace; the last program of a row block (an acq_rel counter)
 sums them and writes the output, then resets its counter, so one launch does the whole GEMM.
@@ -35,16 +39,27 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _codes(w_ptr, rows, n_mask, stride_wn, g, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The signed codes of group ``g`` for ``rows``, ``[BLOCK_N, GROUP]`` int32, in k order."""
-    half = tl.arange(0, GROUP // 2)
-    quarter = tl.arange(0, GROUP // 4)
+def _bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP: tl.constexpr,
+                      STEP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Step ``step``'s dequantized weights ``q * s`` for ``rows``, fp32 ``[BLOCK_N, STEP]`` in k order
+    (:func:`_dot` rounds them to bf16 on the GPU).
+
+    The planes are read with wide loads and the codes rebuilt in registers with ``tl.join``; each
+    group's scale is applied before the dot (as Marlin does), so one ``tl.dot`` covers STEP columns.
+    """
+    half = tl.arange(0, STEP // 2)
+    quarter = tl.arange(0, STEP // 4)
     row_base = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-    lo = tl.load(row_base + g * (GROUP // 2) + half[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
-    hi = tl.load(row_base + K // 2 + g * (GROUP // 4) + quarter[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
-    low = tl.reshape(tl.join(lo & 15, lo >> 4), [BLOCK_N, GROUP])
-    high = tl.reshape(tl.join(tl.join(hi & 3, (hi >> 4) & 3), tl.join((hi >> 2) & 3, hi >> 6)), [BLOCK_N, GROUP])
-    return (low | (high << 4)) - 32
+    lo = tl.load(row_base + step * (STEP // 2) + half[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    hi = tl.load(row_base + K // 2 + step * (STEP // 4) + quarter[None, :], mask=n_mask[:, None],
+                 other=0).to(tl.int32)
+    low = tl.reshape(tl.join(lo & 15, lo >> 4), [BLOCK_N, STEP])
+    high = tl.reshape(tl.join(tl.join(hi & 3, (hi >> 4) & 3), tl.join((hi >> 2) & 3, hi >> 6)), [BLOCK_N, STEP])
+    codes = ((low | (high << 4)) - 32).to(tl.float32)
+    GROUPS: tl.constexpr = STEP // GROUP
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + step * GROUPS + tl.arange(0, GROUPS)[None, :],
+                mask=n_mask[:, None], other=0).to(tl.float32)
+    return tl.reshape(tl.reshape(codes, [BLOCK_N, GROUPS, GROUP]) * s[:, :, None], [BLOCK_N, STEP])
 
 
 @triton.jit
@@ -57,7 +72,7 @@ def _int8_codes(w_ptr, rows, n_mask, stride_wn, g, GROUP: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, DOT_FP32: tl.constexpr):
-    """``a @ b.T`` of exact bf16 values, accumulated in fp32."""
+    """``a @ b.T`` in bf16, accumulated in fp32; in fp32 under the interpreter, whose bf16 dot is wrong."""
     if DOT_FP32:
         return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
     return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
@@ -74,7 +89,7 @@ def _epilogue(y, rows, SILU_COLUMNS: tl.constexpr, SILU_DIV: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                stride_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                stride_ym, GROUP: tl.constexpr, STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, BITS: tl.constexpr,
                 SILU_COLUMNS: tl.constexpr = 0, SILU_DIV: tl.constexpr = 1):
     pid_n = tl.program_id(0)
@@ -83,21 +98,22 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, str
     n_mask = rows < N
     tokens = tl.arange(0, BLOCK_M)
     m_mask = tokens < M
-    columns = tl.arange(0, GROUP)
-    num_groups = K // GROUP
-    first = pid_k * num_groups // SPLIT_K
-    last = (pid_k + 1) * num_groups // SPLIT_K
+    columns = tl.arange(0, STEP)
+    num_steps = K // STEP
+    first = pid_k * num_steps // SPLIT_K
+    last = (pid_k + 1) * num_steps // SPLIT_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for g in range(first, last):
-        if BITS == 8:
-            codes = _int8_codes(w_ptr, rows, n_mask, stride_wn, g, GROUP)
-        else:
-            codes = _codes(w_ptr, rows, n_mask, stride_wn, g, K, GROUP, BLOCK_N)
-        x = tl.load(x_ptr + tokens[:, None] * stride_xm + g * GROUP + columns[None, :], mask=m_mask[:, None],
+    for step in range(first, last):
+        x = tl.load(x_ptr + tokens[:, None] * stride_xm + step * STEP + columns[None, :], mask=m_mask[:, None],
                     other=0.0)
-        product = _dot(x, codes, DOT_FP32)
-        scale = tl.load(s_ptr + rows * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
-        acc += product * scale[None, :]
+        if BITS == 8:  # STEP == GROUP: exact integer products, scaled once per group
+            codes = _int8_codes(w_ptr, rows, n_mask, stride_wn, step, GROUP)
+            scale = tl.load(s_ptr + rows * stride_sn + step, mask=n_mask, other=0).to(tl.float32)
+            acc += _dot(x, codes, DOT_FP32) * scale[None, :]
+        else:
+            weights = _bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP, STEP,
+                                        BLOCK_N)
+            acc += _dot(x, weights, DOT_FP32)
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_ptr = y_ptr + tokens[:, None] * stride_ym + rows[None, :]
     if SPLIT_K == 1:
@@ -126,12 +142,30 @@ def _counters(n: int, device) -> torch.Tensor:
     return have
 
 
-def launch_shape(N: int, K: int, group: int, sms: int = 132) -> tuple[int, int]:
-    """(BLOCK_N, SPLIT_K): 64-row blocks, split over K until about two programs per SM."""
-    block_n = 64
+# INT6 columns per step: four groups of 64 (the H200 sweep's best, docs/benchmarks.md 2026-12-01).
+BITPLANE_STEP = 256
+
+
+def bitplane_step(K: int, group: int) -> int:
+    """The widest of 256 and 128 columns that holds whole groups and divides K, else one group."""
+    for step in (BITPLANE_STEP, 128):
+        if K % step == 0 and step % group == 0:
+            return step
+    return group
+
+
+def launch_shape(N: int, K: int, step: int, bits: int, sms: int = 132) -> tuple[int, int]:
+    """(BLOCK_N, SPLIT_K), from the H200 sweeps in docs/benchmarks.md.
+
+    INT8: 64-row blocks, split over K until about two programs per SM. INT6: 64-row blocks from 2^26
+    weights and 32 below, split into at least two parts and until about two programs per SM.
+    """
+    block_n = 64 if bits == 8 or N * K >= 1 << 26 else 32
     blocks = triton.cdiv(N, block_n)
-    split = max(1, min(K // group, triton.cdiv(2 * sms, blocks)))
-    return block_n, split
+    split = triton.cdiv(2 * sms, blocks)
+    if bits == 6:
+        split = max(2, split)
+    return block_n, max(1, min(K // step, split))
 
 
 def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int, block_n: int | None,
@@ -144,16 +178,17 @@ def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int
     group = K // scales.shape[1]
     if scales.shape[0] != N or group * scales.shape[1] != K or group % 16:
         raise ValueError(f"scales {list(scales.shape)} do not fit [{N}, {K}] in groups of a multiple of 16")
-    auto_n, auto_split = launch_shape(N, K, group, _sms(x.device))
-    block_n, split = block_n or auto_n, split_k or auto_split
+    step = bitplane_step(K, group) if bits == 6 else group
+    auto_n, auto_split = launch_shape(N, K, step, bits, _sms(x.device))
+    block_n, split = block_n or auto_n, min(split_k or auto_split, K // step)
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(N, block_n)
     partial = torch.empty((split, 16, N), dtype=torch.float32, device=x.device) if split > 1 else y
     _mma_kernel[(blocks, split)](x, weights, scales, y, partial, _counters(blocks, x.device), M, N, K, x.stride(0),
-                                 weights.stride(0), scales.stride(0), y.stride(0), GROUP=group, BLOCK_M=16,
-                                 BLOCK_N=block_n, SPLIT_K=split, DOT_FP32=INTERPRETED, BITS=bits,
+                                 weights.stride(0), scales.stride(0), y.stride(0), GROUP=group, STEP=step,
+                                 BLOCK_M=16, BLOCK_N=block_n, SPLIT_K=split, DOT_FP32=INTERPRETED, BITS=bits,
                                  SILU_COLUMNS=silu_columns, SILU_DIV=silu_div, num_warps=num_warps,
                                  num_stages=num_stages)
     return y
