@@ -22,7 +22,7 @@ from flashnext.tools.cli import main as cli
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
 SERIES = ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01", "mtp-02",
-          "decode-03", "qsa-offload", "int8-modules", "decode-04", "int6-bitplane"]
+          "decode-03", "qsa-offload", "int8-modules", "decode-04", "int6-bitplane", "decode-05"]
 
 
 def test_series_metadata_is_complete():
@@ -381,6 +381,63 @@ def test_int6_bitplane_overlay_is_served(patched_tree, demo_snapshot, tmp_path):
     # switch off: the planes load, then become the original words for vLLM's own INT6 scheme
     assert served["fallback_method"] == ["BitplaneLinearMethod", "CompressedTensorsWNA16", False]
     assert served["fallback_words_equal_original"]
+
+
+# --- decode-05: a decode step's MoE block routed by one kernel --------------------------------------
+
+def test_decode05_routes_vllms_moe_block_through_the_fused_router(patched_tree, demo_snapshot, tmp_path):
+    """vLLM 0.33.0's own MoE block for the demo checkpoint on the CPU, the router under Triton's
+    interpreter. The routed experts' kernel is the one thing stood in for (this vLLM build has no
+    CPU MoE kernels); it receives what vLLM's router or the fused one chose. Bit-plane mode: the
+    shared expert is the INT6 overlay's, through the bit-plane kernels for 1..4 tokens."""
+    from flashnext.quant.overlays.int6_repack import repack_int6
+    from flashnext.quant.overlays.view import apply_overlays
+
+    env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    script = (SUPPORT_DIR / "moe_decode_scenario.py").read_text()
+    stock = _run_scenario(None, env, script, (str(demo_snapshot), _free_port()))
+    assert stock["patched"] is False
+    repack_int6(demo_snapshot, tmp_path / "overlay")
+    apply_overlays(demo_snapshot, [tmp_path / "overlay"], tmp_path / "view")
+    for args in ((str(demo_snapshot),), (str(tmp_path / "view"), "bitplane")):
+        patched = _run_scenario(str(patched_tree), env, script, (args[0], _free_port(), *args[1:]))
+        assert patched["patched"] is True
+        if not patched["bitplane"]:  # the switch off is stock vLLM's block, output for output
+            assert [r["stock_output"] for r in patched["steps"]] == [r["stock_output"] for r in stock["steps"]]
+        else:
+            assert patched["shared_expert_method"] == "BitplaneLinearMethod"
+        for step in patched["steps"]:
+            assert step["fused_path"] is (step["tokens"] <= 16)  # decode batches only
+            assert step["same_experts"]
+            # one bf16 step: the interpreter rounds the kernel's logits toward zero, vLLM's CPU GEMM
+            # to nearest, and vLLM's CPU router takes its softmax in bf16 (its GPU router in fp32)
+            assert step["max_abs_diff"] <= 2 ** -7 * max(step["max_abs"], 1.0)
+            if step["fused_path"]:
+                assert step["router_logit_max_diff"] <= 2 ** -6 and step["gate_logit_max_diff"] <= 2 ** -6
+                # given the kernel's logits, vLLM's own router picks the same experts and weights
+                assert step["same_logits_same_experts"] and step["same_logits_max_weight_diff"] <= 2 ** -8
+            else:
+                assert step["max_abs_diff"] == 0.0
+
+
+def test_decode05_hands_marlin_the_alignment_of_exactly_its_step():
+    """``fused_marlin_moe`` takes the router's alignment only for the topk_ids it was made for, at the
+    block size Marlin chose, without an expert map; once."""
+    import torch
+
+    from flashnext.serving.hooks import moe_decode
+
+    assert [moe_decode.marlin_block_size(m, 10, 512) for m in (1, 4, 16)] == [8, 8, 8]
+    assert moe_decode.marlin_block_size(4096, 10, 512) == 64
+    ids = torch.zeros(2, 10, dtype=torch.int32)
+    aligned = (torch.zeros(160, dtype=torch.int32), torch.zeros(20, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    moe_decode._pending_alignment = (ids, 8, 512, aligned)
+    assert moe_decode.alignment_for(ids, 8, 512, None) is aligned
+    assert moe_decode.alignment_for(ids, 8, 512, None) is None  # used once
+    for other in ((ids.clone(), 8, 512, None), (ids, 16, 512, None), (ids, 8, 256, None),
+                  (ids, 8, 512, torch.arange(512))):
+        moe_decode._pending_alignment = (ids, 8, 512, aligned)
+        assert moe_decode.alignment_for(*other) is None
 
 
 # --- issue 15: the vision tower on the first pipeline rank only ------------------------------------

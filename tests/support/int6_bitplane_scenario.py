@@ -9,35 +9,14 @@ batch-invariant mode, which the scenario's dense runs set).
 """
 import json, os, sys
 import torch
-from safetensors import safe_open
 
 from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
-from support.vllm_demo import build_model, demo_vllm
+from support.vllm_demo import build_model, demo_vllm, only_int6_shared_experts, read_tensors as read
 
 view, original, port = sys.argv[1], sys.argv[2], sys.argv[3]
 
-
-def only_shared_experts(config):
-    qc = getattr(config, "quantization_config", None)
-    if qc is not None:
-        groups = {k: g for k, g in qc["config_groups"].items() if g["weights"]["num_bits"] == 6}
-        for g in groups.values():
-            g["targets"] = [r"re:.*mlp\.shared_expert\.(gate|up|down)_proj$"]
-        qc["config_groups"] = groups
-    return config
-
-
-def read(snapshot, predicate):
-    index = json.load(open(os.path.join(snapshot, "model.safetensors.index.json")))["weight_map"]
-    out = {}
-    for name in filter(predicate, index):
-        with safe_open(os.path.join(snapshot, index[name]), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
-
-
 out = {}
-with demo_vllm(view, port, only_shared_experts) as (config, _):
+with demo_vllm(view, port, only_int6_shared_experts) as (config, _):
     model = build_model(config)
     text = model.language_model.model
     experts = [layer.mlp.shared_expert for layer in text.layers]

@@ -5,6 +5,8 @@ What cannot exist on the CPU is stood in for, and only that: FlashAttention's av
 (QSA never runs flash-attn over its cache; the probe only guards the import).
 """
 import importlib
+import json
+import os
 from contextlib import contextmanager
 
 import torch
@@ -41,3 +43,27 @@ def build_model(config):
     if config.quant_config is not None:
         configure_quant_config(config.quant_config, model_cls)
     return model_cls(vllm_config=config, prefix="")
+
+
+def read_tensors(snapshot: str, predicate) -> dict:
+    """The snapshot's tensors whose names satisfy ``predicate``, read through its index."""
+    from safetensors import safe_open
+
+    index = json.load(open(os.path.join(snapshot, "model.safetensors.index.json")))["weight_map"]
+    out = {}
+    for name in filter(predicate, index):
+        with safe_open(os.path.join(snapshot, index[name]), "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def only_int6_shared_experts(config):
+    """``hf_overrides``: the quantization config keeps only its INT6 group, narrowed to the shared
+    experts (the CPU has no kernel for the other INT6 layers, nor for the INT4 routed experts)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        groups = {k: g for k, g in qc["config_groups"].items() if g["weights"]["num_bits"] == 6}
+        for g in groups.values():
+            g["targets"] = [r"re:.*mlp\.shared_expert\.(gate|up|down)_proj$"]
+        qc["config_groups"] = groups
+    return config

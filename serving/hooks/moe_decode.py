@@ -1,0 +1,156 @@
+"""Patch decode-05: a decode step's MoE block routed by one kernel.
+
+vLLM 0.33.0 routes each MoE block of a decode step with the router GEMM, ``topk_softmax``, the
+shared expert's gate GEMM and, inside Marlin, ``moe_align_block_size`` (seed 000 §3.3: 13.4 and 7.0
+us on a 3090). For a step of 1..16 tokens, :func:`forward` instead:
+
+1. runs :func:`flashnext.quant.kernels.moe_route.route` over the router's rows and the shared
+   gate's row (one GEMV, top-k and renormalized weights by its last program, and for 1..4 tokens
+   Marlin's block alignment from the same launch);
+2. hands the experts and weights to vLLM's own routed experts (``RoutedExperts.forward_modular``:
+   Marlin on GPUs); ``fused_marlin_moe`` takes the step's alignment from :func:`alignment_for`
+   instead of aligning again;
+3. runs the shared expert and adds it, gated by the logit from step 1: through the bit-plane
+   kernels when the shared expert is an INT6 bit-plane overlay (patch int6-bitplane) and the step
+   has at most four tokens, else through its own layers.
+
+Where any of vLLM's MoE features that this path does not reproduce is in use (tensor, expert,
+data or sequence parallelism, EPLB, routing capture, grouped or biased routing, input/output
+transforms, a monolithic kernel), it returns None and vLLM's path runs. ``VLLM_MOE_FUSED_DECODE=0``
+turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashnext import envs
+from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS
+from flashnext.quant.kernels.moe_route import ALIGN_MAX_TOKENS, route
+
+# Marlin's block_size_m choices, smallest first (vllm/.../experts/marlin_moe.py, fused_marlin_moe).
+MARLIN_BLOCK_SIZES = (8, 16, 32, 48, 64)
+
+# The alignment of the step being routed: (topk_ids, block size, experts, (sorted ids, expert ids, total)).
+_pending_alignment: tuple | None = None
+
+
+def enabled() -> bool:
+    return envs.VLLM_MOE_FUSED_DECODE.enabled()
+
+
+def marlin_block_size(tokens: int, top_k: int, experts: int) -> int:
+    """The ``block_size_m`` that vLLM 0.33.0's ``fused_marlin_moe`` picks for a bf16 step."""
+    for size in MARLIN_BLOCK_SIZES:
+        if tokens * top_k / experts / size < 0.9:
+            return size
+    return MARLIN_BLOCK_SIZES[-1]
+
+
+def alignment_for(topk_ids: torch.Tensor, block_size: int, num_experts: int,
+                  expert_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The block alignment :func:`forward` computed for exactly these ``topk_ids`` at this block
+    size, or None (vLLM then aligns as usual). Used once."""
+    global _pending_alignment
+    pending, _pending_alignment = _pending_alignment, None
+    if pending is None or expert_map is not None:
+        return None
+    ids, size, experts, aligned = pending
+    same = (ids.data_ptr() == topk_ids.data_ptr() and ids.shape == topk_ids.shape and ids.dtype == topk_ids.dtype)
+    return aligned if same and size == block_size and experts == num_experts else None
+
+
+def _plain_router(router) -> bool:
+    """A softmax top-k with renormalization and nothing else, which :func:`route` reproduces."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
+
+    return (type(router) in (FusedTopKRouter, CPURouter) and router.scoring_func == "softmax" and router.renormalize
+            and not router.use_grouped_topk and router.e_score_correction_bias is None
+            and router.custom_routing_function is None and router.eplb_state is None and router.capture_fn is None
+            and router.routed_scaling_factor == 1.0 and getattr(router, "_hash_indices_table", None) is None
+            and getattr(router, "_routing_replay_out", None) is None)
+
+
+def _applies(block: torch.nn.Module, x: torch.Tensor) -> bool:
+    runner = block.experts
+    parallel = runner.moe_config.moe_parallel_config
+    return (1 <= x.shape[0] <= MAX_TOKENS and x.dtype == torch.bfloat16 and (x.is_cuda or INTERPRETED)
+            and block.shared_expert is not None and not block.replicate_shared_expert
+            and not block.is_fused_shared_expert_enabled and not block.is_sequence_parallel
+            and parallel.tp_size == 1 and parallel.ep_size == 1 and parallel.dp_size == 1 and parallel.pcp_size == 1
+            and runner.routed_input_transform is None and runner.routed_output_transform is None
+            and runner.routed_scaling_factor == 1.0 and runner.moe_config.hidden_dim == x.shape[1]
+            and not runner.routed_experts.quant_method.is_monolithic and _plain_router(runner.router)
+            and block.shared_expert.expert_gate is block.shared_expert_gate)
+
+
+def _router_rows(block: torch.nn.Module) -> torch.Tensor:
+    """The router's rows and the shared gate's row as one ``[E + 1, H]`` matrix, made once after
+    loading (and again if either weight is replaced)."""
+    gate, shared_gate = block.gate.weight, block.shared_expert_gate.weight
+    key = (gate.data_ptr(), shared_gate.data_ptr())
+    cached = getattr(block, "_flashnext_router_rows", None)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.cat([gate, shared_gate]).contiguous())
+        block._flashnext_router_rows = cached
+    return cached[1]
+
+
+def _uses_marlin(method) -> bool:
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
+
+    experts = getattr(method, "experts_cls", None)
+    return isinstance(experts, type) and issubclass(experts, MarlinExperts)
+
+
+def _shared_expert(mlp: torch.nn.Module, x: torch.Tensor, routed: torch.Tensor, gate_logit: torch.Tensor):
+    """``routed + sigmoid(gate_logit) * shared_expert(x)``, as vLLM's ``Qwen2MoeMLP`` and runner
+    compute it, or through the bit-plane kernels for a bit-plane shared expert."""
+    from flashnext.quant.kernels.bitplane_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
+    from flashnext.serving.hooks.int6_bitplane import BitplaneLinearMethod
+
+    up, down = mlp.gate_up_proj, mlp.down_proj
+    planes = all(isinstance(p.quant_method, BitplaneLinearMethod) and p.quant_method.planes_kept for p in (up, down))
+    if planes and x.shape[0] <= GEMV_MAX_TOKENS:
+        from flashnext.quant.kernels.bitplane_gemv import bitplane_down_combine, bitplane_gate_up_silu
+
+        hidden = bitplane_gate_up_silu(x, up.weight_packed, up.weight_scale)
+        return bitplane_down_combine(hidden, down.weight_packed, down.weight_scale, routed, gate_logit)
+    hidden, _ = up(x)
+    shared, _ = down(mlp.act_fn(hidden))
+    return torch.sigmoid(gate_logit) * shared + routed
+
+
+def forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    """The output of vLLM's ``Qwen3NextSparseMoeBlock`` ``block`` for ``hidden_states``, or None
+    where this path does not apply."""
+    global _pending_alignment
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if not enabled() or not _applies(block, x):
+        return None
+    import vllm.envs
+
+    if vllm.envs.VLLM_BATCH_INVARIANT:
+        return None
+    runner = block.experts
+    router, method = runner.router, runner.routed_experts.quant_method
+    top_k, experts = router.top_k, router.global_num_experts
+    rows = _router_rows(block)
+    align = 0
+    if x.shape[0] <= ALIGN_MAX_TOKENS and x.is_cuda and _uses_marlin(method):
+        align = marlin_block_size(x.shape[0], top_k, experts)
+    _, gate_logit, topk_ids, topk_weights, *aligned = route(x, rows, top_k, align_block=align)
+    indices_dtype = method.topk_indices_dtype
+    if indices_dtype is not None and topk_ids.dtype != indices_dtype:
+        topk_ids = topk_ids.to(indices_dtype)
+    runner.routed_experts._ensure_moe_quant_config_init()
+    _pending_alignment = (topk_ids, align, experts, tuple(aligned)) if align else None
+    try:
+        routed = runner.routed_experts.forward_modular(x=x, topk_weights=topk_weights, topk_ids=topk_ids)
+    finally:
+        _pending_alignment = None
+    if not isinstance(routed, torch.Tensor):  # a deferred-finalize output, which only a fused consumer asks for
+        raise TypeError(f"decode-05: the routed experts returned {type(routed).__name__}, not a tensor; "
+                        "set VLLM_MOE_FUSED_DECODE=0")
+    return _shared_expert(block.shared_expert, x, routed, gate_logit).view(hidden_states.shape)
