@@ -70,6 +70,10 @@ VLLM_MOE_FUSED_DECODE = EnvVar(
     "Patch decode-05: 0 routes a decode step's MoE block through vLLM's router GEMM, top-k and "
     "shared-expert gate again, and Marlin aligns its own blocks.")
 
+VLLM_VIT_STREAM = EnvVar(
+    "VLLM_VIT_STREAM", "1",
+    "Patch vit-stream: 0 keeps the vision tower's blocks resident in device memory.")
+
 VLLM_MTP_DRAFTS_PER_REQUEST = EnvVar(
     "VLLM_MTP_DRAFTS_PER_REQUEST", "1",
     "Patch mtp-03: 0 restores vLLM's single-batch DraftTokensHandler.")
@@ -100,7 +104,7 @@ VLLM_HOST_POOL_LOCK = EnvVar(
     "The lock file that serialises the free-RAM check and pinning across pipeline ranks.")
 
 ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_DECODE_ADVICE, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_QSA_ROW_CACHE, VLLM_INT8_MODULES,
-       VLLM_HC_FUSED_DECODE, VLLM_MOE_FUSED_DECODE, VLLM_INT6_BITPLANE, VLLM_MTP_DRAFTS_PER_REQUEST,
+       VLLM_HC_FUSED_DECODE, VLLM_MOE_FUSED_DECODE, VLLM_INT6_BITPLANE, VLLM_VIT_STREAM, VLLM_MTP_DRAFTS_PER_REQUEST,
        VLLM_MTP_PP, VLLM_MTP_SLIM_DRAFT,
        VLLM_PP_PLE, VLLM_PP_DEFER_RECV, VLLM_PP_MISSING_LAYERS, VLLM_EXACT_HOST_POOL, VLLM_HOST_POOL_LOCK)
 

@@ -22,7 +22,8 @@ from flashnext.tools.cli import main as cli
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
 SERIES = ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01", "mtp-02",
-          "decode-03", "qsa-offload", "int8-modules", "decode-04", "int6-bitplane", "decode-05"]
+          "decode-03", "qsa-offload", "int8-modules", "decode-04", "int6-bitplane", "decode-05",
+          "vit-stream"]
 
 
 def test_series_metadata_is_complete():
@@ -459,3 +460,18 @@ def test_vision_tower_only_on_the_first_rank_under_model_runner_v2(patched_tree,
     assert later["loaded_visual"] == 0  # the tower's tensors are skipped, not refused
     first, later = ranks("0")
     assert later["visual"] == "Qwen3_VisionTransformer" and later["visual_parameters"] == first["visual_parameters"]
+
+
+def test_vit_stream_runs_vllms_tower_from_two_slots(patched_tree, demo_snapshot):
+    """vLLM 0.33.0's own vision tower for the demo checkpoint on the CPU, five blocks, weights from a
+    seed; vLLM's model-level post-load hook installs the stream (patch vit-stream)."""
+    env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    script = (SUPPORT_DIR / "vit_stream_scenario.py").read_text()
+    stock = _run_scenario(None, env, script, (str(demo_snapshot), _free_port()))
+    assert stock["streamed"] is False and stock["device_storages"] == 60 and stock["finite"]
+    patched = _run_scenario(str(patched_tree), env, script, (str(demo_snapshot), _free_port()))
+    assert patched["streamed"] and patched["device_storages"] == 1  # every block's weights in the slots
+    assert patched["device_bytes"] < 0.5 * patched["resident_block_bytes"]  # two slots for five blocks
+    assert patched["bit_identical"] and patched["finite"]  # three images in a row, as resident
+    off = _run_scenario(str(patched_tree), {**env, "VLLM_VIT_STREAM": "0"}, script, (str(demo_snapshot), _free_port()))
+    assert off["streamed"] is False and off["device_storages"] == 60 and off["bit_identical"]
