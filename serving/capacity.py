@@ -133,6 +133,107 @@ def load_text_config(path: Path | None = None) -> TextConfig:
     return TextConfig.from_dict(data, where)
 
 
+# Bytes each parameter row of a streamed block is aligned to (flashnext.serving.hooks.vit_stream.ALIGN).
+VIT_SLOT_ALIGN = 256
+# vLLM's default for Qwen3-VL's image processor without --mm-processor-kwargs max_pixels: 16,384
+# tokens of 32 x 32 px (seed 000 §6: startup profiling then assumes a 16.7 MP image).
+DEFAULT_MAX_PIXELS = 16384 * 32 * 32
+# transformers' Qwen3-VL vision config default (a 48 x 48 grid of learned positions)
+QWEN3_VL_POSITIONS = 2304
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower's sizes (pinned in ``manifests/``); its weights are bf16."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    patch_size: int
+    temporal_patch_size: int
+    in_channels: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    deepstack_mergers: int
+
+    @classmethod
+    def from_dict(cls, v: dict, where: str) -> "VisionConfig":
+        try:
+            return cls(int(v["depth"]), int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"]),
+                       int(v["temporal_patch_size"]), int(v["in_channels"]), int(v["spatial_merge_size"]),
+                       int(v["out_hidden_size"]), int(v.get("num_position_embeddings", QWEN3_VL_POSITIONS)),
+                       len(v.get("deepstack_visual_indexes") or ()))
+        except KeyError as missing:
+            raise FlashnextError(f"{where}: the vision config has no {missing.args[0]!r}") from None
+
+    def block_parameter_bytes(self) -> list[int]:
+        """One block's parameters (vLLM's Qwen3_VisionBlock: two LayerNorms, qkv, proj, fc1, fc2)."""
+        h, i = self.hidden_size, self.intermediate_size
+        counts = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, i * h, i, h * i, h]
+        return [2 * c for c in counts]
+
+    def block_bytes(self) -> int:
+        return sum(self.block_parameter_bytes())
+
+    def slot_bytes(self) -> int:
+        """A device slot of vit-stream: the block's parameters, each aligned as BlockStream lays them out."""
+        return sum(-(-b // VIT_SLOT_ALIGN) * VIT_SLOT_ALIGN for b in self.block_parameter_bytes())
+
+    def other_bytes(self) -> int:
+        """Patch embedding, position embedding and the merger(s): resident either way."""
+        h, m = self.hidden_size, self.spatial_merge_size ** 2
+        patch = h * self.in_channels * self.temporal_patch_size * self.patch_size ** 2 + h
+        merged = h * m
+        merger = 2 * h + merged * merged + merged + merged * self.out_hidden_size + self.out_hidden_size
+        deepstack = 2 * merged + merged * merged + merged + merged * self.out_hidden_size + self.out_hidden_size
+        return 2 * (patch + self.num_position_embeddings * h + merger + self.deepstack_mergers * deepstack)
+
+    def activation_bytes(self, max_pixels: int) -> int:
+        """An estimate of the encoder's peak activations for one image of ``max_pixels``: a block's
+        largest tensors alive at once (residual, qkv, attention output, MLP input and output) in bf16,
+        plus the merged output embeddings."""
+        patches = max_pixels // self.patch_size ** 2
+        h, i = self.hidden_size, self.intermediate_size
+        tokens = patches // self.spatial_merge_size ** 2
+        return 2 * patches * (h + 3 * h + h + 2 * i) + 2 * tokens * self.out_hidden_size * (1 + self.deepstack_mergers)
+
+
+def load_vision_config(path: Path | None = None) -> VisionConfig | None:
+    """The base checkpoint's vision config, or a snapshot's; None for a text-only config."""
+    if path is None:
+        where, data = str(MANIFEST), json.loads(MANIFEST.read_text()).get("vision_config")
+    else:
+        path = Path(path)
+        config = path / "config.json" if path.is_dir() else path
+        from flashnext.quant.checkpoint.jsonfile import read_json
+
+        where, data = str(config), read_json(config, "the model config").get("vision_config")
+    return VisionConfig.from_dict(data, where) if data else None
+
+
+@dataclass
+class VisionPlan:
+    """The vision tower's device memory on the first pipeline rank (vit-first-rank); bytes."""
+
+    streamed: bool  # patch vit-stream: two block slots instead of every block
+    max_pixels: int
+    resident_weight_bytes: int
+    streamed_weight_bytes: int
+    weight_bytes: int  # the one that applies
+    activation_bytes: int  # estimate, one image of max_pixels
+    vram_bytes: int  # weight_bytes + activation_bytes
+
+
+def vision_plan(vision: VisionConfig, streamed: bool, max_pixels: int) -> VisionPlan:
+    resident = vision.other_bytes() + vision.depth * vision.block_bytes()
+    slots = min(2, vision.depth)
+    stream = vision.other_bytes() + slots * vision.slot_bytes() if vision.depth > slots else resident
+    weights = stream if streamed else resident
+    activations = vision.activation_bytes(max_pixels)
+    return VisionPlan(streamed, max_pixels, resident, stream, weights, activations, weights + activations)
+
+
 @dataclass(frozen=True)
 class ServingShape:
     """What the plan needs from a profile's vLLM arguments and environment."""
@@ -145,6 +246,9 @@ class ServingShape:
     layer_partition: tuple[int, ...] | None
     qsa_kv_offload: bool
     exact_host_pool: bool
+    images: bool = True  # not --language-model-only
+    vit_stream: bool = True
+    max_pixels: int = DEFAULT_MAX_PIXELS
 
     @classmethod
     def from_profile(cls, profile, kv_cache_memory_bytes: int | None = None,
@@ -166,6 +270,9 @@ class ServingShape:
         if isinstance(spec, str):
             spec = json.loads(spec)
         partition = profile.env.get("VLLM_PP_LAYER_PARTITION")
+        mm_kwargs = args.mm_processor_kwargs or {}
+        if isinstance(mm_kwargs, str):
+            mm_kwargs = json.loads(mm_kwargs)
         enabled = prefix_caching if prefix_caching is not None else bool(args.enable_prefix_caching)
         return cls(
             pipeline_parallel_size=int(args.pipeline_parallel_size),
@@ -176,6 +283,9 @@ class ServingShape:
             layer_partition=tuple(int(x) for x in partition.split(",")) if partition else None,
             qsa_kv_offload=envs.VLLM_QSA_KV_OFFLOAD.enabled_in(profile.env),
             exact_host_pool=envs.VLLM_EXACT_HOST_POOL.enabled_in(profile.env),
+            images=not bool(getattr(args, "language_model_only", False)),
+            vit_stream=envs.VLLM_VIT_STREAM.enabled_in(profile.env),
+            max_pixels=int(mm_kwargs.get("max_pixels", DEFAULT_MAX_PIXELS)),
         )
 
 
@@ -213,6 +323,8 @@ class Plan:
     tokens_per_gib_host: float
     groups: list[GroupPlan] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    vision: VisionPlan | None = None  # None: text only (or a text-only config)
+    vram_bytes_with_images: list[int] = field(default_factory=list)  # vram_bytes plus the tower on rank 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -501,4 +613,10 @@ def plan_profile(profile, kv_cache_memory_bytes: int | None = None, prefix_cachi
         raise FlashnextError(f"profile {profile.name} serves {profile.model_family}; plan models "
                              f"{', '.join(PLANNED_FAMILIES)} profiles only")
     shape = ServingShape.from_profile(profile, kv_cache_memory_bytes, prefix_caching)
-    return plan(load_text_config(model), shape)
+    result = plan(load_text_config(model), shape)
+    vision = load_vision_config(model) if shape.images else None
+    if vision is not None:
+        result.vision = vision_plan(vision, shape.vit_stream, shape.max_pixels)
+        result.vram_bytes_with_images = [v + (result.vision.vram_bytes if rank == 0 else 0)
+                                         for rank, v in enumerate(result.vram_bytes)]
+    return result

@@ -13,6 +13,10 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 def _print(profile: str, p) -> None:
     mode = "on (mamba align)" if p.prefix_caching else "off"
     spec = f", {p.num_speculative_tokens} draft token(s)" if p.num_speculative_tokens else ""
@@ -28,6 +32,15 @@ def _print(profile: str, p) -> None:
     click.echo(f"  blocks per request   {p.blocks_per_request} = {parts}  (one {p.max_model_len:,}-token request)")
     click.echo(f"  capacity             {p.capacity_tokens:,} tokens ({p.concurrency:.2f}x)")
     click.echo(f"  VRAM per rank        {', '.join(f'{v:,}' for v in p.vram_bytes)} B")
+    if p.vision is not None:
+        v = p.vision
+        weights = (f"{_mib(v.streamed_weight_bytes)} streamed (vit-stream; {_mib(v.resident_weight_bytes)} resident)"
+                   if v.streamed else f"{_mib(v.resident_weight_bytes)} resident")
+        click.echo(f"  vision tower         rank 0 only: {weights} + ~{_mib(v.activation_bytes)} activations "
+                   f"for a {v.max_pixels:,}-pixel image")
+        click.echo(f"  VRAM with images     {', '.join(f'{b:,}' for b in p.vram_bytes_with_images)} B")
+    else:
+        click.echo("  vision tower         none (text only)")
     click.echo(f"  pinned host K/V      {_gib(p.pinned_host_bytes)} exact-size; {_gib(p.pinned_host_bytes_pow2)} "
                "with PyTorch's power-of-two rounding")
     click.echo(f"  marginal             {p.tokens_per_mib_vram:,.0f} tokens per MiB of VRAM, "

@@ -128,3 +128,25 @@ def test_serve_prints_the_plan_line():
     line = summary_line(load_profile("3x3090"))
     assert line.startswith("plan: 244 blocks per rank, 61 per 262,144-token request: 1,048,576 tokens (4.00x)")
     assert summary_line(load_profile("8xh200-glm53-hisparse")) is None
+
+
+def test_the_vision_tower_on_the_first_rank():
+    """Seed 000 §6: 27 blocks of width 1152, 0.836 GiB in bf16, streamed through 2 x 29 MiB slots;
+    the 3x3090 profiles serve images up to 2 MP with vit-stream on."""
+    import dataclasses
+
+    vision = capacity.load_vision_config()
+    assert round((vision.other_bytes() + vision.depth * vision.block_bytes()) / GIB, 3) == 0.836
+    assert round(2 * vision.slot_bytes() / 2**20) == 58
+    profile = load_profile("3x3090")
+    p = capacity.plan_profile(profile)
+    assert p.vision.streamed and p.vision.max_pixels == 2_097_152
+    assert p.vision.weight_bytes == p.vision.streamed_weight_bytes < p.vision.resident_weight_bytes / 6
+    assert p.vram_bytes_with_images == [p.vram_bytes[0] + p.vision.vram_bytes, *p.vram_bytes[1:]]
+    resident = capacity.plan_profile(dataclasses.replace(profile, env={**profile.env, "VLLM_VIT_STREAM": "0"}))
+    assert resident.vision.weight_bytes == resident.vision.resident_weight_bytes
+    text_only = capacity.plan_profile(dataclasses.replace(profile, vllm_args=[*profile.vllm_args,
+                                                                              "--language-model-only"]))
+    assert text_only.vision is None and text_only.vram_bytes_with_images == []
+    r = CliRunner().invoke(cli, ["plan", "--profile", "3x3090"])
+    assert "vision tower         rank 0 only: 129.6 MiB streamed (vit-stream; 856.3 MiB resident)" in r.stdout

@@ -469,6 +469,11 @@ def test_vit_stream_runs_vllms_tower_from_two_slots(patched_tree, demo_snapshot)
     script = (SUPPORT_DIR / "vit_stream_scenario.py").read_text()
     stock = _run_scenario(None, env, script, (str(demo_snapshot), _free_port()))
     assert stock["streamed"] is False and stock["device_storages"] == 60 and stock["finite"]
+    # `flashnext plan`'s tower sizes are vLLM's modules' (the demo's vision config at 5 blocks)
+    from flashnext.serving.capacity import load_vision_config
+
+    vision = load_vision_config(demo_snapshot)
+    assert vision.block_bytes() == stock["vllm_block_bytes"] and vision.other_bytes() == stock["vllm_other_bytes"]
     patched = _run_scenario(str(patched_tree), env, script, (str(demo_snapshot), _free_port()))
     assert patched["streamed"] and patched["device_storages"] == 1  # every block's weights in the slots
     assert patched["device_bytes"] < 0.5 * patched["resident_block_bytes"]  # two slots for five blocks

@@ -43,6 +43,10 @@ with demo_vllm(snapshot, port, bf16_five_blocks) as (config, _):
     grid = [[1, 4, 8], [1, 4, 8]]  # two images of 4 x 8 patches
     block_bytes = lambda b: sum(p.numel() * p.element_size() for p in b.parameters())
     out["blocks"] = len(visual.blocks)
+    # the sizes `flashnext plan` computes for the tower, from vLLM's own modules
+    out["vllm_block_bytes"] = block_bytes(visual.blocks[0])
+    out["vllm_other_bytes"] = sum(p.numel() * p.element_size() for n, p in visual.named_parameters()
+                                  if not n.startswith("blocks."))
     out["resident_block_bytes"] = sum(block_bytes(b) for b in visual.blocks)
     with set_forward_context(None, config), torch.no_grad():
         resident = visual(pixels, grid_thw=grid).clone()  # the output may be a reused buffer
