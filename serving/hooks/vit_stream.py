@@ -10,11 +10,13 @@ copy for the next forward is issued when the last block ends. On the CPU
 the copies are plain and in order. A slot that already holds the block (a tower with no more blocks
 than slots) is not copied again.
 
-``VLLM_VIT_STREAM=0`` keeps the tower resident.
+The tower is built on the CPU (:func:`build_context`) and moved at :func:`install`, after the
+loader's repacking. ``VLLM_VIT_STREAM=0`` keeps the tower resident, built where vLLM builds it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +52,10 @@ def block_layout(block: torch.nn.Module) -> tuple[list[_Slot], int]:
 
 class BlockStream:
     """Streams ``blocks`` (an ``nn.ModuleList`` of identically shaped blocks, run in order) through
-    ``slots`` device buffers. Construct after the weights are loaded; the blocks' parameters become
-    views into the slots and their values move to host memory."""
+    ``slots`` buffers on ``device`` (default: where the blocks are). Construct after the weights are
+    loaded; the blocks' parameters become views into the slots and their values move to host memory."""
 
-    def __init__(self, blocks: torch.nn.ModuleList, slots: int = 2):
+    def __init__(self, blocks: torch.nn.ModuleList, slots: int = 2, device: torch.device | None = None):
         if len(blocks) == 0 or slots < 1:
             raise FlashnextError("vit-stream needs at least one block and one slot")
         self.layout, self.block_bytes = block_layout(blocks[0])
@@ -65,7 +67,7 @@ class BlockStream:
             raise FlashnextError("vit-stream: the vision blocks are compiled (torch.compile of the multimodal "
                                  "encoder), and a compiled block cannot stream; set VLLM_VIT_STREAM=0 or turn "
                                  "off compile_mm_encoder")
-        self.device = next(blocks[0].parameters()).device
+        self.device = torch.device(device) if device is not None else next(blocks[0].parameters()).device
         self.blocks = blocks
         self.slots = min(slots, len(blocks))
         on_gpu = self.device.type == "cuda"
@@ -141,11 +143,24 @@ class BlockStream:
             self._copy(0)  # the next forward's first block, once this one no longer needs its slot
 
 
-def install(visual: torch.nn.Module, slots: int = 2) -> BlockStream | None:
-    """Stream ``visual.blocks`` if the switch is on and the tower has more blocks than slots."""
+def build_context():
+    """Where vLLM builds the vision tower: on the CPU while vit-stream is on, so that the tower is not
+    on the device while the MoE weights are repacked at load (seed 000 §6: rank 0 ran out of memory
+    there); :func:`install` moves it after loading."""
+    return torch.device("cpu") if enabled() else contextlib.nullcontext()
+
+
+def install(model: torch.nn.Module, slots: int = 2) -> BlockStream | None:
+    """After loading: stream ``model.visual.blocks`` into ``slots`` device slots on the device of the
+    rest of the model, and move the tower's other modules there."""
+    visual = getattr(model, "visual", None)
     blocks = getattr(visual, "blocks", None)
-    if not enabled() or not isinstance(blocks, torch.nn.ModuleList) or len(blocks) <= slots:
+    if not enabled() or not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
         return None
-    stream = BlockStream(blocks, slots)
+    device = next(p.device for name, p in model.named_parameters() if not name.startswith("visual."))
+    stream = BlockStream(blocks, slots, device) if len(blocks) > slots else None
+    for name, child in visual.named_children():
+        if name != "blocks" or stream is None:
+            child.to(device)
     visual._flashnext_block_stream = stream  # kept alive with the tower
     return stream

@@ -1,6 +1,8 @@
 """BlockStream (patch vit-stream) on plain torch blocks: on the CPU here, and with a real copy stream
 on the GPU machine (``-m gpu``). vLLM's own tower is in tests/serving/test_patch_series.py."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -39,18 +41,30 @@ def test_blocks_that_differ_are_refused_in_one_line():
         vit_stream.BlockStream(stack)
 
 
-def test_install_leaves_short_towers_and_the_switch_off_alone(monkeypatch):
-    class Tower(torch.nn.Module):
-        def __init__(self, n):
-            super().__init__()
-            self.blocks = blocks(n)
+class Model(torch.nn.Module):
+    """A model with a vision tower of ``n`` blocks beside its other weights, as vLLM's."""
 
-    assert vit_stream.install(Tower(2)) is None  # no more blocks than slots
-    assert vit_stream.install(torch.nn.Identity()) is None  # a later rank's StageMissingLayer has no blocks
+    def __init__(self, n):
+        super().__init__()
+        self.language_model = torch.nn.Linear(64, 64)
+        self.visual = torch.nn.Module()
+        self.visual.blocks = blocks(n)
+        self.visual.merger = torch.nn.Linear(64, 8)
+
+
+def test_install_leaves_short_towers_and_the_switch_off_alone(monkeypatch):
+    short = Model(2)
+    assert vit_stream.install(short) is None  # no more blocks than slots: moved, not streamed
+    assert short.visual._flashnext_block_stream is None
+    later_rank = Model(5)
+    later_rank.visual = torch.nn.Identity()  # a later rank's StageMissingLayer has no blocks
+    assert vit_stream.install(later_rank) is None
     monkeypatch.setenv("VLLM_VIT_STREAM", "0")
-    assert vit_stream.install(Tower(5)) is None
+    assert vit_stream.install(Model(5)) is None
+    assert isinstance(vit_stream.build_context(), type(contextlib.nullcontext()))
     monkeypatch.setenv("VLLM_VIT_STREAM", "1")
-    assert isinstance(vit_stream.install(Tower(5)), vit_stream.BlockStream)
+    assert vit_stream.build_context() == torch.device("cpu")
+    assert isinstance(vit_stream.install(Model(5)), vit_stream.BlockStream)
 
 
 @pytest.mark.gpu
@@ -62,3 +76,17 @@ def test_copies_overlap_on_a_side_stream_and_stay_correct():
     want = run(resident, x)
     for _ in range(4):
         assert torch.equal(run(streamed, x), want)
+
+
+@pytest.mark.gpu
+def test_a_tower_built_on_the_cpu_streams_on_the_device_of_the_model():
+    model = Model(6)
+    model.language_model.to("cuda")
+    x = torch.randn(32, 64)
+    want = model.visual.merger(run(model.visual.blocks, x)).cuda()
+    stream = vit_stream.install(model)
+    assert stream.device.type == "cuda" and model.visual.merger.weight.is_cuda
+    assert all(p.is_cuda for b in model.visual.blocks for p in b.parameters())
+    for _ in range(3):
+        got = model.visual.merger(run(model.visual.blocks, x.cuda()))
+        torch.testing.assert_close(got, want)  # CPU against GPU arithmetic
