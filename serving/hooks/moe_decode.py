@@ -86,15 +86,17 @@ def _applies(block: torch.nn.Module, x: torch.Tensor) -> bool:
 
 
 def _router_rows(block: torch.nn.Module) -> torch.Tensor:
-    """The router's rows and the shared gate's row as one ``[E + 1, H]`` matrix, made once after
-    loading (and again if either weight is replaced)."""
+    """The router's rows and the shared gate's row as one ``[E + 1, H]`` matrix. Made once: the two
+    weights then become views into it, so vLLM's own path reads the same memory, no copy is held,
+    and a weight reload into the parameters updates it."""
     gate, shared_gate = block.gate.weight, block.shared_expert_gate.weight
-    key = (gate.data_ptr(), shared_gate.data_ptr())
-    cached = getattr(block, "_flashnext_router_rows", None)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.cat([gate, shared_gate]).contiguous())
-        block._flashnext_router_rows = cached
-    return cached[1]
+    rows = getattr(block, "_flashnext_router_rows", None)
+    experts = gate.shape[0]
+    if rows is None or gate.data_ptr() != rows.data_ptr() or shared_gate.data_ptr() != rows[experts:].data_ptr():
+        rows = torch.cat([gate.data, shared_gate.data]).contiguous()
+        gate.data, shared_gate.data = rows[:experts], rows[experts:]
+        block._flashnext_router_rows = rows
+    return rows
 
 
 def _uses_marlin(method) -> bool:

@@ -441,6 +441,25 @@ def test_decode05_hands_marlin_the_alignment_of_exactly_its_step():
         assert moe_decode.alignment_for(*other) is None
 
 
+def test_decode05_router_rows_are_the_gate_weights_own_memory():
+    """The merged rows are made once; the router and shared gate then read them, so a reload that
+    copies into the parameters (as vLLM's weight loaders do) is seen by the fused kernel too."""
+    import torch
+
+    from flashnext.serving.hooks import moe_decode
+
+    block = torch.nn.Module()
+    block.gate, block.shared_expert_gate = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 1, bias=False)
+    want = torch.cat([block.gate.weight.detach(), block.shared_expert_gate.weight.detach()])
+    rows = moe_decode._router_rows(block)
+    assert torch.equal(rows, want) and moe_decode._router_rows(block) is rows
+    assert block.gate.weight.data_ptr() == rows.data_ptr()
+    block.gate.weight.data.copy_(torch.ones(8, 16))  # a reload in place
+    assert torch.equal(moe_decode._router_rows(block)[:8], torch.ones(8, 16))
+    block.gate.weight = torch.nn.Parameter(torch.zeros(8, 16))  # a reload that replaces the parameter
+    assert torch.equal(moe_decode._router_rows(block)[:8], torch.zeros(8, 16))
+
+
 # --- issue 15: the vision tower on the first pipeline rank only ------------------------------------
 
 def test_vision_tower_only_on_the_first_rank_under_model_runner_v2(patched_tree, demo_snapshot):
