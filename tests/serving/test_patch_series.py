@@ -496,6 +496,6 @@ def test_vit_stream_runs_vllms_tower_from_two_slots(patched_tree, demo_snapshot)
     patched = _run_scenario(str(patched_tree), env, script, (str(demo_snapshot), _free_port()))
     assert patched["streamed"] and patched["device_storages"] == 1  # every block's weights in the slots
     assert patched["device_bytes"] < 0.5 * patched["resident_block_bytes"]  # two slots for five blocks
-    assert patched["bit_identical"] and patched["finite"]  # three images in a row, as resident
+    assert patched["bit_identical"] and patched["finite"]  # three runs of two images, as resident
     off = _run_scenario(str(patched_tree), {**env, "VLLM_VIT_STREAM": "0"}, script, (str(demo_snapshot), _free_port()))
     assert off["streamed"] is False and off["device_storages"] == 60 and off["bit_identical"]
