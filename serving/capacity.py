@@ -133,7 +133,7 @@ def load_text_config(path: Path | None = None) -> TextConfig:
     return TextConfig.from_dict(data, where)
 
 
-# Bytes each parameter row of a streamed block is aligned to (flashnext.serving.hooks.vit_stream.ALIGN).
+# Bytes each parameter of a streamed vision block is aligned to in its device slot (patch vit-stream).
 VIT_SLOT_ALIGN = 256
 # vLLM's default for Qwen3-VL's image processor without --mm-processor-kwargs max_pixels: 16,384
 # tokens of 32 x 32 px (seed 000 §6: startup profiling then assumes a 16.7 MP image).

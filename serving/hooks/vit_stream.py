@@ -23,8 +23,7 @@ import torch
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
-
-ALIGN = 256  # bytes: every parameter starts at an offset the device's vector loads like
+from flashnext.serving.capacity import VIT_SLOT_ALIGN as ALIGN  # `plan` sizes the slots by the same rule
 
 
 def enabled() -> bool:
@@ -56,8 +55,9 @@ class BlockStream:
     loaded; the blocks' parameters become views into the slots and their values move to host memory."""
 
     def __init__(self, blocks: torch.nn.ModuleList, slots: int = 2, device: torch.device | None = None):
-        if len(blocks) == 0 or slots < 1:
-            raise FlashnextError("vit-stream needs at least one block and one slot")
+        if len(blocks) == 0 or slots < 2:
+            # one slot would be overwritten by the next block's copy while its own block still runs
+            raise FlashnextError("vit-stream needs at least one block and two slots")
         self.layout, self.block_bytes = block_layout(blocks[0])
         for i, block in enumerate(blocks):
             if block_layout(block) != (self.layout, self.block_bytes):
@@ -83,7 +83,7 @@ class BlockStream:
             for s in self.layout:
                 self._view(self.host[i], s).copy_(params[s.name].data)
                 params[s.name].data = self._view(self.slot_memory[i % self.slots], s)
-        self.holds = [i for i in range(self.slots)]  # which block each slot's bytes are now
+        self.holds = list(range(self.slots))  # which block each slot's bytes are now
         for i in range(self.slots):
             self.slot_memory[i].copy_(self.host[i])
         self.copy_stream = torch.cuda.Stream(self.device) if on_gpu else None

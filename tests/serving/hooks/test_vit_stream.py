@@ -39,6 +39,8 @@ def test_blocks_that_differ_are_refused_in_one_line():
     stack[1][1] = torch.nn.Linear(64, 64, bias=False)
     with pytest.raises(FlashnextError, match="block 1 differs"):
         vit_stream.BlockStream(stack)
+    with pytest.raises(FlashnextError, match="two slots"):  # the next copy would overwrite a running block
+        vit_stream.BlockStream(blocks(3), slots=1)
 
 
 class Model(torch.nn.Module):
