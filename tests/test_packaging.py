@@ -79,10 +79,12 @@ def test_wheel_contents(wheel):
     assert not stray, stray
     for required in ("flashnext/serving/hooks/ple_file.py", "flashnext/quant/kernels/bitplane_gemv.py",
                      "flashnext/serving/patches/series.json", "flashnext/serving/profiles/3x3090.json",
-                     "flashnext/manifests/overlay.schema.json", "flashnext/manifests/qwen3.8-flash-next.json"):
+                     "flashnext/manifests/overlay.schema.json", "flashnext/manifests/qwen3.8-flash-next.json",
+                     "flashnext/serving/bench/runner.py", "flashnext/manifests/bench-report.schema.json"):
         assert required in names
     metadata = zipfile.ZipFile(wheel).read(f"flashnext-{wheel.name.split('-')[1]}.dist-info/METADATA").decode()
     assert "Requires-Dist: psutil" in metadata
+    assert "Requires-Dist: matplotlib>=3.8; extra == \"bench\"" in metadata
 
 
 def _constraints(path: Path) -> Path:
@@ -122,6 +124,11 @@ def test_wheel_in_a_fresh_venv_runs_the_main_job(wheel, tmp_path):
     listing = run("flashnext patches list --json").stdout
     assert '"id": "ple-mmap"' in listing
     assert "3x3090" in run("flashnext serve --help").stdout
+    # Without the bench extra, bench says what to install before it measures anything.
+    no_extra = subprocess.run("flashnext bench http://127.0.0.1:9 --out b", shell=True, cwd=tmp_path, env=env,
+                              capture_output=True, text=True)
+    assert no_extra.returncode == 1 and "pip install 'flashnext[bench]'" in no_extra.stderr, no_extra.stderr
+    assert not (tmp_path / "b").exists()
     profiles = run("serve --profile 3x3090 --model demo/snapshot --dry-run").stdout
     assert "vllm serve" in profiles or "services:" in profiles
     # Commands that need no torch start without importing it.

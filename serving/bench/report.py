@@ -1,0 +1,209 @@
+"""``report.json``: what ``flashnext bench`` measured (schema: ``manifests/bench-report.schema.json``).
+
+Every model rejects unknown keys, so a report from another version fails loudly instead of being
+half read (``--baseline`` reads one back). Times are seconds; rates are tokens per second.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flashnext.errors import FlashnextError
+
+SCHEMA_VERSION = 1
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Summary(_Model):
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    min: float
+    max: float
+
+
+class Settings(_Model):
+    """The run's parameters, as given on the command line."""
+
+    prompt_tokens: list[int]
+    concurrency: list[int]
+    decode_concurrency: list[int]
+    decode_tokens: int
+    ttft_max_tokens: int
+    warmup: int
+    repeats: int
+    needle_tokens: list[int]
+    needle_depths: list[float]
+    needle_concurrency: int
+    needle_max_tokens: int
+    structured_requests: int
+    structured_concurrency: int
+    structured_max_tokens: int
+    structured_format: Literal["json_schema", "json_object"]
+    top_logprobs: int
+    seed: int
+    request_timeout_s: float
+    stall_timeout_s: float
+    phases: list[str]
+    extra_body: dict
+
+
+class Capabilities(_Model):
+    """What the server accepted in the probe."""
+
+    ignore_eos: bool = Field(description="accepts vLLM's ignore_eos/min_tokens, so decode runs to its length")
+    logprobs: bool = Field(description="returns per-token logprobs (token agreement and KL need them)")
+    usage: bool = Field(description="reports usage (token counts) in the stream")
+
+
+class Scale(_Model):
+    chars_per_token: float
+    template_tokens: int
+    measured: bool = Field(description="false: the server reported no usage, 4 characters per token assumed")
+
+
+class ErrorSample(_Model):
+    phase: str
+    kind: str
+    detail: str
+
+
+class LatencyPoint(_Model):
+    """TTFT and ITL at one prompt length and concurrency."""
+
+    prompt_tokens: int = Field(description="the length asked for")
+    measured_prompt_tokens: int | None = Field(description="median of the server's usage.prompt_tokens")
+    concurrency: int
+    cold_ttft_s: Summary | None = Field(description="first sight of a text (page cache and prefix cache cold)")
+    warm_ttft_s: Summary | None = Field(description="fixed prompts after the warm-up rounds")
+    itl_s: Summary | None
+    cold_ttft_samples_s: list[float]
+    warm_ttft_samples_s: list[float]
+    failed: int
+
+
+class DecodePoint(_Model):
+    """Decode speed with ``concurrency`` requests generating at once."""
+
+    concurrency: int
+    aggregate_tok_s: Summary | None = Field(description="all requests' tokens after their first, per second of the round")
+    per_request_tok_s: Summary | None
+    itl_s: Summary | None
+    round_tok_s: list[float]
+    failed: int
+
+
+class NeedleResult(_Model):
+    context_tokens: int
+    depth: float
+    measured_prompt_tokens: int | None
+    key: str
+    found: bool
+    answer: str
+    ttft_s: float | None
+    error: str | None
+
+
+class StructuredResult(_Model):
+    requests: int
+    concurrency: int
+    valid: int
+    invalid: list[str] = Field(description="why each answer that does not validate fails (one line each)")
+    failed: int
+
+
+class GreedyAnswer(_Model):
+    """A greedy answer kept for A/B comparison (against a second endpoint or a saved run)."""
+
+    key: str
+    round: int
+    text: str
+    tokens: list[str] | None
+    logprobs: list[float] | None
+    top_logprobs: list[dict[str, float]] | None
+
+
+class EndpointReport(_Model):
+    label: str
+    url: str
+    model: str
+    capabilities: Capabilities
+    scale: Scale
+    latency: list[LatencyPoint]
+    itl_samples_s: list[float] = Field(description="every inter-token latency of the warm latency and decode rounds")
+    decode: list[DecodePoint]
+    needle: list[NeedleResult]
+    structured: StructuredResult | None
+    greedy_answers: list[GreedyAnswer]
+    requests: int
+    errors: dict[str, int] = Field(description="failed requests by kind (see flashnext.serving.bench.client.ERROR_KINDS)")
+    error_samples: list[ErrorSample]
+
+
+class AgreementSummary(_Model):
+    by: Literal["tokens", "characters"]
+    answers: int
+    identical: int
+    matching_fraction: float = Field(description="equal positions over compared positions, all answers together")
+    mean_first_divergence: float | None = Field(description="over answers that diverge")
+    kl_positions: int
+    mean_kl_nats: float | None = Field(description="mean KL(A || B) from top-k logprobs, before each divergence")
+    mean_abs_logprob_diff: float | None
+
+
+class Delta(_Model):
+    metric: str
+    a: float
+    b: float
+    change_pct: float
+
+
+class ABReport(_Model):
+    a: str
+    b: str
+    agreement: AgreementSummary | None
+    noise_floor: AgreementSummary | None = Field(description="A against itself: two measured rounds of the same prompts")
+    deltas: list[Delta]
+
+
+class BenchReport(_Model):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    flashnext_version: str
+    started_at: str
+    finished_at: str
+    settings: Settings
+    endpoints: list[EndpointReport]
+    ab: ABReport | None
+    notes: list[str]
+
+
+def load_report(path: Path) -> BenchReport:
+    """A saved ``report.json`` (``--baseline``), or one line saying why it cannot be used."""
+    try:
+        return BenchReport.model_validate(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise FlashnextError(f"{path}: no such report: pass the report.json of an earlier flashnext bench run")
+    except json.JSONDecodeError as e:
+        raise FlashnextError(f"{path}: not JSON ({e.msg} at line {e.lineno})")
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the top level"
+        raise FlashnextError(f"{path}: not a flashnext bench report (schema {SCHEMA_VERSION}): "
+                             f"{first['msg']} at {where}")
+
+
+def json_schema() -> dict:
+    """The schema shipped as ``manifests/bench-report.schema.json``."""
+    schema = BenchReport.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "flashnext bench report"
+    return schema

@@ -1,0 +1,432 @@
+"""A bench run: probe each endpoint, then the phases, A and B side by side round by round.
+
+Seed 000's method, kept here: greedy decoding with a fixed seed; fixed prompts measured after a
+warm-up round; a cold round with text nobody sent before (each side of an A/B its own); ITL's median
+next to mean tok/s (the mean carries the page-cache misses and drive stalls a user feels); A/B in
+one run, alternating rounds, because restarts and neighbours move the numbers more than a patch does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+from flashnext import __version__
+from flashnext.errors import FlashnextError
+from flashnext.serving.bench import metrics, workloads
+from flashnext.serving.bench.client import Completion, TopLogprobs, stream_chat
+from flashnext.serving.bench.report import (
+    ABReport, AgreementSummary, BenchReport, Capabilities, DecodePoint, Delta, EndpointReport,
+    ErrorSample, GreedyAnswer, LatencyPoint, NeedleResult, Scale, Settings, StructuredResult, Summary,
+)
+
+PHASES = ("latency", "decode", "needle", "structured")
+ERROR_SAMPLES = 20
+_PROBE_CHARS = 2000
+
+
+def chat_url(base: str) -> str:
+    """``http://host:port``, ``.../v1`` or the full ``.../v1/chat/completions``: the chat endpoint."""
+    base = base.rstrip("/")
+    if base.endswith("/chat/completions"):
+        return base
+    return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
+
+
+def _summary(values: list[float]) -> Summary | None:
+    s = metrics.summary(values)
+    return Summary(**s) if s else None
+
+
+@dataclass
+class Endpoint:
+    label: str
+    url: str
+    model: str | None
+    client: httpx.AsyncClient | None = None
+    caps: Capabilities | None = None
+    scale: Scale | None = None
+    requests: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    error_samples: list[ErrorSample] = field(default_factory=list)
+    latency: list[LatencyPoint] = field(default_factory=list)
+    itl_samples: list[float] = field(default_factory=list)
+    decode: list[DecodePoint] = field(default_factory=list)
+    needle: list[NeedleResult] = field(default_factory=list)
+    structured: StructuredResult | None = None
+    greedy: list[GreedyAnswer] = field(default_factory=list)
+
+    @property
+    def text_scale(self) -> workloads.TextScale:
+        return workloads.TextScale(self.scale.chars_per_token, self.scale.template_tokens)
+
+    def report(self) -> EndpointReport:
+        return EndpointReport(
+            label=self.label, url=self.url, model=self.model, capabilities=self.caps, scale=self.scale,
+            latency=self.latency, itl_samples_s=self.itl_samples, decode=self.decode, needle=self.needle,
+            structured=self.structured, greedy_answers=self.greedy, requests=self.requests,
+            errors=self.errors, error_samples=self.error_samples)
+
+
+class Bench:
+    """One run against one endpoint, or two side by side (``urls`` of length 2).
+
+    Example::
+
+        report = Bench(settings, ["http://127.0.0.1:8000"]).run()
+        report.endpoints[0].decode[0].aggregate_tok_s.p50
+    """
+
+    def __init__(self, settings: Settings, urls: list[str], models: list[str | None] = (None, None),
+                 baseline: BenchReport | None = None, progress: Callable[[int], None] | None = None):
+        if not 1 <= len(urls) <= 2:
+            raise FlashnextError("flashnext bench compares at most two endpoints (URL and --against URL)")
+        self.settings = settings
+        self.endpoints = [Endpoint(label, url, model) for label, url, model in zip("AB", urls, models)]
+        self.baseline = baseline
+        self.progress = progress or (lambda n: None)
+        self.notes: list[str] = []
+
+    # -- the plan ---------------------------------------------------------------------------
+
+    def planned_requests(self) -> int:
+        """How many requests the phases will send to each endpoint (the probe's few not counted)."""
+        s, n = self.settings, 0
+        rounds = 1 + s.warmup + s.repeats
+        if "latency" in s.phases:
+            n += len(s.prompt_tokens) * sum(c * rounds for c in s.concurrency)
+        if "decode" in s.phases:
+            n += sum(c * (s.warmup + s.repeats) for c in s.decode_concurrency)
+        if "needle" in s.phases:
+            n += len(s.needle_tokens) * len(s.needle_depths)
+        if "structured" in s.phases:
+            n += s.structured_requests
+        return n * len(self.endpoints)
+
+    def run(self) -> BenchReport:
+        started = _now()
+        asyncio.run(self._run())
+        report = BenchReport(flashnext_version=__version__, started_at=started, finished_at=_now(),
+                             settings=self.settings, endpoints=[e.report() for e in self.endpoints],
+                             ab=self._ab(), notes=self.notes)
+        return report
+
+    async def _run(self) -> None:
+        s = self.settings
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(connect=10.0, read=s.stall_timeout_s, write=60.0, pool=None)
+        for ep in self.endpoints:
+            ep.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        try:
+            for ep in self.endpoints:
+                await self._probe(ep)
+            if "latency" in s.phases:
+                await self._latency()
+            if "decode" in s.phases:
+                await self._decode()
+            if "needle" in s.phases:
+                await self._needle()
+            if "structured" in s.phases:
+                await self._structured()
+        finally:
+            for ep in self.endpoints:
+                await ep.client.aclose()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _body(self, ep: Endpoint, messages: list[dict], max_tokens: int, *, run_to_length: bool = False,
+              logprobs: bool = False, response_format: dict | None = None) -> dict:
+        body = {"model": ep.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "seed": self.settings.seed}
+        if ep.caps.usage:
+            body["stream_options"] = {"include_usage": True}
+        if run_to_length and ep.caps.ignore_eos:
+            body |= {"ignore_eos": True, "min_tokens": max_tokens}
+        if logprobs and ep.caps.logprobs and self.settings.top_logprobs:
+            body |= {"logprobs": True, "top_logprobs": self.settings.top_logprobs}
+        if response_format is not None:
+            body["response_format"] = response_format
+        return {**body, **self.settings.extra_body}
+
+    async def _round(self, ep: Endpoint, phase: str, bodies: list[dict]) -> list[Completion]:
+        """Send ``bodies`` at once; count and sample the failures."""
+
+        async def one(body: dict) -> Completion:
+            c = await stream_chat(ep.client, chat_url(ep.url), body, request_timeout=self.settings.request_timeout_s)
+            self.progress(1)
+            return c
+
+        results = await asyncio.gather(*(one(b) for b in bodies))
+        ep.requests += len(results)
+        for c in results:
+            if not c.ok:
+                ep.errors[c.error] = ep.errors.get(c.error, 0) + 1
+                if len(ep.error_samples) < ERROR_SAMPLES:
+                    ep.error_samples.append(ErrorSample(phase=phase, kind=c.error, detail=c.error_detail or ""))
+        return results
+
+    async def _probe(self, ep: Endpoint) -> None:
+        """The model name, what the server accepts, and its characters per token."""
+        if ep.model is None:
+            ep.model = await self._model_name(ep)
+        url = chat_url(ep.url)
+        base = {"model": ep.model, "max_tokens": 2, "temperature": 0, **self.settings.extra_body}
+
+        async def ask(extra: dict, text: str = "Say hello.") -> Completion:
+            return await stream_chat(ep.client, url, {**base, "messages": workloads.messages(text), **extra},
+                                     request_timeout=self.settings.request_timeout_s)
+
+        def answered(c: Completion) -> bool:  # an empty answer still shows the server works
+            return c.ok or c.error == "empty"
+
+        first = await ask({})
+        if not answered(first):
+            raise FlashnextError(f"{ep.url}: a minimal streamed chat completion failed ({first.error}: "
+                                 f"{first.error_detail}); is it an OpenAI-compatible server serving {ep.model!r}?")
+        usage = await ask({"stream_options": {"include_usage": True}})
+        has_usage = answered(usage) and usage.prompt_tokens is not None
+        eos = await ask({"ignore_eos": True, "min_tokens": 2})
+        lp = await ask({"logprobs": True, "top_logprobs": max(1, self.settings.top_logprobs)})
+        ep.caps = Capabilities(ignore_eos=eos.ok, logprobs=answered(lp) and bool(lp.logprobs), usage=has_usage)
+        if not ep.caps.ignore_eos:
+            self.notes.append(f"{ep.label}: the server refused ignore_eos/min_tokens; decode answers may end "
+                              "before --decode-tokens, and tok/s counts the tokens it did send")
+        if not ep.caps.logprobs:
+            self.notes.append(f"{ep.label}: the server returned no logprobs; A/B agreement is by characters "
+                              "and no KL divergence is computed")
+        extra = {"stream_options": {"include_usage": True}} if has_usage else {}
+        short = await ask(extra, "x")
+        rng = workloads.random.Random(f"probe/{self.settings.seed}")
+        long = await ask(extra, "x " + workloads.filler(_PROBE_CHARS, rng))
+        if short.prompt_tokens and long.prompt_tokens and long.prompt_tokens > short.prompt_tokens:
+            per = (_PROBE_CHARS + 1) / (long.prompt_tokens - short.prompt_tokens)
+            ep.scale = Scale(chars_per_token=per, template_tokens=max(short.prompt_tokens - 1, 0), measured=True)
+        else:
+            ep.scale = Scale(chars_per_token=4.0, template_tokens=0, measured=False)
+            self.notes.append(f"{ep.label}: the server reported no prompt token counts; prompt lengths assume "
+                              "4 characters per token")
+
+    async def _model_name(self, ep: Endpoint) -> str:
+        base = chat_url(ep.url).removesuffix("/chat/completions")
+        try:
+            r = await ep.client.get(f"{base}/models")
+            r.raise_for_status()
+            return r.json()["data"][0]["id"]
+        except httpx.ConnectError as e:
+            raise FlashnextError(f"cannot reach {ep.url} ({e}): is the server up?")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+            raise FlashnextError(f"{ep.url}: could not read the served model from {base}/models "
+                                 f"({type(e).__name__}); pass --model NAME")
+
+    # -- phases -----------------------------------------------------------------------------
+
+    async def _latency(self) -> None:
+        s = self.settings
+        # Round kinds in order: one cold (text nobody sent before), the warm-ups, the measured rounds.
+        kinds = ["cold"] + ["warmup"] * s.warmup + ["measure"] * s.repeats
+        for tokens in s.prompt_tokens:
+            for c in s.concurrency:
+                acc = {ep.label: _Samples() for ep in self.endpoints}
+                for kind in kinds:
+                    for ep in self.endpoints:
+                        seed = None if kind == "cold" else s.seed
+                        bodies = [self._body(ep, workloads.latency_prompt(tokens, ep.text_scale, slot, seed),
+                                             s.ttft_max_tokens) for slot in range(c)]
+                        done = await self._round(ep, "latency", bodies)
+                        if kind != "warmup":
+                            acc[ep.label].add(done, ttft_into="cold" if kind == "cold" else "warm",
+                                              itl=kind == "measure")
+                for ep in self.endpoints:
+                    a = acc[ep.label]
+                    ep.itl_samples.extend(a.itl)
+                    ep.latency.append(LatencyPoint(
+                        prompt_tokens=tokens, concurrency=c,
+                        measured_prompt_tokens=int(statistics.median(a.prompt)) if a.prompt else None,
+                        cold_ttft_s=_summary(a.cold), warm_ttft_s=_summary(a.warm), itl_s=_summary(a.itl),
+                        cold_ttft_samples_s=a.cold, warm_ttft_samples_s=a.warm, failed=a.failed))
+
+    async def _decode(self) -> None:
+        s = self.settings
+        for c in s.decode_concurrency:
+            acc = {ep.label: {"rounds": [], "per": [], "itl": [], "failed": 0} for ep in self.endpoints}
+            for i in range(s.warmup + s.repeats):
+                measured = i - s.warmup
+                for ep in self.endpoints:
+                    bodies = [self._body(ep, workloads.decode_prompt(slot), s.decode_tokens, run_to_length=True,
+                                         logprobs=True) for slot in range(c)]
+                    done = await self._round(ep, "decode", bodies)
+                    if measured < 0:
+                        continue
+                    a = acc[ep.label]
+                    good = [r for r in done if r.ok and r.ttft_s is not None]
+                    a["failed"] += len(done) - len(good)
+                    for slot, r in enumerate(done):
+                        if r.ok:
+                            ep.greedy.append(_greedy(f"decode/c{c}/slot{slot}", measured, r))
+                    if not good:
+                        continue
+                    first = min(r.sent_at + r.ttft_s for r in good)
+                    last = max(r.sent_at + r.token_times_s[-1] for r in good)
+                    tokens = sum(max(r.n_tokens - 1, 0) for r in good)
+                    if last > first:
+                        a["rounds"].append(tokens / (last - first))
+                    a["per"].extend(t for r in good if (t := r.decode_tok_s) is not None)
+                    for r in good:
+                        a["itl"].extend(r.itl_s)
+            for ep in self.endpoints:
+                a = acc[ep.label]
+                ep.itl_samples.extend(a["itl"])
+                ep.decode.append(DecodePoint(concurrency=c, aggregate_tok_s=_summary(a["rounds"]),
+                                             per_request_tok_s=_summary(a["per"]), itl_s=_summary(a["itl"]),
+                                             round_tok_s=a["rounds"], failed=a["failed"]))
+
+    async def _needle(self) -> None:
+        s = self.settings
+        cases = [(t, d) for t in s.needle_tokens for d in s.needle_depths]
+        for start in range(0, len(cases), s.needle_concurrency):
+            batch = cases[start:start + s.needle_concurrency]
+            for ep in self.endpoints:
+                needles = [workloads.needle_prompt(t, d, ep.text_scale, s.seed) for t, d in batch]
+                done = await self._round(ep, "needle", [self._body(ep, n.prompt, s.needle_max_tokens) for n in needles])
+                for n, r in zip(needles, done):
+                    ep.needle.append(NeedleResult(
+                        context_tokens=n.context_tokens, depth=n.depth, measured_prompt_tokens=r.prompt_tokens,
+                        key=n.key, found=r.ok and n.score(r.text), answer=r.text[:200], ttft_s=r.ttft_s,
+                        error=None if r.ok else f"{r.error}: {r.error_detail}"))
+
+    async def _structured(self) -> None:
+        s = self.settings
+        acc = {ep.label: ([], 0) for ep in self.endpoints}
+        fmt = workloads.structured_response_format(s.structured_format)
+        for start in range(0, s.structured_requests, s.structured_concurrency):
+            slots = range(start, min(start + s.structured_concurrency, s.structured_requests))
+            for ep in self.endpoints:
+                done = await self._round(ep, "structured", [
+                    self._body(ep, workloads.structured_prompt(i), s.structured_max_tokens, response_format=fmt)
+                    for i in slots])
+                invalid, failed = acc[ep.label]
+                for i, r in zip(slots, done):
+                    if not r.ok:
+                        failed += 1
+                    elif (why := workloads.validate_structured(r.text)) is not None:
+                        invalid.append(f"request {i}: {why}")
+                acc[ep.label] = (invalid, failed)
+        for ep in self.endpoints:
+            invalid, failed = acc[ep.label]
+            ep.structured = StructuredResult(requests=s.structured_requests, concurrency=s.structured_concurrency,
+                                             valid=s.structured_requests - len(invalid) - failed,
+                                             invalid=invalid, failed=failed)
+
+    # -- A/B --------------------------------------------------------------------------------
+
+    def _ab(self) -> ABReport | None:
+        if len(self.endpoints) == 2:
+            a, b = (e.report() for e in self.endpoints)
+            names = (f"A {a.url}", f"B {b.url}")
+        elif self.baseline is not None:
+            a, b = self.baseline.endpoints[0], self.endpoints[0].report()
+            names = (f"baseline {a.url} ({self.baseline.started_at})", f"this run {b.url}")
+        else:
+            return None
+        return ABReport(a=names[0], b=names[1], agreement=agreement(a.greedy_answers, b.greedy_answers),
+                        noise_floor=noise_floor(a.greedy_answers), deltas=deltas(a, b))
+
+
+@dataclass
+class _Samples:
+    """What the measured rounds of one latency point gave."""
+
+    cold: list[float] = field(default_factory=list)
+    warm: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
+    failed: int = 0
+
+    def add(self, done: list[Completion], ttft_into: str, itl: bool) -> None:
+        for r in done:
+            if not r.ok or r.ttft_s is None:
+                self.failed += 1
+                continue
+            if r.prompt_tokens:
+                self.prompt.append(r.prompt_tokens)
+            getattr(self, ttft_into).append(r.ttft_s)
+            if itl:
+                self.itl.extend(r.itl_s)
+
+
+def _greedy(key: str, round_: int, c: Completion) -> GreedyAnswer:
+    lp = c.logprobs
+    return GreedyAnswer(key=key, round=round_, text=c.text, tokens=[t.token for t in lp] if lp else None,
+                        logprobs=[t.logprob for t in lp] if lp else None,
+                        top_logprobs=[t.top for t in lp] if lp else None)
+
+
+def _as_logprobs(g: GreedyAnswer) -> list[TopLogprobs] | None:
+    if g.tokens is None:
+        return None
+    return [TopLogprobs(t, lp, top) for t, lp, top in zip(g.tokens, g.logprobs, g.top_logprobs)]
+
+
+def _agreement_summary(pairs: list[tuple[GreedyAnswer, GreedyAnswer]]) -> AgreementSummary | None:
+    if not pairs:
+        return None
+    found = [metrics.compare(x.text, y.text, _as_logprobs(x), _as_logprobs(y)) for x, y in pairs]
+    by = "tokens" if all(f.by == "tokens" for f in found) else "characters"
+    if by == "characters":  # one side without logprobs: compare every pair the same way
+        found = [metrics.compare(x.text, y.text, None, None) for x, y in pairs]
+    compared = sum(f.compared for f in found)
+    diverging = [f.first_divergence for f in found if f.first_divergence is not None]
+    kl_n = sum(f.kl_positions for f in found)
+    return AgreementSummary(
+        by=by, answers=len(found), identical=len(found) - len(diverging),
+        matching_fraction=sum(f.matching for f in found) / compared if compared else 1.0,
+        mean_first_divergence=statistics.fmean(diverging) if diverging else None,
+        kl_positions=kl_n, mean_kl_nats=sum(f.kl_sum for f in found) / kl_n if kl_n else None,
+        mean_abs_logprob_diff=sum(f.abs_logprob_diff_sum for f in found) / kl_n if kl_n else None)
+
+
+def agreement(a: list[GreedyAnswer], b: list[GreedyAnswer]) -> AgreementSummary | None:
+    """A's and B's answers to the same prompts in the same measured round."""
+    theirs = {(g.key, g.round): g for g in b}
+    return _agreement_summary([(g, theirs[(g.key, g.round)]) for g in a if (g.key, g.round) in theirs])
+
+
+def noise_floor(a: list[GreedyAnswer]) -> AgreementSummary | None:
+    """A's first two measured rounds of each prompt against each other: the run-to-run spread
+    that an A/B difference has to exceed."""
+    by_key: dict[str, dict[int, GreedyAnswer]] = {}
+    for g in a:
+        by_key.setdefault(g.key, {})[g.round] = g
+    return _agreement_summary([(r[0], r[1]) for r in by_key.values() if 0 in r and 1 in r])
+
+
+def headline_metrics(e: EndpointReport) -> dict[str, float]:
+    """The numbers an A/B compares: median decode and TTFT, per point, and the pooled ITL."""
+    out: dict[str, float] = {}
+    for d in e.decode:
+        if d.aggregate_tok_s:
+            out[f"decode tok/s, {d.concurrency} concurrent (p50)"] = d.aggregate_tok_s.p50
+    for p in e.latency:
+        if p.warm_ttft_s:
+            out[f"warm TTFT s, {p.prompt_tokens} tokens x {p.concurrency} (p50)"] = p.warm_ttft_s.p50
+        if p.cold_ttft_s:
+            out[f"cold TTFT s, {p.prompt_tokens} tokens x {p.concurrency} (mean)"] = p.cold_ttft_s.mean
+    if e.itl_samples_s:
+        out["ITL s (p50)"] = metrics.percentile(e.itl_samples_s, 50)
+        out["ITL s (p90)"] = metrics.percentile(e.itl_samples_s, 90)
+    return out
+
+
+def deltas(a: EndpointReport, b: EndpointReport) -> list[Delta]:
+    ma, mb = headline_metrics(a), headline_metrics(b)
+    return [Delta(metric=k, a=ma[k], b=mb[k], change_pct=(mb[k] - ma[k]) / ma[k] * 100)
+            for k in ma if k in mb and ma[k] > 0]
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,95 @@
+"""``flashnext bench`` against a real OpenAI-compatible server: ``transformers serve`` on loopback
+with tiny chat models this test builds (tests/support/chat_server.py), started and stopped here.
+
+The models' weights are random, so the needle is never found and no answer is JSON; what is checked
+is that the bench measures, scores and reports a real server's streams as they are.
+"""
+
+import json
+
+import jsonschema
+import pytest
+from click.testing import CliRunner
+
+from flashnext.tools.cli import main
+from support import ROOT
+from support.chat_server import TransformersServer, build_tiny_chat_model
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = json.loads((ROOT / "manifests" / "bench-report.schema.json").read_text())
+RUN = ["--prompt-tokens", "96,384", "--concurrency", "1,2", "--decode-concurrency", "1,2", "--decode-tokens", "24",
+       "--ttft-max-tokens", "8", "--warmup", "1", "--repeats", "2", "--needle-tokens", "512",
+       "--needle-depths", "0.25,0.75", "--needle-concurrency", "2", "--needle-max-tokens", "8",
+       "--structured-requests", "4", "--structured-concurrency", "2", "--structured-max-tokens", "16",
+       "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Two servers whose models differ only in their weights' seed: an A/B with a real difference."""
+    root = tmp_path_factory.mktemp("chat-servers")
+    a = build_tiny_chat_model(root / "model-a", seed=0)
+    b = build_tiny_chat_model(root / "model-b", seed=1)
+    with TransformersServer(a, root / "a.log") as sa, TransformersServer(b, root / "b.log") as sb:
+        yield sa, sb
+
+
+def _bench(*args):
+    done = CliRunner().invoke(main, ["bench", *args])
+    assert done.exit_code == 0, done.output
+    return done
+
+
+def test_a_b_run_against_two_real_servers(servers, tmp_path):
+    a, b = servers
+    out = tmp_path / "ab"
+    # transformers serve's /v1/models fails (HTTP 500) and a pinned server takes only its own name.
+    done = _bench(a.url, "--model", str(a.model), "--against", b.url, "--against-model", str(b.model),
+                  "--out", str(out), *RUN)
+    report = json.loads((out / "report.json").read_text())
+    jsonschema.validate(report, SCHEMA)
+    assert [e["label"] for e in report["endpoints"]] == ["A", "B"]
+    for e in report["endpoints"]:
+        # latency 2 lengths x (1 + 2) x 4 rounds, decode (1 + 2) x 3 rounds, 2 needles, 4 structured
+        assert e["errors"] == {} and e["requests"] == 24 + 9 + 2 + 4
+        # transformers serve streams usage but refuses ignore_eos and returns no logprobs; the notes say so.
+        assert e["capabilities"] == {"ignore_eos": False, "logprobs": False, "usage": True}
+        assert e["model"] == str(a.model if e["label"] == "A" else b.model)
+        for p in e["latency"]:
+            # The prompt lengths asked for are the lengths the server counted (the probe's scale).
+            assert abs(p["measured_prompt_tokens"] - p["prompt_tokens"]) <= 0.1 * p["prompt_tokens"], p
+            assert len(p["warm_ttft_samples_s"]) == 2 * p["concurrency"]
+            assert len(p["cold_ttft_samples_s"]) == p["concurrency"]
+            assert p["itl_s"]["count"] > 0 and 0 < p["itl_s"]["p50"] <= p["itl_s"]["p99"]
+        assert [d["concurrency"] for d in e["decode"]] == [1, 2]
+        assert all(d["aggregate_tok_s"]["p50"] > 0 and d["failed"] == 0 for d in e["decode"])
+        assert [(n["context_tokens"], n["depth"]) for n in e["needle"]] == [(512, 0.25), (512, 0.75)]
+        assert all(n["error"] is None and not n["found"] and n["measured_prompt_tokens"] > 450 for n in e["needle"])
+        st = e["structured"]
+        assert st["failed"] == 0 and st["valid"] + len(st["invalid"]) == 4
+    assert any("no logprobs" in n for n in report["notes"])
+    ab = report["ab"]
+    # Greedy answers: A against itself (two rounds) agree; A against B (other weights) do not.
+    assert ab["noise_floor"]["by"] == "characters"
+    assert ab["noise_floor"]["identical"] == ab["noise_floor"]["answers"] == 3
+    assert ab["agreement"]["answers"] == 6 and ab["agreement"]["identical"] < 6
+    assert ab["agreement"]["mean_kl_nats"] is None
+    assert any(d["metric"].startswith("decode tok/s") for d in ab["deltas"])
+    for name in ("ttft.png", "itl.png", "decode.png", "ab.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    html = (out / "report.html").read_text()
+    assert html.count('src="data:image/png;base64,') == 4 and 'src="http' not in html
+    assert "A/B:" in done.output and "needle: 0/2" in done.output
+
+
+def test_baseline_compares_with_a_saved_run(servers, tmp_path):
+    a, _ = servers
+    first = tmp_path / "first"
+    _bench(a.url, "--model", str(a.model), "--out", str(first), "--phases", "decode", *RUN)
+    done = _bench(a.url, "--model", str(a.model), "--out", str(tmp_path / "second"), "--phases", "decode", "--baseline",
+                  str(first / "report.json"), "--json", *RUN)
+    result = json.loads(done.output[done.output.index("{"):])
+    assert result["summary"]["ab"]["identical"] == result["summary"]["ab"]["answers"] == 6
+    report = json.loads((tmp_path / "second" / "report.json").read_text())
+    assert report["ab"]["a"].startswith("baseline ") and len(report["endpoints"]) == 1
