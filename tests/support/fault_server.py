@@ -4,7 +4,9 @@ demand: stall, drop a stream, send a chunk that is not JSON, fail with a 500 or 
 It speaks raw HTTP/1.1 over asyncio streams (chunked server-sent events), so that a dropped stream
 is a connection closed before the terminating chunk, as a crashed server leaves it. Requests for
 at most two tokens (``flashnext bench``'s probe) always succeed; every other request takes the next
-behaviour of ``schedule`` in turn. ``served`` counts what each behaviour answered.
+behaviour of ``schedule`` in turn. ``served`` counts what each behaviour answered; ``sent_at``
+keeps, for each answer, the ``time.perf_counter()`` of every token chunk it wrote (a benchmark
+compares a client's timings with them). ``interval_s`` paces the tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections import Counter
 from itertools import cycle
 
@@ -19,13 +22,15 @@ BEHAVIOURS = ("ok", "stall", "drop", "invalid_json", "http_500", "error_event", 
 
 
 class FaultServer:
-    def __init__(self, schedule: tuple[str, ...] = BEHAVIOURS, tokens: int = 8):
+    def __init__(self, schedule: tuple[str, ...] = BEHAVIOURS, tokens: int = 8, interval_s: float = 0.002):
         unknown = set(schedule) - set(BEHAVIOURS)
         if unknown:
             raise ValueError(f"unknown behaviours {unknown}")
         self._schedule = cycle(schedule)
         self.tokens = tokens
+        self.interval_s = interval_s
         self.served: Counter[str] = Counter()
+        self.sent_at: list[list[float]] = []
         self._loop = asyncio.new_event_loop()
         self._server = None
         self._stop = None
@@ -99,6 +104,9 @@ class FaultServer:
         w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         n = int(body.get("max_tokens") or 16) if probe else self.tokens
         with_logprobs = bool(body.get("logprobs"))
+        sent: list[float] = []
+        answer = len(self.sent_at)  # its tokens carry this number: "a<answer>t<token>"
+        self.sent_at.append(sent)
         for i in range(n):
             if behaviour == "stall" and i == 1:
                 await asyncio.sleep(3600)  # until the client gives up and the connection goes
@@ -112,9 +120,10 @@ class FaultServer:
             if behaviour == "error_event" and i == 2:
                 self._event(w, json.dumps({"error": {"message": "injected engine error", "code": 500}}))
                 break
-            self._event(w, json.dumps(self._chunk(f"t{i} ", with_logprobs)))
+            self._event(w, json.dumps(self._chunk(f"a{answer}t{i} ", with_logprobs)))
             await w.drain()
-            await asyncio.sleep(0.002)
+            sent.append(time.perf_counter())
+            await asyncio.sleep(self.interval_s)
         if behaviour != "no_finish":
             last = self._chunk("", False, finish="length")
             if body.get("stream_options", {}).get("include_usage"):
