@@ -21,6 +21,12 @@ from flashnext.tools._common import emit_json, json_option, user_errors
                    "lands on the larger-magnitude side).")
 @click.option("--scale-search/--no-scale-search", default=True, show_default=True,
               help="MSE scale search; --no-scale-search is plain absmax RTN, for A/B comparisons.")
+@click.option("--calib", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Calibration activations: a safetensors file with hidden_states [tokens, hidden] at the MTP "
+                   "MoE block's input. Each expert's scales then minimise the output error on the tokens its "
+                   "router sends it (docs/make-mtp-int4.md says how to capture them). Without it: weight-only.")
+@click.option("--calib-min-tokens", type=click.IntRange(1), default=32, show_default=True,
+              help="An expert routed fewer calibration tokens is topped up with the all-token average.")
 @click.option("--device", default="cpu", show_default=True,
               help="Where to quantize: cpu, cuda, cuda:N.")
 @click.option("--experts-per-batch", type=click.IntRange(1), default=None,
@@ -31,7 +37,8 @@ from flashnext.tools._common import emit_json, json_option, user_errors
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 @json_option
 @user_errors
-def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_search: bool, device: str,
+def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_search: bool, calib: Path | None,
+         calib_min_tokens: int, device: str,
          experts_per_batch: int | None, force: bool, report: Path | None, progress: bool,
          as_json: bool) -> None:
     """Quantize the MTP routed experts of SRC to symmetric INT4 (MSE-searched scales) and write
@@ -47,18 +54,21 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_sea
         check_report_path(report, src, out)
     options = MtpInt4Options(group_size=int(group_size), positive_scales=positive_scales,
                              device=device, experts_per_batch=experts_per_batch,
-                             scale_search=scale_search)
+                             scale_search=scale_search, calib=calib, calib_min_tokens=calib_min_tokens)
     result = make_mtp_int4(src, out, options, force=force, progress=progress)
     if report is not None:
         write_report(report, result)
     if as_json:
         emit_json(result)
         return
-    click.echo(f"wrote {out} ({result['bytes_written'] / 2**20:.1f} MiB) in {result['seconds']:.1f} s")
+    click.echo(f"wrote {out} ({result['bytes_written'] / 2**20:.1f} MiB) in {result['seconds']:.1f} s, "
+               f"{result['mode']}")
     for proj, s in result["projections"].items():
         ratio = s["ratio_to_absmax_rtn"]
         click.echo(f"  {proj:4s} x{s['matrices']}: rel MSE {s['rel_mse']:.4e}"
-                   + (f" ({ratio:.3f}x absmax RTN)" if ratio else ""))
+                   + (f" ({ratio:.3f}x absmax RTN)" if ratio else "")
+                   + (f"; output rel MSE {s['output_rel_mse']:.4e} (weight-only {s['weight_only_output_rel_mse']:.4e})"
+                      if "output_rel_mse" in s else ""))
 
 
 if __name__ == "__main__":

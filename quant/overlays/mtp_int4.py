@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.fsutil import make_parents, refuse_overlap, write_text_atomic
+from flashnext.quant.checkpoint.fsutil import make_parents, refuse_overlap, sha256_file, write_text_atomic
 from flashnext.quant.checkpoint.jsonfile import get_int, read_json
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
 from flashnext.quant.formats.ct_config import with_mtp_experts_quantized
@@ -36,6 +36,7 @@ from flashnext.quant.formats.packing import pack_int32, packed_words
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
 from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
 from flashnext.quant.quantizers.base import Quantizer, get_quantizer
+from flashnext.quant.quantizers.calibration import RoutedStatistics, load_calibration
 from flashnext.quant.quantizers.mse_rtn import MseSearch, check_group_size, dequantize
 
 BITS = 4
@@ -160,15 +161,32 @@ class _ProjectionStats:
     max_abs_err: float = 0.0
     negative_scales: int = 0
     zero_groups: int = 0
+    # With --calib: the same errors weighted by the calibration's column importance (the output
+    # error on those activations), for this overlay, plain RTN and the weight-only default.
+    out_err: float = 0.0
+    out_err_absmax: float = 0.0
+    out_err_weight_only: float = 0.0
+    out_weight: float = 0.0
 
     def to_json(self, shape: tuple[int, int]) -> dict:
         rel = self.sq_err / self.sq_weight if self.sq_weight else 0.0
         rel_absmax = self.sq_err_absmax / self.sq_weight if self.sq_weight else 0.0
-        return {"matrices": self.matrices, "shape": list(shape), "groups": self.groups,
-                "rel_mse": rel, "absmax_rtn_rel_mse": rel_absmax,
-                "ratio_to_absmax_rtn": rel / rel_absmax if rel_absmax else None,
-                "max_abs_err": self.max_abs_err, "negative_scales": self.negative_scales,
-                "zero_groups": self.zero_groups}
+        out = {"matrices": self.matrices, "shape": list(shape), "groups": self.groups,
+               "rel_mse": rel, "absmax_rtn_rel_mse": rel_absmax,
+               "ratio_to_absmax_rtn": rel / rel_absmax if rel_absmax else None,
+               "max_abs_err": self.max_abs_err, "negative_scales": self.negative_scales,
+               "zero_groups": self.zero_groups}
+        if self.out_weight:
+            out |= {"output_rel_mse": self.out_err / self.out_weight,
+                    "absmax_rtn_output_rel_mse": self.out_err_absmax / self.out_weight,
+                    "weight_only_output_rel_mse": self.out_err_weight_only / self.out_weight}
+        return out
+
+    def add_weighted(self, flat: torch.Tensor, importance: torch.Tensor, errors: dict[str, torch.Tensor]) -> None:
+        d = importance.expand_as(flat)
+        self.out_weight += float((d * flat * flat).sum())
+        for attr, err in errors.items():
+            setattr(self, attr, getattr(self, attr) + float((d * err * err).sum()))
 
 
 @dataclass(frozen=True)
@@ -181,6 +199,10 @@ class MtpInt4Options:
     # A side of the A/B measurement.
     scale_search: bool = True
     compare_absmax: bool = True  # the report's ratio to plain RTN; costs one extra pass
+    # Activations at the MTP MoE block's input (quant.quantizers.calibration): the scale search
+    # then weights each column by its routed tokens' diag(X^T X).
+    calib: Path | None = None
+    calib_min_tokens: int = 32
 
 
 class _Progress:
@@ -236,7 +258,32 @@ class MtpInt4Builder(OverlayBuilder):
         self.reference = get_quantizer("rtn") if options.scale_search and options.compare_absmax else None
         self.stats = {p: _ProjectionStats() for p in PROJECTIONS}
         self.bytes_read = 0
+        self.routed: dict[str, RoutedStatistics] = {}
+        self.calib_sha256 = None
+        self.weight_only: Quantizer | None = None  # with --calib: today's default, for the report's comparison
+        if options.calib is not None:
+            if not options.scale_search:
+                raise FlashnextError("--calib weights the scale search: it cannot go with --no-scale-search")
+            self._load_calibration(options.calib)
 
+    def _load_calibration(self, path: Path) -> None:
+        tc, where = self.snap.text_config, f"{self.snap.root / CONFIG_FILE}: text config"
+        calib = load_calibration(path, get_int(tc, "hidden_size", where, minimum=1))
+        top_k = get_int(tc, "num_experts_per_tok", where, minimum=1)
+        renormalize = bool(tc.get("norm_topk_prob", True))
+        for layer in self.layers:
+            router_name = f"{layer.prefix.removesuffix('.experts')}.gate.weight"
+            if router_name not in self.snap.weight_map:
+                raise FlashnextError(f"--calib needs the MTP router {router_name}, which the snapshot does not have")
+            file, entry = self.snap.entry(router_name)
+            router = read_rows(file, entry, 0, entry.shape[0]).to(torch.float32)
+            if tuple(router.shape) != (layer.num_experts, layer.hidden):
+                raise FlashnextError(f"{router_name} has shape {tuple(router.shape)}; expected "
+                                     f"[{layer.num_experts}, {layer.hidden}]")
+            self.routed[layer.prefix] = RoutedStatistics(calib, router, top_k, renormalize,
+                                                         self.options.calib_min_tokens)
+        self.calib_sha256 = sha256_file(path)
+        self.weight_only = get_quantizer("mse", search=self.search)
     @property
     def kind(self) -> str:
         return "mtp-int4"
@@ -262,7 +309,9 @@ class MtpInt4Builder(OverlayBuilder):
         try:
             for layer in self.layers:
                 self.bytes_read += _quantize_layer(self.snap, layer, writers, self.stats, self.quantizer,
-                                                   self.reference, self.options, self.device, self.per_batch, bar)
+                                                   self.reference, self.options, self.device, self.per_batch, bar,
+                                                   self.routed.get(layer.prefix),
+                                                   self.weight_only)
         finally:
             bar.close()
 
@@ -287,6 +336,8 @@ class MtpInt4Builder(OverlayBuilder):
             "search": {"grid": list(self.search.grid), "fine": list(self.search.fine), "refits": self.search.refits},
             "quantizer": self.quantizer.name,
             "quantizer_description": self.quantizer.description,
+            "mode": "calibrated" if self.routed else "weight-only",
+            "calibration": self._calibration_report(),
             "device": str(self.device),
             "draft_layers": [layer.prefix for layer in self.layers],
             "source_layout": first.layout,
@@ -297,6 +348,12 @@ class MtpInt4Builder(OverlayBuilder):
             "read_gb_per_s": round(self.bytes_read / elapsed / 1e9, 3) if elapsed else None,
         }
 
+    def _calibration_report(self) -> dict | None:
+        if not self.routed:
+            return None
+        return {"file": self.options.calib.name, "sha256": self.calib_sha256,
+                "layers": {prefix: r.summary() for prefix, r in self.routed.items()}}
+
     @classmethod
     def card_section(cls, report: dict) -> list[str]:
         if not report.get("projections"):
@@ -305,13 +362,28 @@ class MtpInt4Builder(OverlayBuilder):
                  f"INT{report.get('bits')} symmetric, group size {report.get('group_size')}, "
                  f"scales in {report.get('scale_dtype')}, "
                  + report.get("quantizer_description", "MSE-searched scales, round-to-nearest")
-                 + (" (positive scales only)" if report.get("positive_scales") else " (signed scales)") + ".", "",
-                 "| projection | matrices | relative MSE | vs absmax RTN | negative scales | all-zero groups |",
-                 "|---|---|---|---|---|---|"]
+                 + (" (positive scales only)" if report.get("positive_scales") else " (signed scales)") + ".", ""]
+        calib = report.get("calibration")
+        if report.get("mode") == "calibrated" and calib:
+            tokens = next(iter(calib["layers"].values()))["tokens"]
+            lines += [f"Mode: **calibrated** on {tokens:,} tokens ({calib['file']}, sha256 {calib['sha256'][:12]}): "
+                      "each expert's scales minimise the output error on the tokens its router sends it "
+                      "(diag(XᵀX)-weighted scale search).", ""]
+        else:
+            lines += ["Mode: **weight-only** (no calibration data): scales minimise the weight error.", ""]
+        lines += ["| projection | matrices | relative MSE | vs absmax RTN | negative scales | all-zero groups |",
+                  "|---|---|---|---|---|---|"]
         for proj, s in report["projections"].items():
             ratio = f"{s['ratio_to_absmax_rtn']:.3f}x" if s.get("ratio_to_absmax_rtn") else "—"
             lines.append(f"| {proj} | {s['matrices']} | {s['rel_mse']:.4e} | {ratio} | "
                          f"{s['negative_scales']} | {s['zero_groups']} |")
+        if report.get("mode") == "calibrated":
+            lines += ["", "Output error on the calibration activations (relative, activation-weighted):", "",
+                      "| projection | this overlay | weight-only default | absmax RTN |", "|---|---|---|---|"]
+            for proj, s in report["projections"].items():
+                if "output_rel_mse" in s:
+                    lines.append(f"| {proj} | {s['output_rel_mse']:.4e} | {s['weight_only_output_rel_mse']:.4e} | "
+                                 f"{s['absmax_rtn_output_rel_mse']:.4e} |")
         return lines
 
 
@@ -379,9 +451,22 @@ def _load_batch(snap: Snapshot, layer: DraftLayerExperts, start: int, stop: int,
     return out
 
 
+def _batch_importance(routed: RoutedStatistics, batch: dict[str, torch.Tensor], start: int,
+                      device: torch.device) -> dict[str, torch.Tensor]:
+    """``{proj: [b * rows, cols]}``: each expert's column importance, repeated over its rows."""
+    per = [routed.expert(start + i, batch["gate"][i].cpu(), batch["up"][i].cpu()) for i in range(batch["gate"].shape[0])]
+    out = {}
+    for proj in PROJECTIONS:
+        b, rows, cols = batch[proj].shape
+        d = torch.stack([p.d_mid if proj == "down" else p.d_in for p in per]).to(device)
+        out[proj] = d.unsqueeze(1).expand(b, rows, cols).reshape(b * rows, cols)
+    return out
+
+
 def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str, ShardWriter],
                     stats: dict[str, _ProjectionStats], quantizer: Quantizer, reference: Quantizer | None,
-                    options: MtpInt4Options, device: torch.device, per_batch: int, bar: _Progress) -> int:
+                    options: MtpInt4Options, device: torch.device, per_batch: int, bar: _Progress,
+                    routed: RoutedStatistics | None = None, weight_only: Quantizer | None = None) -> int:
     scale_dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(layer.dtype, torch.bfloat16)
     element = torch.empty(0, dtype=FLOAT_DTYPES[layer.dtype]).element_size()
     gs = options.group_size
@@ -390,11 +475,13 @@ def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str,
         stop = min(start + per_batch, layer.num_experts)
         batch = _load_batch(snap, layer, start, stop, device)
         for proj in PROJECTIONS:
+            _check_finite(batch[proj], f"{layer.prefix} {proj}_proj of experts {start}..{stop - 1}")
+        importance = _batch_importance(routed, batch, start, device) if routed is not None else {}
+        for proj in PROJECTIONS:
             w = batch[proj]
             b, rows, cols = w.shape
-            _check_finite(w, f"{layer.prefix} {proj}_proj of experts {start}..{stop - 1}")
             flat = w.reshape(b * rows, cols)
-            q = quantizer.quantize(flat, BITS, gs, scale_dtype)
+            q = quantizer.quantize(flat, BITS, gs, scale_dtype, importance=importance.get(proj))
             packed = pack_int32(q.codes, BITS).view(b, rows, -1).cpu()
             scales = q.scale.view(b, rows, -1).cpu()
             st = stats[proj]
@@ -410,8 +497,14 @@ def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str,
                 st.sq_err_absmax = st.sq_err
             elif reference is not None:
                 ref = reference.quantize(flat, BITS, gs, scale_dtype)
-                err = dequantize(ref.codes, ref.scale, gs).float() - flat
-                st.sq_err_absmax += float(torch.linalg.vecdot(err.view(-1), err.view(-1)))
+                ref_err = dequantize(ref.codes, ref.scale, gs).float() - flat
+                st.sq_err_absmax += float(torch.linalg.vecdot(ref_err.view(-1), ref_err.view(-1)))
+                if proj in importance:
+                    plain = weight_only.quantize(flat, BITS, gs, scale_dtype)
+                    st.add_weighted(flat, importance[proj], {
+                        "out_err": err, "out_err_absmax": ref_err,
+                        "out_err_weight_only": dequantize(plain.codes, plain.scale, gs).float() - flat})
+                del ref_err
             del err
             writer = writers[layer.source_shard(proj)]
             for i, e in enumerate(range(start, stop)):

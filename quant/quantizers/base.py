@@ -39,8 +39,10 @@ class Quantizer(ABC):
 
     @abstractmethod
     def quantize(self, weight: "torch.Tensor", bits: int, group_size: int,
-                 scale_dtype: "torch.dtype") -> "GroupQuantized":
-        """Codes in ``[-2^(bits-1), 2^(bits-1) - 1]`` and ``scale_dtype`` scales for ``weight``."""
+                 scale_dtype: "torch.dtype", importance: "torch.Tensor | None" = None) -> "GroupQuantized":
+        """Codes in ``[-2^(bits-1), 2^(bits-1) - 1]`` and ``scale_dtype`` scales for ``weight``.
+        ``importance`` ([cols] or [rows, cols], non-negative): how much each input column's error
+        costs on calibration activations; a quantizer may ignore it."""
 
     def options(self) -> dict:
         """The settings that made a result, for its report."""

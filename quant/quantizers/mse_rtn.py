@@ -18,6 +18,12 @@ The search, per group:
    the error, so the result is never worse than the grid.
 
 An all-zero group gets scale 0 and codes 0, which dequantize exactly.
+
+With calibration (``importance``: per input column, e.g. ``diag(X^T X)`` of the activations the
+matrix multiplies), the error of every step is weighted, ``sum(d * (q*s - x)**2)``, and the least
+squares refit is the weighted one (``s = sum(d*x*q) / sum(d*q*q)``): the scale is chosen for the
+output the matrix produces on those activations, not for the weight alone. A uniform ``importance``
+gives exactly the unweighted result.
 """
 
 from __future__ import annotations
@@ -95,8 +101,9 @@ def _signed_max(x: torch.Tensor) -> torch.Tensor:
 class _GroupSolver:
     """Evaluates candidate scales on a chunk of groups ``x [G, group_size]`` (float32)."""
 
-    def __init__(self, x: torch.Tensor, bits: int, scale_dtype: torch.dtype):
+    def __init__(self, x: torch.Tensor, bits: int, scale_dtype: torch.dtype, weights: torch.Tensor | None = None):
         self.x = x
+        self.weights = weights  # per element, >= 0; None: all ones
         self.lo = float(-(1 << (bits - 1)))
         self.hi = float((1 << (bits - 1)) - 1)
         self.scale_dtype = scale_dtype
@@ -118,7 +125,13 @@ class _GroupSolver:
         q = self.codes(s)
         torch.mul(q, s.unsqueeze(1), out=self.r)
         self.r.sub_(self.x)
-        return torch.linalg.vecdot(self.r, self.r)
+        return self.dot(self.r, self.r)
+
+    def dot(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Per group ``sum(d * a * b)`` (``sum(a * b)`` without weights)."""
+        if self.weights is None:
+            return torch.linalg.vecdot(a, b)
+        return torch.linalg.vecdot(a * self.weights, b)
 
 
 class _Best:
@@ -139,17 +152,17 @@ class _Best:
         x = self.solver.x
         for _ in range(rounds):
             q = self.solver.codes(self.s)
-            qq = torch.linalg.vecdot(q, q)
-            xq = torch.linalg.vecdot(x, q)
-            s_ls = torch.where(qq > 0, xq / qq.clamp_min(1.0), self.s)
+            qq = self.solver.dot(q, q)
+            xq = self.solver.dot(x, q)
+            s_ls = torch.where(qq > 0, xq / torch.where(qq > 0, qq, torch.ones_like(qq)), self.s)
             if positive_only:
                 s_ls = torch.where(s_ls > 0, s_ls, self.s)
             self.offer(self.solver.stored(s_ls))
 
 
 def _solve_chunk(x: torch.Tensor, bits: int, scale_dtype: torch.dtype, search: MseSearch,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    solver = _GroupSolver(x, bits, scale_dtype)
+                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    solver = _GroupSolver(x, bits, scale_dtype, weights)
     amax = x.abs().amax(dim=1)
     best = _Best(solver, amax)
     # A positive t maps the group's largest magnitude to +t (scale > 0); a negative t maps it to
@@ -170,19 +183,33 @@ def _solve_chunk(x: torch.Tensor, bits: int, scale_dtype: torch.dtype, search: M
 
 
 def _quantize_groups(weight: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype,
-                     solve, chunk_groups: int) -> GroupQuantized:
+                     solve, chunk_groups: int, importance: torch.Tensor | None = None) -> GroupQuantized:
     if weight.dim() != 2:
         raise FlashnextError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
     check_group_size(cols, group_size)
     groups = weight.reshape(-1, group_size)
+    weights = None if importance is None else _group_weights(importance, rows, cols, group_size)
     codes = torch.empty(groups.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(groups.shape[0], dtype=scale_dtype, device=weight.device)
     for start in range(0, groups.shape[0], chunk_groups):
         stop = min(start + chunk_groups, groups.shape[0])
         x = groups[start:stop].to(torch.float32)
-        codes[start:stop], scale[start:stop] = solve(x)
+        if weights is None:
+            codes[start:stop], scale[start:stop] = solve(x)
+        else:
+            codes[start:stop], scale[start:stop] = solve(x, weights[start:stop].to(torch.float32))
     return GroupQuantized(codes.view(rows, cols), scale.view(rows, cols // group_size), group_size)
+
+
+def _group_weights(importance: torch.Tensor, rows: int, cols: int, group_size: int) -> torch.Tensor:
+    """``importance`` ([cols], or [rows, cols] for a stack of matrices each with its own) as one
+    row of weights per group, in the groups' order."""
+    if importance.shape not in ((cols,), (rows, cols)):
+        raise FlashnextError(f"importance of shape {tuple(importance.shape)} does not fit a [{rows}, {cols}] weight")
+    if not torch.isfinite(importance).all() or bool((importance < 0).any()):
+        raise FlashnextError("importance must be finite and non-negative")
+    return importance.to(torch.float32).expand(rows, cols).reshape(-1, group_size)
 
 
 def default_chunk_groups(device: torch.device) -> int:
@@ -194,8 +221,11 @@ def default_chunk_groups(device: torch.device) -> int:
 def quantize_mse_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128,
                      scale_dtype: torch.dtype = torch.bfloat16,
                      search: MseSearch | None = None,
-                     chunk_groups: int | None = None) -> GroupQuantized:
-    """Quantize ``weight [N, K]`` symmetrically per group with MSE-searched scales.
+                     chunk_groups: int | None = None,
+                     importance: torch.Tensor | None = None) -> GroupQuantized:
+    """Quantize ``weight [N, K]`` symmetrically per group with MSE-searched scales; with
+    ``importance`` ([K] or [N, K], e.g. ``diag(X^T X)`` of calibration activations), the searched
+    error is weighted by it.
 
     >>> w = torch.randn(4, 256)
     >>> qw = quantize_mse_rtn(w, bits=4, group_size=128)
@@ -205,7 +235,7 @@ def quantize_mse_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128,
     search = search or MseSearch()
     chunk = chunk_groups or default_chunk_groups(weight.device)
     return _quantize_groups(weight, bits, group_size, scale_dtype,
-                            lambda x: _solve_chunk(x, bits, scale_dtype, search), chunk)
+                            lambda x, d=None: _solve_chunk(x, bits, scale_dtype, search, d), chunk, importance)
 
 
 def quantize_absmax_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128,
@@ -235,8 +265,8 @@ class MseRtn(Quantizer):
         self.search = search or MseSearch(positive_scales=positive_scales)
 
     def quantize(self, weight: torch.Tensor, bits: int, group_size: int,
-                 scale_dtype: torch.dtype) -> GroupQuantized:
-        return quantize_mse_rtn(weight, bits, group_size, scale_dtype, self.search)
+                 scale_dtype: torch.dtype, importance: torch.Tensor | None = None) -> GroupQuantized:
+        return quantize_mse_rtn(weight, bits, group_size, scale_dtype, self.search, importance=importance)
 
     def options(self) -> dict:
         return {"grid": list(self.search.grid), "fine": list(self.search.fine), "refits": self.search.refits,
@@ -253,5 +283,5 @@ class AbsmaxRtn(Quantizer):
         self.positive_scales = positive_scales  # absmax scales are positive anyway
 
     def quantize(self, weight: torch.Tensor, bits: int, group_size: int,
-                 scale_dtype: torch.dtype) -> GroupQuantized:
-        return quantize_absmax_rtn(weight, bits, group_size, scale_dtype)
+                 scale_dtype: torch.dtype, importance: torch.Tensor | None = None) -> GroupQuantized:
+        return quantize_absmax_rtn(weight, bits, group_size, scale_dtype)  # absmax ignores activations

@@ -1,0 +1,140 @@
+"""Calibration for ``make-mtp-int4 --calib``: which input columns of each expert matter, and how much.
+
+The input is a safetensors file with one tensor, ``hidden_states`` ``[N, hidden]`` (or
+``[B, T, hidden]``): activations at the input of the MTP layer's MoE block, what its router
+(``mlp.gate``) and its experts multiply. ``docs/make-mtp-int4.md`` shows how to capture them from a
+served model or from the BF16 head.
+
+Routing-aware: the tokens are routed with the layer's own router (softmax, top-k, renormalized as
+the config says), and each expert's statistics come from the tokens routed to it, each weighted by
+its routing weight squared (the expert's output enters the block's output scaled by that weight):
+
+* gate and up (input ``x``): ``d_in[j] = sum_t r_t^2 x_tj^2``, the diagonal of ``X^T R^2 X``;
+* down (input ``a = silu(x W_gate^T) * (x W_up^T)``, from the BF16 weights): ``d_mid[j] = sum_t r_t^2 a_tj^2``.
+
+An expert that sees fewer than ``min_tokens`` tokens is topped up with the average over a fixed
+sample of all tokens run through that expert (``min_tokens - n`` of them, at the mean routing weight),
+so a rarely routed expert is quantized for typical activations rather than for its few, and one that
+no token reached is not quantized blind. A small damping (1% of the mean) keeps every column in
+play.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashnext.errors import FlashnextError
+
+CALIB_TENSOR = "hidden_states"
+FALLBACK_SAMPLE = 256  # tokens of the all-token sample that tops up rarely routed experts
+DAMPING = 0.01
+
+
+@dataclass
+class Calibration:
+    hidden: torch.Tensor  # [N, H] float32
+    path: Path
+
+    @property
+    def tokens(self) -> int:
+        return self.hidden.shape[0]
+
+
+def load_calibration(path: Path, hidden_size: int) -> Calibration:
+    """Read and check ``--calib`` (one line of error for anything wrong with it)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FlashnextError(f"--calib {path}: no such file")
+    try:
+        with safe_open(str(path), "pt") as f:
+            if CALIB_TENSOR not in f.keys():
+                raise FlashnextError(f"--calib {path}: no tensor {CALIB_TENSOR!r} (has: {', '.join(sorted(f.keys()))[:200]})")
+            hidden = f.get_tensor(CALIB_TENSOR)
+    except SafetensorError as e:
+        raise FlashnextError(f"--calib {path}: not a safetensors file ({e})") from None
+    if hidden.dim() == 3:
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size or hidden.shape[0] == 0:
+        raise FlashnextError(f"--calib {path}: {CALIB_TENSOR} has shape {tuple(hidden.shape)}; "
+                             f"expected [tokens, {hidden_size}] (the MTP MoE block's input)")
+    if not hidden.is_floating_point():
+        raise FlashnextError(f"--calib {path}: {CALIB_TENSOR} is {hidden.dtype}, not floating point")
+    hidden = hidden.to(torch.float32)
+    if not torch.isfinite(hidden).all():
+        raise FlashnextError(f"--calib {path}: {CALIB_TENSOR} contains NaN or Inf")
+    return Calibration(hidden, path)
+
+
+def route(hidden: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [N, k], weights [N, k])``: softmax over the router's logits, the top ``k``, and
+    (``norm_topk_prob``) those renormalized to sum to 1, as the model routes."""
+    probs = torch.softmax(hidden @ router.to(torch.float32).T, dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+@dataclass
+class ExpertImportance:
+    """One expert's column weights: ``d_in`` [hidden] for gate/up, ``d_mid`` [intermediate] for down."""
+
+    d_in: torch.Tensor
+    d_mid: torch.Tensor
+    tokens: int
+    topped_up: bool
+
+
+class RoutedStatistics:
+    """Per-expert importance for one MTP layer, from its router and the calibration tokens."""
+
+    def __init__(self, calib: Calibration, router: torch.Tensor, top_k: int, renormalize: bool,
+                 min_tokens: int = 32):
+        self.hidden = calib.hidden
+        self.ids, self.weights = route(self.hidden, router, top_k, renormalize)
+        self.min_tokens = min_tokens
+        self.mean_r2 = float((self.weights ** 2).mean())
+        step = max(1, self.hidden.shape[0] // FALLBACK_SAMPLE)
+        self.sample = self.hidden[::step][:FALLBACK_SAMPLE]
+        counts = torch.bincount(self.ids.reshape(-1), minlength=router.shape[0])
+        self.tokens_per_expert = counts.tolist()
+
+    def expert(self, e: int, w_gate: torch.Tensor, w_up: torch.Tensor) -> ExpertImportance:
+        """Importance for expert ``e`` with its BF16 (here float32) ``gate``/``up`` weights [I, H]."""
+        rows, slot = (self.ids == e).nonzero(as_tuple=True)
+        x = self.hidden[rows]
+        r2 = (self.weights[rows, slot] ** 2).unsqueeze(1)
+        d_in = (r2 * x * x).sum(0)
+        a = _activation(x, w_gate, w_up)
+        d_mid = (r2 * a * a).sum(0)
+        n = int(rows.numel())
+        topped_up = n < self.min_tokens
+        if topped_up:
+            extra = (self.min_tokens - n) * self.mean_r2
+            s = self.sample
+            sa = _activation(s, w_gate, w_up)
+            d_in = d_in + extra * (s * s).mean(0)
+            d_mid = d_mid + extra * (sa * sa).mean(0)
+        return ExpertImportance(_damped(d_in), _damped(d_mid), n, topped_up)
+
+    def summary(self) -> dict:
+        counts = sorted(self.tokens_per_expert)
+        return {"tokens": int(self.hidden.shape[0]), "min_tokens": self.min_tokens,
+                "tokens_per_expert": {"min": counts[0], "median": counts[len(counts) // 2], "max": counts[-1]},
+                "experts_topped_up": sum(c < self.min_tokens for c in counts),
+                "experts_without_tokens": sum(c == 0 for c in counts)}
+
+
+def _activation(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x @ w_gate.T) * (x @ w_up.T)
+
+
+def _damped(d: torch.Tensor) -> torch.Tensor:
+    mean = d.mean()
+    return d + DAMPING * mean if mean > 0 else torch.ones_like(d)
