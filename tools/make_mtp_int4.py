@@ -27,6 +27,9 @@ from flashnext.tools._common import emit_json, json_option, user_errors
                    "router sends it (docs/make-mtp-int4.md says how to capture them). Without it: weight-only.")
 @click.option("--calib-min-tokens", type=click.IntRange(1), default=32, show_default=True,
               help="An expert routed fewer calibration tokens is topped up with the all-token average.")
+@click.option("--rounding", type=click.Choice(["nearest", "gptq"]), default="nearest", show_default=True,
+              help="With --calib: gptq chooses each code against the expert's routed Gram matrix XᵀX "
+                   "(error feedback across columns) at the searched scales; nearest rounds each weight.")
 @click.option("--device", default="cpu", show_default=True,
               help="Where to quantize: cpu, cuda, cuda:N.")
 @click.option("--experts-per-batch", type=click.IntRange(1), default=None,
@@ -38,7 +41,7 @@ from flashnext.tools._common import emit_json, json_option, user_errors
 @json_option
 @user_errors
 def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_search: bool, calib: Path | None,
-         calib_min_tokens: int, device: str,
+         calib_min_tokens: int, rounding: str, device: str,
          experts_per_batch: int | None, force: bool, report: Path | None, progress: bool,
          as_json: bool) -> None:
     """Quantize the MTP routed experts of SRC to symmetric INT4 (MSE-searched scales) and write
@@ -54,7 +57,8 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_sea
         check_report_path(report, src, out)
     options = MtpInt4Options(group_size=int(group_size), positive_scales=positive_scales,
                              device=device, experts_per_batch=experts_per_batch,
-                             scale_search=scale_search, calib=calib, calib_min_tokens=calib_min_tokens)
+                             scale_search=scale_search, calib=calib, calib_min_tokens=calib_min_tokens,
+                             rounding=rounding)
     result = make_mtp_int4(src, out, options, force=force, progress=progress)
     if report is not None:
         write_report(report, result)

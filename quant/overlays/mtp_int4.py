@@ -37,7 +37,8 @@ from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read
 from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
 from flashnext.quant.quantizers.base import Quantizer, get_quantizer
 from flashnext.quant.quantizers.calibration import RoutedStatistics, load_calibration
-from flashnext.quant.quantizers.mse_rtn import MseSearch, check_group_size, dequantize
+from flashnext.quant.quantizers.gptq import gptq_codes
+from flashnext.quant.quantizers.mse_rtn import GroupQuantized, MseSearch, check_group_size, dequantize
 
 BITS = 4
 PROJECTIONS = ("gate", "up", "down")
@@ -161,8 +162,8 @@ class _ProjectionStats:
     max_abs_err: float = 0.0
     negative_scales: int = 0
     zero_groups: int = 0
-    # With --calib: the same errors weighted by the calibration's column importance (the output
-    # error on those activations), for this overlay, plain RTN and the weight-only default.
+    # With --calib: the output error on the calibration inputs, ||X ΔWᵀ||² routing-weighted, for this
+    # overlay, plain RTN and the weight-only default.
     out_err: float = 0.0
     out_err_absmax: float = 0.0
     out_err_weight_only: float = 0.0
@@ -182,11 +183,11 @@ class _ProjectionStats:
                     "weight_only_output_rel_mse": self.out_err_weight_only / self.out_weight}
         return out
 
-    def add_weighted(self, flat: torch.Tensor, importance: torch.Tensor, errors: dict[str, torch.Tensor]) -> None:
-        d = importance.expand_as(flat)
-        self.out_weight += float((d * flat * flat).sum())
+    def add_output(self, proj: str, calib: "_BatchCalibration", shape: tuple[int, int, int], flat: torch.Tensor,
+                   errors: dict[str, torch.Tensor]) -> None:
+        self.out_weight += calib.output_energy(proj, flat.view(shape))
         for attr, err in errors.items():
-            setattr(self, attr, getattr(self, attr) + float((d * err * err).sum()))
+            setattr(self, attr, getattr(self, attr) + calib.output_energy(proj, err.view(shape)))
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,9 @@ class MtpInt4Options:
     # then weights each column by its routed tokens' diag(X^T X).
     calib: Path | None = None
     calib_min_tokens: int = 32
+    # "nearest", or "gptq" (needs calib): codes chosen against each expert's routed Gram matrix
+    # at the searched scales (quant.quantizers.gptq).
+    rounding: str = "nearest"
 
 
 class _Progress:
@@ -261,6 +265,10 @@ class MtpInt4Builder(OverlayBuilder):
         self.routed: dict[str, RoutedStatistics] = {}
         self.calib_sha256 = None
         self.weight_only: Quantizer | None = None  # with --calib: today's default, for the report's comparison
+        if options.rounding not in ("nearest", "gptq"):
+            raise FlashnextError(f"rounding {options.rounding!r}: use nearest or gptq")
+        if options.rounding == "gptq" and options.calib is None:
+            raise FlashnextError("--rounding gptq chooses codes against calibration activations: give --calib FILE")
         if options.calib is not None:
             if not options.scale_search:
                 raise FlashnextError("--calib weights the scale search: it cannot go with --no-scale-search")
@@ -336,7 +344,9 @@ class MtpInt4Builder(OverlayBuilder):
             "search": {"grid": list(self.search.grid), "fine": list(self.search.fine), "refits": self.search.refits},
             "quantizer": self.quantizer.name,
             "quantizer_description": self.quantizer.description,
-            "mode": "calibrated" if self.routed else "weight-only",
+            "mode": ("calibrated, GPTQ rounding" if self.options.rounding == "gptq" else "calibrated")
+                    if self.routed else "weight-only",
+            "rounding": self.options.rounding,
             "calibration": self._calibration_report(),
             "device": str(self.device),
             "draft_layers": [layer.prefix for layer in self.layers],
@@ -364,11 +374,14 @@ class MtpInt4Builder(OverlayBuilder):
                  + report.get("quantizer_description", "MSE-searched scales, round-to-nearest")
                  + (" (positive scales only)" if report.get("positive_scales") else " (signed scales)") + ".", ""]
         calib = report.get("calibration")
-        if report.get("mode") == "calibrated" and calib:
+        calibrated = str(report.get("mode", "")).startswith("calibrated")
+        if calibrated and calib:
             tokens = next(iter(calib["layers"].values()))["tokens"]
-            lines += [f"Mode: **calibrated** on {tokens:,} tokens ({calib['file']}, sha256 {calib['sha256'][:12]}): "
-                      "each expert's scales minimise the output error on the tokens its router sends it "
-                      "(diag(XᵀX)-weighted scale search).", ""]
+            gptq = (" Codes are then chosen by GPTQ against each expert's routed Gram matrix XᵀX."
+                    if report.get("rounding") == "gptq" else "")
+            lines += [f"Mode: **{report['mode']}** on {tokens:,} tokens ({calib['file']}, sha256 "
+                      f"{calib['sha256'][:12]}): each expert's scales minimise the output error on the tokens "
+                      f"its router sends it (diag(XᵀX)-weighted scale search).{gptq}", ""]
         else:
             lines += ["Mode: **weight-only** (no calibration data): scales minimise the weight error.", ""]
         lines += ["| projection | matrices | relative MSE | vs absmax RTN | negative scales | all-zero groups |",
@@ -377,7 +390,7 @@ class MtpInt4Builder(OverlayBuilder):
             ratio = f"{s['ratio_to_absmax_rtn']:.3f}x" if s.get("ratio_to_absmax_rtn") else "—"
             lines.append(f"| {proj} | {s['matrices']} | {s['rel_mse']:.4e} | {ratio} | "
                          f"{s['negative_scales']} | {s['zero_groups']} |")
-        if report.get("mode") == "calibrated":
+        if calibrated:
             lines += ["", "Output error on the calibration activations (relative, activation-weighted):", "",
                       "| projection | this overlay | weight-only default | absmax RTN |", "|---|---|---|---|"]
             for proj, s in report["projections"].items():
@@ -451,16 +464,27 @@ def _load_batch(snap: Snapshot, layer: DraftLayerExperts, start: int, stop: int,
     return out
 
 
-def _batch_importance(routed: RoutedStatistics, batch: dict[str, torch.Tensor], start: int,
-                      device: torch.device) -> dict[str, torch.Tensor]:
-    """``{proj: [b * rows, cols]}``: each expert's column importance, repeated over its rows."""
-    per = [routed.expert(start + i, batch["gate"][i].cpu(), batch["up"][i].cpu()) for i in range(batch["gate"].shape[0])]
-    out = {}
-    for proj in PROJECTIONS:
-        b, rows, cols = batch[proj].shape
-        d = torch.stack([p.d_mid if proj == "down" else p.d_in for p in per]).to(device)
-        out[proj] = d.unsqueeze(1).expand(b, rows, cols).reshape(b * rows, cols)
-    return out
+class _BatchCalibration:
+    """A batch of experts' calibration inputs, laid out for the quantizer, GPTQ and the report."""
+
+    def __init__(self, routed: RoutedStatistics, batch: dict[str, torch.Tensor], start: int, device: torch.device):
+        self.experts = [routed.expert(start + i, batch["gate"][i].cpu(), batch["up"][i].cpu())
+                        for i in range(batch["gate"].shape[0])]
+        self.device = device
+
+    def importance(self, proj: str, rows: int) -> torch.Tensor:
+        """``[b * rows, cols]``: each expert's column importance, repeated over its rows."""
+        d = torch.stack([e.d_mid if proj == "down" else e.d_in for e in self.experts]).to(self.device)
+        b, cols = d.shape
+        return d.unsqueeze(1).expand(b, rows, cols).reshape(b * rows, cols)
+
+    def grams(self, proj: str) -> torch.Tensor:
+        return torch.stack([e.gram(proj) for e in self.experts]).to(self.device)
+
+    def output_energy(self, proj: str, delta: torch.Tensor) -> float:
+        """``sum_e ||X_e ΔW_eᵀ||²`` for ``delta [b, rows, cols]``: the output error on the
+        calibration inputs (routing-weighted), whatever the rounding."""
+        return sum(float((e.inputs(proj).to(self.device) @ d.T).square().sum()) for e, d in zip(self.experts, delta))
 
 
 def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str, ShardWriter],
@@ -476,12 +500,16 @@ def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str,
         batch = _load_batch(snap, layer, start, stop, device)
         for proj in PROJECTIONS:
             _check_finite(batch[proj], f"{layer.prefix} {proj}_proj of experts {start}..{stop - 1}")
-        importance = _batch_importance(routed, batch, start, device) if routed is not None else {}
+        calib = None if routed is None else _BatchCalibration(routed, batch, start, device)
         for proj in PROJECTIONS:
             w = batch[proj]
             b, rows, cols = w.shape
             flat = w.reshape(b * rows, cols)
-            q = quantizer.quantize(flat, BITS, gs, scale_dtype, importance=importance.get(proj))
+            importance = None if calib is None else calib.importance(proj, rows)
+            q = quantizer.quantize(flat, BITS, gs, scale_dtype, importance=importance)
+            if calib is not None and options.rounding == "gptq":
+                codes = gptq_codes(w, calib.grams(proj), q.scale.view(b, rows, -1), gs, BITS)
+                q = GroupQuantized(codes.view(b * rows, cols), q.scale, gs)
             packed = pack_int32(q.codes, BITS).view(b, rows, -1).cpu()
             scales = q.scale.view(b, rows, -1).cpu()
             st = stats[proj]
@@ -499,9 +527,9 @@ def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str,
                 ref = reference.quantize(flat, BITS, gs, scale_dtype)
                 ref_err = dequantize(ref.codes, ref.scale, gs).float() - flat
                 st.sq_err_absmax += float(torch.linalg.vecdot(ref_err.view(-1), ref_err.view(-1)))
-                if proj in importance:
+                if calib is not None:
                     plain = weight_only.quantize(flat, BITS, gs, scale_dtype)
-                    st.add_weighted(flat, importance[proj], {
+                    st.add_output(proj, calib, (b, rows, cols), flat, {
                         "out_err": err, "out_err_absmax": ref_err,
                         "out_err_weight_only": dequantize(plain.codes, plain.scale, gs).float() - flat})
                 del ref_err

@@ -83,12 +83,37 @@ def route(hidden: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: b
 
 @dataclass
 class ExpertImportance:
-    """One expert's column weights: ``d_in`` [hidden] for gate/up, ``d_mid`` [intermediate] for down."""
+    """One expert's calibration inputs, each row scaled by its routing weight (the top-up sample's
+    rows included): ``x_in [rows, hidden]`` for gate/up, ``x_mid [rows, intermediate]`` for down.
+    Their Gram matrices (``gram``) are what GPTQ rounds against, and ``d_in``/``d_mid``, those
+    matrices' damped diagonals, what the scale search weights columns by."""
 
-    d_in: torch.Tensor
-    d_mid: torch.Tensor
+    x_in: torch.Tensor
+    x_mid: torch.Tensor
     tokens: int
     topped_up: bool
+
+    @property
+    def d_in(self) -> torch.Tensor:
+        return _damped((self.x_in * self.x_in).sum(0))
+
+    @property
+    def d_mid(self) -> torch.Tensor:
+        return _damped((self.x_mid * self.x_mid).sum(0))
+
+    def inputs(self, proj: str) -> torch.Tensor:
+        return self.x_mid if proj == "down" else self.x_in
+
+    def gram(self, proj: str) -> torch.Tensor:
+        x = self.inputs(proj)
+        return x.T @ x
+
+
+def column_importance(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``diag(XᵀWX)`` of activations ``x [tokens, K]`` (``weights [tokens]`` per token, default 1),
+    damped: what :func:`~flashnext.quant.quantizers.mse_rtn.quantize_mse_rtn` takes as ``importance``."""
+    w = torch.ones(x.shape[0], 1) if weights is None else weights.reshape(-1, 1)
+    return _damped((w * x * x).sum(0))
 
 
 class RoutedStatistics:
@@ -108,20 +133,17 @@ class RoutedStatistics:
     def expert(self, e: int, w_gate: torch.Tensor, w_up: torch.Tensor) -> ExpertImportance:
         """Importance for expert ``e`` with its BF16 (here float32) ``gate``/``up`` weights [I, H]."""
         rows, slot = (self.ids == e).nonzero(as_tuple=True)
-        x = self.hidden[rows]
-        r2 = (self.weights[rows, slot] ** 2).unsqueeze(1)
-        d_in = (r2 * x * x).sum(0)
-        a = _activation(x, w_gate, w_up)
-        d_mid = (r2 * a * a).sum(0)
+        r = self.weights[rows, slot].unsqueeze(1)
+        x = self.hidden[rows] * r  # r * x: its Gram matrix is Xᵀ R² X
+        a = _activation(self.hidden[rows], w_gate, w_up) * r
         n = int(rows.numel())
         topped_up = n < self.min_tokens
         if topped_up:
-            extra = (self.min_tokens - n) * self.mean_r2
-            s = self.sample
-            sa = _activation(s, w_gate, w_up)
-            d_in = d_in + extra * (s * s).mean(0)
-            d_mid = d_mid + extra * (sa * sa).mean(0)
-        return ExpertImportance(_damped(d_in), _damped(d_mid), n, topped_up)
+            # The sample's rows, scaled so that they weigh (min_tokens - n) tokens at the mean r².
+            k = ((self.min_tokens - n) * self.mean_r2 / self.sample.shape[0]) ** 0.5
+            x = torch.cat([x, self.sample * k])
+            a = torch.cat([a, _activation(self.sample, w_gate, w_up) * k])
+        return ExpertImportance(x, a, n, topped_up)
 
     def summary(self) -> dict:
         counts = sorted(self.tokens_per_expert)

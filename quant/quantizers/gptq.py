@@ -1,0 +1,69 @@
+"""GPTQ-style rounding: choose each code knowing the error already made on earlier columns.
+
+Round-to-nearest quantizes every weight on its own. GPTQ (Frantar et al., 2022) goes column by
+column and pushes each column's rounding error onto the columns not yet quantized, through the
+inverse of the calibration Gram matrix ``H = XᵀX``, so that the *output* ``XWᵀ`` stays close rather
+than each weight. Here the scales are fixed first (the activation-weighted search of
+:mod:`~flashnext.quant.quantizers.mse_rtn`, "static groups"), so the result is the same format
+(codes and one scale per group) and only the codes change.
+
+Batched: ``b`` matrices with their own ``H`` go through the column loop together, which is what
+makes 512 experts cheap on a GPU (one loop of K steps per batch, not per expert).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DAMPING = 0.01  # of the mean diagonal, added to H (GPTQ's usual 1%)
+BLOCK = 128     # columns updated lazily together (GPTQ's block size)
+
+
+def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
+    """Upper Cholesky factor of ``H⁻¹`` ([b, K, K]), after damping and with dead columns fixed."""
+    h = h.clone()
+    k = h.shape[-1]
+    diag = h.diagonal(dim1=-2, dim2=-1)
+    dead = diag <= 0
+    diag.masked_fill_(dead, 1.0)
+    mean = diag.mean(-1, keepdim=True)
+    diag.add_(DAMPING * mean)
+    eye = torch.eye(k, dtype=h.dtype, device=h.device)
+    for attempt in range(4):  # an ill-conditioned H gets more damping rather than a NaN
+        factor, info = torch.linalg.cholesky_ex(h)
+        if not bool(info.any()):
+            break
+        h = h + (DAMPING * 10 ** (attempt + 1)) * mean.unsqueeze(-1) * eye
+    inverse = torch.cholesky_inverse(factor)
+    return torch.linalg.cholesky(inverse, upper=True)
+
+
+def gptq_codes(weight: torch.Tensor, gram: torch.Tensor, scale: torch.Tensor, group_size: int,
+               bits: int = 4) -> torch.Tensor:
+    """Codes for ``weight [b, N, K]`` (float32) at the fixed ``scale [b, N, K // group_size]``
+    (as stored, e.g. bf16), chosen by GPTQ with ``gram [b, K, K]`` (``XᵀX`` of each matrix's
+    calibration inputs). Returns int8 codes ``[b, N, K]``."""
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    b, n, k = weight.shape
+    u = _inverse_cholesky(gram.to(torch.float32))  # [b, K, K], upper
+    w = weight.to(torch.float32).clone()
+    s = scale.to(torch.float32)
+    s = torch.where(s == 0, torch.ones_like(s), s)  # an all-zero group: codes 0 whatever the scale
+    codes = torch.empty((b, n, k), dtype=torch.int8, device=weight.device)
+    for start in range(0, k, BLOCK):
+        stop = min(start + BLOCK, k)
+        block = w[:, :, start:stop]
+        errors = torch.empty_like(block)
+        u_block = u[:, start:stop, start:stop]
+        for i in range(stop - start):
+            col = start + i
+            s_col = s[:, :, col // group_size]
+            q = (block[:, :, i] / s_col).round_().clamp_(lo, hi)
+            codes[:, :, col] = q.to(torch.int8)
+            err = (block[:, :, i] - q * s_col) / u_block[:, i, i].unsqueeze(1)
+            # The rest of the block absorbs this column's error (rank-1 update).
+            block[:, :, i:] -= err.unsqueeze(2) * u_block[:, i, i:].unsqueeze(1)
+            errors[:, :, i] = err
+        if stop < k:
+            w[:, :, stop:] -= torch.bmm(errors, u[:, start:stop, stop:])
+    return codes
