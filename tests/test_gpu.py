@@ -33,3 +33,19 @@ def test_cuda_quantizer_and_packing():
     packed = pack_int32(q.codes, 4)
     assert torch.equal(unpack_int32(packed, 4, 2560), q.codes)
     assert torch.equal(packed.cpu(), pack_int32(q.codes.cpu(), 4))
+
+
+def test_cuda_calibrated_gptq_matches_cpu(demo_snapshot, tmp_path):
+    """--calib --rounding gptq on the GPU: the same mode, and output errors within rounding noise of
+    the CPU's (the Cholesky factors and sums differ in the last bits)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    save_file({"hidden_states": torch.randn(4096, 256, generator=g)}, str(tmp_path / "calib.safetensors"))
+    options = dict(calib=tmp_path / "calib.safetensors", rounding="gptq")
+    gpu = make_mtp_int4(demo_snapshot, tmp_path / "gpu", MtpInt4Options(device="cuda", **options), progress=False)
+    cpu = make_mtp_int4(demo_snapshot, tmp_path / "cpu", MtpInt4Options(**options), progress=False)
+    assert gpu["mode"] == cpu["mode"] == "calibrated, GPTQ rounding"
+    for proj, stats in gpu["projections"].items():
+        assert stats["output_rel_mse"] == pytest.approx(cpu["projections"][proj]["output_rel_mse"], rel=0.1)
+        assert stats["output_rel_mse"] > 0

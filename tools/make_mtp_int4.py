@@ -30,6 +30,9 @@ from flashnext.tools._common import emit_json, json_option, user_errors
 @click.option("--rounding", type=click.Choice(["nearest", "gptq"]), default="nearest", show_default=True,
               help="With --calib: gptq chooses each code against the expert's routed Gram matrix XᵀX "
                    "(error feedback across columns) at the searched scales; nearest rounds each weight.")
+@click.option("--gptq-prior-tokens", type=click.IntRange(0), default=640, show_default=True,
+              help="With --rounding gptq: add this many tokens' worth of the all-token Gram matrix to each "
+                   "expert's, so that codes fit the expert's inputs rather than its few calibration tokens.")
 @click.option("--device", default="cpu", show_default=True,
               help="Where to quantize: cpu, cuda, cuda:N.")
 @click.option("--experts-per-batch", type=click.IntRange(1), default=None,
@@ -41,7 +44,7 @@ from flashnext.tools._common import emit_json, json_option, user_errors
 @json_option
 @user_errors
 def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_search: bool, calib: Path | None,
-         calib_min_tokens: int, rounding: str, device: str,
+         calib_min_tokens: int, rounding: str, gptq_prior_tokens: int, device: str,
          experts_per_batch: int | None, force: bool, report: Path | None, progress: bool,
          as_json: bool) -> None:
     """Quantize the MTP routed experts of SRC to symmetric INT4 (MSE-searched scales) and write
@@ -58,7 +61,7 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_sea
     options = MtpInt4Options(group_size=int(group_size), positive_scales=positive_scales,
                              device=device, experts_per_batch=experts_per_batch,
                              scale_search=scale_search, calib=calib, calib_min_tokens=calib_min_tokens,
-                             rounding=rounding)
+                             rounding=rounding, gptq_prior_tokens=gptq_prior_tokens)
     result = make_mtp_int4(src, out, options, force=force, progress=progress)
     if report is not None:
         write_report(report, result)

@@ -37,7 +37,7 @@ from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read
 from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
 from flashnext.quant.quantizers.base import Quantizer, get_quantizer
 from flashnext.quant.quantizers.calibration import RoutedStatistics, load_calibration
-from flashnext.quant.quantizers.gptq import gptq_codes
+from flashnext.quant.quantizers.gptq import gptq_codes, inverse_cholesky
 from flashnext.quant.quantizers.mse_rtn import GroupQuantized, MseSearch, check_group_size, dequantize
 
 BITS = 4
@@ -162,8 +162,8 @@ class _ProjectionStats:
     max_abs_err: float = 0.0
     negative_scales: int = 0
     zero_groups: int = 0
-    # With --calib: the output error on the calibration inputs, ||X ΔWᵀ||² routing-weighted, for this
-    # overlay, plain RTN and the weight-only default.
+    # With --calib: the output error on the held-out calibration tokens, ||X ΔWᵀ||² routing-weighted,
+    # for this overlay, plain RTN and the weight-only default.
     out_err: float = 0.0
     out_err_absmax: float = 0.0
     out_err_weight_only: float = 0.0
@@ -207,6 +207,7 @@ class MtpInt4Options:
     # "nearest", or "gptq" (needs calib): codes chosen against each expert's routed Gram matrix
     # at the searched scales (quant.quantizers.gptq).
     rounding: str = "nearest"
+    gptq_prior_tokens: int = 640
 
 
 class _Progress:
@@ -288,8 +289,9 @@ class MtpInt4Builder(OverlayBuilder):
             if tuple(router.shape) != (layer.num_experts, layer.hidden):
                 raise FlashnextError(f"{router_name} has shape {tuple(router.shape)}; expected "
                                      f"[{layer.num_experts}, {layer.hidden}]")
+            prior = self.options.gptq_prior_tokens if self.options.rounding == "gptq" else 0
             self.routed[layer.prefix] = RoutedStatistics(calib, router, top_k, renormalize,
-                                                         self.options.calib_min_tokens)
+                                                         self.options.calib_min_tokens, prior)
         self.calib_sha256 = sha256_file(path)
         self.weight_only = get_quantizer("mse", search=self.search)
     @property
@@ -347,6 +349,7 @@ class MtpInt4Builder(OverlayBuilder):
             "mode": ("calibrated, GPTQ rounding" if self.options.rounding == "gptq" else "calibrated")
                     if self.routed else "weight-only",
             "rounding": self.options.rounding,
+            "gptq_prior_tokens": self.options.gptq_prior_tokens if self.options.rounding == "gptq" else None,
             "calibration": self._calibration_report(),
             "device": str(self.device),
             "draft_layers": [layer.prefix for layer in self.layers],
@@ -391,7 +394,7 @@ class MtpInt4Builder(OverlayBuilder):
             lines.append(f"| {proj} | {s['matrices']} | {s['rel_mse']:.4e} | {ratio} | "
                          f"{s['negative_scales']} | {s['zero_groups']} |")
         if calibrated:
-            lines += ["", "Output error on the calibration activations (relative, activation-weighted):", "",
+            lines += ["", "Output error on held-out calibration tokens (relative, routing-weighted ||XΔWᵀ||²):", "",
                       "| projection | this overlay | weight-only default | absmax RTN |", "|---|---|---|---|"]
             for proj, s in report["projections"].items():
                 if "output_rel_mse" in s:
@@ -471,6 +474,7 @@ class _BatchCalibration:
         self.experts = [routed.expert(start + i, batch["gate"][i].cpu(), batch["up"][i].cpu())
                         for i in range(batch["gate"].shape[0])]
         self.device = device
+        self._factors: dict[str, torch.Tensor] = {}
 
     def importance(self, proj: str, rows: int) -> torch.Tensor:
         """``[b * rows, cols]``: each expert's column importance, repeated over its rows."""
@@ -478,13 +482,17 @@ class _BatchCalibration:
         b, cols = d.shape
         return d.unsqueeze(1).expand(b, rows, cols).reshape(b * rows, cols)
 
-    def grams(self, proj: str) -> torch.Tensor:
-        return torch.stack([e.gram(proj) for e in self.experts]).to(self.device)
+    def factor(self, proj: str) -> torch.Tensor:
+        """GPTQ's factor of the batch's Gram matrices; gate and up share theirs (one input)."""
+        key = "mid" if proj == "down" else "in"
+        if key not in self._factors:
+            self._factors[key] = inverse_cholesky(torch.stack([e.gram(proj) for e in self.experts]).to(self.device))
+        return self._factors[key]
 
     def output_energy(self, proj: str, delta: torch.Tensor) -> float:
-        """``sum_e ||X_e ΔW_eᵀ||²`` for ``delta [b, rows, cols]``: the output error on the
-        calibration inputs (routing-weighted), whatever the rounding."""
-        return sum(float((e.inputs(proj).to(self.device) @ d.T).square().sum()) for e, d in zip(self.experts, delta))
+        """``sum_e ||X_e ΔW_eᵀ||²`` for ``delta [b, rows, cols]``, ``X_e`` the held-out calibration
+        tokens routed to expert ``e`` (routing-weighted): the output error, whatever the rounding."""
+        return sum(float((e.held_out(proj).to(self.device) @ d.T).square().sum()) for e, d in zip(self.experts, delta))
 
 
 def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str, ShardWriter],
@@ -508,7 +516,7 @@ def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str,
             importance = None if calib is None else calib.importance(proj, rows)
             q = quantizer.quantize(flat, BITS, gs, scale_dtype, importance=importance)
             if calib is not None and options.rounding == "gptq":
-                codes = gptq_codes(w, calib.grams(proj), q.scale.view(b, rows, -1), gs, BITS)
+                codes = gptq_codes(w, None, q.scale.view(b, rows, -1), gs, BITS, factor=calib.factor(proj))
                 q = GroupQuantized(codes.view(b * rows, cols), q.scale, gs)
             packed = pack_int32(q.codes, BITS).view(b, rows, -1).cpu()
             scales = q.scale.view(b, rows, -1).cpu()

@@ -17,6 +17,11 @@ sample of all tokens run through that expert (``min_tokens - n`` of them, at the
 so a rarely routed expert is quantized for typical activations rather than for its few, and one that
 no token reached is not quantized blind. A small damping (1% of the mean) keeps every column in
 play.
+
+One token in :data:`HOLD_OUT` is held out of the statistics (when there are at least
+:data:`MIN_HOLD_OUT_TOKENS`): the overlay's report measures output error on those, so that a method
+fitted to the calibration tokens (GPTQ, with a few hundred tokens an expert against a 2,560-wide
+input) is not credited for fitting them.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ import torch
 from flashnext.errors import FlashnextError
 
 CALIB_TENSOR = "hidden_states"
-FALLBACK_SAMPLE = 256  # tokens of the all-token sample that tops up rarely routed experts
+FALLBACK_SAMPLE = 1024  # tokens of the all-token sample that tops up rarely routed experts
 DAMPING = 0.01
+HOLD_OUT = 8              # every 8th token is held out for the report's output error
+MIN_HOLD_OUT_TOKENS = 64
 
 
 @dataclass
@@ -92,6 +99,13 @@ class ExpertImportance:
     x_mid: torch.Tensor
     tokens: int
     topped_up: bool
+    held_in: torch.Tensor | None = None   # the held-out tokens routed here, scaled alike
+    held_mid: torch.Tensor | None = None
+    prior_in: torch.Tensor | None = None  # GPTQ's prior Gram matrices (see RoutedStatistics)
+    prior_mid: torch.Tensor | None = None
+
+    def held_out(self, proj: str) -> torch.Tensor:
+        return self.held_mid if proj == "down" else self.held_in
 
     @property
     def d_in(self) -> torch.Tensor:
@@ -106,7 +120,8 @@ class ExpertImportance:
 
     def gram(self, proj: str) -> torch.Tensor:
         x = self.inputs(proj)
-        return x.T @ x
+        prior = self.prior_mid if proj == "down" else self.prior_in
+        return x.T @ x if prior is None else x.T @ x + prior
 
 
 def column_importance(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,10 +135,22 @@ class RoutedStatistics:
     """Per-expert importance for one MTP layer, from its router and the calibration tokens."""
 
     def __init__(self, calib: Calibration, router: torch.Tensor, top_k: int, renormalize: bool,
-                 min_tokens: int = 32):
-        self.hidden = calib.hidden
+                 min_tokens: int = 32, prior_tokens: int = 0):
+        hidden = calib.hidden
+        held = torch.zeros(hidden.shape[0], dtype=torch.bool)
+        if hidden.shape[0] >= MIN_HOLD_OUT_TOKENS:
+            held[HOLD_OUT - 1::HOLD_OUT] = True
+        self.hidden, self.held = hidden[~held], hidden[held] if held.any() else hidden
+        self.held_is_separate = bool(held.any())
         self.ids, self.weights = route(self.hidden, router, top_k, renormalize)
+        self.held_ids, self.held_weights = route(self.held, router, top_k, renormalize)
         self.min_tokens = min_tokens
+        # GPTQ fits an expert's codes to its Gram matrix; a few hundred routed tokens against a
+        # 2,560-wide input leave it rank-deficient, and the codes then fit those tokens rather than
+        # the expert's inputs. ``prior_tokens`` adds that many tokens' worth of the all-token Gram
+        # matrix (for down: of a sample of all tokens run through the expert).
+        self.prior_tokens = prior_tokens
+        self._mean_gram_in: torch.Tensor | None = None
         self.mean_r2 = float((self.weights ** 2).mean())
         step = max(1, self.hidden.shape[0] // FALLBACK_SAMPLE)
         self.sample = self.hidden[::step][:FALLBACK_SAMPLE]
@@ -143,11 +170,24 @@ class RoutedStatistics:
             k = ((self.min_tokens - n) * self.mean_r2 / self.sample.shape[0]) ** 0.5
             x = torch.cat([x, self.sample * k])
             a = torch.cat([a, _activation(self.sample, w_gate, w_up) * k])
-        return ExpertImportance(x, a, n, topped_up)
+        rows, slot = (self.held_ids == e).nonzero(as_tuple=True)
+        r = self.held_weights[rows, slot].unsqueeze(1)
+        held = self.held[rows]
+        out = ExpertImportance(x, a, n, topped_up, held * r, _activation(held, w_gate, w_up) * r)
+        if self.prior_tokens:
+            if self._mean_gram_in is None:
+                self._mean_gram_in = self.hidden.T @ self.hidden / self.hidden.shape[0]
+            weight = self.prior_tokens * self.mean_r2
+            sa = _activation(self.sample, w_gate, w_up)
+            out.prior_in = weight * self._mean_gram_in
+            out.prior_mid = weight * (sa.T @ sa) / sa.shape[0]
+        return out
 
     def summary(self) -> dict:
         counts = sorted(self.tokens_per_expert)
-        return {"tokens": int(self.hidden.shape[0]), "min_tokens": self.min_tokens,
+        return {"tokens": int(self.hidden.shape[0] + (self.held.shape[0] if self.held_is_separate else 0)),
+                "held_out_tokens": int(self.held.shape[0]) if self.held_is_separate else 0,
+                "min_tokens": self.min_tokens,
                 "tokens_per_expert": {"min": counts[0], "median": counts[len(counts) // 2], "max": counts[-1]},
                 "experts_topped_up": sum(c < self.min_tokens for c in counts),
                 "experts_without_tokens": sum(c == 0 for c in counts)}

@@ -19,8 +19,10 @@ DAMPING = 0.01  # of the mean diagonal, added to H (GPTQ's usual 1%)
 BLOCK = 128     # columns updated lazily together (GPTQ's block size)
 
 
-def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
-    """Upper Cholesky factor of ``H⁻¹`` ([b, K, K]), after damping and with dead columns fixed."""
+def inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
+    """Upper Cholesky factor of ``H⁻¹`` ([b, K, K]), after damping and with dead columns fixed:
+    what :func:`gptq_codes` needs of a Gram matrix (compute it once for matrices that share one,
+    such as an expert's gate and up projections)."""
     h = h.clone()
     k = h.shape[-1]
     diag = h.diagonal(dim1=-2, dim2=-1)
@@ -38,14 +40,15 @@ def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
     return torch.linalg.cholesky(inverse, upper=True)
 
 
-def gptq_codes(weight: torch.Tensor, gram: torch.Tensor, scale: torch.Tensor, group_size: int,
-               bits: int = 4) -> torch.Tensor:
+def gptq_codes(weight: torch.Tensor, gram: torch.Tensor | None, scale: torch.Tensor, group_size: int,
+               bits: int = 4, factor: torch.Tensor | None = None) -> torch.Tensor:
     """Codes for ``weight [b, N, K]`` (float32) at the fixed ``scale [b, N, K // group_size]``
     (as stored, e.g. bf16), chosen by GPTQ with ``gram [b, K, K]`` (``XᵀX`` of each matrix's
-    calibration inputs). Returns int8 codes ``[b, N, K]``."""
+    calibration inputs), or its ``factor`` from :func:`inverse_cholesky`. Returns int8 codes
+    ``[b, N, K]``."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     b, n, k = weight.shape
-    u = _inverse_cholesky(gram.to(torch.float32))  # [b, K, K], upper
+    u = factor if factor is not None else inverse_cholesky(gram.to(torch.float32))  # [b, K, K], upper
     w = weight.to(torch.float32).clone()
     s = scale.to(torch.float32)
     s = torch.where(s == 0, torch.ones_like(s), s)  # an all-zero group: codes 0 whatever the scale
