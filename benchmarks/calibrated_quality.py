@@ -35,7 +35,9 @@ import torch
 
 from flashnext.quant.quantizers.calibration import column_importance
 from flashnext.quant.quantizers.gptq import gptq_codes
-from flashnext.quant.quantizers.mse_rtn import dequantize, quantize_absmax_rtn, quantize_mse_rtn
+from flashnext.quant.quantizers.mse_rtn import (
+    MseSearch, calibrated_grid, dequantize, quantize_absmax_rtn, quantize_mse_rtn,
+)
 
 SEQLEN = 128
 CALIB_MODULES = ("json", "argparse", "collections", "asyncio", "subprocess", "pathlib", "logging", "typing")
@@ -109,7 +111,7 @@ def ours(weights, inputs, mode: str):
             q = quantize_mse_rtn(w)
         else:
             x = inputs[n]
-            q = quantize_mse_rtn(w, importance=column_importance(x))
+            q = quantize_mse_rtn(w, importance=column_importance(x), search=MseSearch(grid=calibrated_grid()))
             if mode == "gptq":
                 codes = gptq_codes(w[None], (x.T @ x)[None], q.scale[None], 128)[0]
                 q = type(q)(codes, q.scale, 128)

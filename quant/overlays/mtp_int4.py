@@ -38,7 +38,9 @@ from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
 from flashnext.quant.quantizers.base import Quantizer, get_quantizer
 from flashnext.quant.quantizers.calibration import RoutedStatistics, load_calibration
 from flashnext.quant.quantizers.gptq import gptq_codes, inverse_cholesky
-from flashnext.quant.quantizers.mse_rtn import GroupQuantized, MseSearch, check_group_size, dequantize
+from flashnext.quant.quantizers.mse_rtn import (
+    GroupQuantized, MseSearch, calibrated_grid, check_group_size, dequantize,
+)
 
 BITS = 4
 PROJECTIONS = ("gate", "up", "down")
@@ -258,6 +260,8 @@ class MtpInt4Builder(OverlayBuilder):
         draft_indices = sorted({idx for layer in self.layers for idx in (layer.layer, offset + layer.layer)})
         self.new_qc = with_mtp_experts_quantized(snap.quantization_config, BITS, gs, draft_indices)
         self.search = MseSearch(positive_scales=options.positive_scales)
+        if options.calib is not None:
+            self.search = MseSearch(grid=calibrated_grid(), positive_scales=options.positive_scales)
         self.quantizer = get_quantizer("mse", search=self.search) if options.scale_search else get_quantizer("rtn")
         # The report's ratio to plain RTN costs one more pass; plain RTN is its own reference.
         self.reference = get_quantizer("rtn") if options.scale_search and options.compare_absmax else None
@@ -293,7 +297,7 @@ class MtpInt4Builder(OverlayBuilder):
             self.routed[layer.prefix] = RoutedStatistics(calib, router, top_k, renormalize,
                                                          self.options.calib_min_tokens, prior)
         self.calib_sha256 = sha256_file(path)
-        self.weight_only = get_quantizer("mse", search=self.search)
+        self.weight_only = get_quantizer("mse", search=MseSearch(positive_scales=self.options.positive_scales))
     @property
     def kind(self) -> str:
         return "mtp-int4"

@@ -22,6 +22,14 @@ def _figure():
     return plt, *plt.subplots(figsize=(7, 4.2), dpi=110)
 
 
+def _axes(ax, xlabel: str, ylabel: str, title: str, legend_size: int = 8) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
 def _png(plt, fig) -> bytes:
     buf = io.BytesIO()
     fig.tight_layout()
@@ -45,11 +53,7 @@ def ttft_plot(report: BenchReport) -> bytes | None:
                 ax.plot(*zip(*cold), style, marker="x", color=color, alpha=0.5,
                         label=f"{e.label} cold mean, {c} concurrent")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("TTFT, client side (s)")
-    ax.set_title("Time to first token")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    _axes(ax, "prompt length (tokens)", "TTFT, client side (s)", "Time to first token", legend_size=7)
     return _png(plt, fig)
 
 
@@ -81,11 +85,7 @@ def decode_plot(report: BenchReport) -> bytes | None:
             ax.plot(*zip(*per), "--", marker=".", color=color, alpha=0.6, label=f"{e.label} per request (p50)")
     ax.set_xticks(sorted({d.concurrency for e in report.endpoints for d in e.decode}))
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("decode tok/s")
-    ax.set_title("Decode speed against concurrency")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    _axes(ax, "concurrent requests", "decode tok/s", "Decode speed against concurrency")
     return _png(plt, fig)
 
 
