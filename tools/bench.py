@@ -231,8 +231,8 @@ def _summary_lines(report) -> list[str]:
             lines.append(f"  TTFT {p.prompt_tokens:>7} tokens x{p.concurrency}: {cold}, {warm}{itl}")
         for d in e.decode:
             if d.aggregate_tok_s:
-                lines.append(f"  decode x{d.concurrency}: {d.aggregate_tok_s.p50:.1f} tok/s in all "
-                             f"(per request p50 {d.per_request_tok_s.p50:.1f})")
+                per = f" (per request p50 {d.per_request_tok_s.p50:.1f})" if d.per_request_tok_s else ""
+                lines.append(f"  decode x{d.concurrency}: {d.aggregate_tok_s.p50:.1f} tok/s in all{per}")
         if e.needle:
             lines.append(f"  needle: {sum(n.found for n in e.needle)}/{len(e.needle)}")
         if e.structured:
