@@ -93,6 +93,11 @@ class OverlayBuilder(ABC):
         """Markdown lines of the model card about this overlay's report."""
         return []
 
+    def inputs(self) -> dict[str, Path]:
+        """What the build reads besides the snapshot (by the name an error calls it): the overlay
+        may not be, contain or lie inside any of them, so ``--force`` cannot remove one."""
+        return {}
+
     def build(self, out: Path, force: bool = False, progress: bool = True) -> dict:
         """Write the overlay ``out`` (never inside or over the snapshot). Returns the report."""
         snap = self.snap
@@ -102,7 +107,8 @@ class OverlayBuilder(ABC):
         check_free_space(existing_ancestor(out), needed, f"the overlay {out}")
         manifest = OverlayManifest.new(self.kind, self.tool, snap.origin)
         rewritten = self.rewritten()
-        with atomic_directory(out, force=force, inputs={"the source snapshot": snap.root}, made_by=self.tool) as tmp:
+        inputs = {"the source snapshot": snap.root, **self.inputs()}
+        with atomic_directory(out, force=force, inputs=inputs, made_by=self.tool) as tmp:
             writers = {f: ShardWriter(output_file(tmp, f), specs, metadata[f]) for f, specs in plans.items()}
             try:
                 for filename, writer in writers.items():

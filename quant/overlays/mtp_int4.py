@@ -298,6 +298,10 @@ class MtpInt4Builder(OverlayBuilder):
                                                          self.options.calib_min_tokens, prior)
         self.calib_sha256 = sha256_file(path)
         self.weight_only = get_quantizer("mse", search=MseSearch(positive_scales=self.options.positive_scales))
+
+    def inputs(self) -> dict[str, Path]:
+        return {"--calib": Path(self.options.calib)} if self.options.calib is not None else {}
+
     @property
     def kind(self) -> str:
         return "mtp-int4"

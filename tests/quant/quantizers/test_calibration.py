@@ -202,3 +202,14 @@ def test_cli_calib_errors_are_one_line_and_write_nothing(demo_snapshot, tmp_path
                                                       "--rounding", "gptq", "--no-progress"])
     assert no_calib.exit_code == 1 and "give --calib FILE" in no_calib.output
     assert not (tmp_path / "o").exists()
+
+
+def test_force_never_replaces_an_overlay_that_holds_the_calibration_file(demo_snapshot, tmp_path):
+    """A calibration file kept inside an earlier overlay is an input: --force may not remove it."""
+    make_mtp_int4(demo_snapshot, tmp_path / "o", progress=False)
+    calib = tmp_path / "o" / "calib.safetensors"
+    save_file({"hidden_states": _activations(256, seed=0)}, str(calib))
+    done = CliRunner().invoke(make_mtp_int4_cli, ["--src", str(demo_snapshot), "--out", str(tmp_path / "o"),
+                                                  "--calib", str(calib), "--force", "--no-progress"])
+    assert done.exit_code == 1 and "--calib" in done.output and done.output.count("\n") == 1
+    assert calib.is_file()
