@@ -127,7 +127,7 @@ class ExpertImportance:
 def column_importance(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """``diag(XᵀWX)`` of activations ``x [tokens, K]`` (``weights [tokens]`` per token, default 1),
     damped: what :func:`~flashnext.quant.quantizers.mse_rtn.quantize_mse_rtn` takes as ``importance``."""
-    w = torch.ones(x.shape[0], 1) if weights is None else weights.reshape(-1, 1)
+    w = torch.ones(x.shape[0], 1, device=x.device) if weights is None else weights.reshape(-1, 1)
     return _damped((w * x * x).sum(0))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import random
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable
@@ -201,7 +202,7 @@ class Bench:
                               "and no KL divergence is computed")
         extra = {"stream_options": {"include_usage": True}} if has_usage else {}
         short = await ask(extra, "x")
-        rng = workloads.random.Random(f"probe/{self.settings.seed}")
+        rng = random.Random(f"probe/{self.settings.seed}")
         long = await ask(extra, "x " + workloads.filler(_PROBE_CHARS, rng))
         if short.prompt_tokens and long.prompt_tokens and long.prompt_tokens > short.prompt_tokens:
             per = (_PROBE_CHARS + 1) / (long.prompt_tokens - short.prompt_tokens)
