@@ -52,7 +52,7 @@ def build_snapshot(root: Path, device: str) -> Path:
                                       "config_groups": {"group_0": weight_scheme(
                                           [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"], 4, 128)},
                                       "ignore": [r"re:^mtp\..*"]}}
-    specs = [TensorSpec("mtp.norm.weight", "BF16", (H,)), TensorSpec(ROUTER, "BF16", (E, H)),
+    specs = [TensorSpec("mtp.pre_fc_norm_embedding.weight", "BF16", (H,)), TensorSpec(ROUTER, "BF16", (E, H)),
              TensorSpec(f"{PREFIX}.gate_up_proj", "BF16", (E, 2 * I, H)),
              TensorSpec(f"{PREFIX}.down_proj", "BF16", (E, H, I))]
     g = torch.Generator(device=device).manual_seed(1)
@@ -62,7 +62,7 @@ def build_snapshot(root: Path, device: str) -> Path:
         return (0.02 * z * torch.exp(0.5 * torch.randn(shape, generator=g, device=device))).to(torch.bfloat16)
 
     with ShardWriter(tmp / SHARD, specs, {"format": "pt"}) as w:
-        w.write("mtp.norm.weight", torch.ones(H, dtype=torch.bfloat16))
+        w.write("mtp.pre_fc_norm_embedding.weight", torch.ones(H, dtype=torch.bfloat16))
         w.write(ROUTER, (0.02 * torch.randn((E, H), generator=g, device=device)).to(torch.bfloat16).cpu())
         for name, shape in ((f"{PREFIX}.gate_up_proj", (2 * I, H)), (f"{PREFIX}.down_proj", (H, I))):
             per = shape[0] * shape[1] * 2

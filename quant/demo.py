@@ -283,7 +283,7 @@ def _mtp_weights(c: dict) -> list[PlannedTensor]:
     out = [PlannedTensor("mtp.fc_embedding.weight", (H, H)),
            PlannedTensor("mtp.fc_hidden.weight", (H, H)),
            PlannedTensor("mtp.pre_fc_norm_embedding.weight", (H,)),
-           PlannedTensor("mtp.pre_fc_norm_hidden.weight", (H,))]
+           PlannedTensor("mtp.pre_fc_norm_hidden.weight", (hc,))]  # over the [T, hc_count*H] multi stream
     out += _qsa_weights("mtp.layers.0.self_attn", c, quantized=False)
     out += _moe_weights("mtp.layers.0.mlp", c, quantized=False)
     for hcname in ("attn_hyper_connection", "mlp_hyper_connection"):
@@ -293,8 +293,7 @@ def _mtp_weights(c: dict) -> list[PlannedTensor]:
                 PlannedTensor(f"mtp.layers.0.{hcname}.input_mix_weight_up.weight", (hc, low))]
     out += [PlannedTensor("mtp.hyper_connection_mixer.hc_norm.weight", (hc,)),
             PlannedTensor("mtp.hyper_connection_mixer.input_mix_weight_down.weight", (low, hc)),
-            PlannedTensor("mtp.hyper_connection_mixer.input_mix_weight_up.weight", (hc, low)),
-            PlannedTensor("mtp.norm.weight", (H,))]
+            PlannedTensor("mtp.hyper_connection_mixer.input_mix_weight_up.weight", (hc, low))]
     return out
 
 

@@ -34,7 +34,7 @@ def test_verify_ok(demo_snapshot, demo_overlay):
 
 def test_base_header_change_is_found_by_default(snapshot_copy, demo_overlay):
     def edit(t):
-        t["mtp.norm.weight"] = t["mtp.norm.weight"][:-1].clone()
+        t["mtp.pre_fc_norm_embedding.weight"] = t["mtp.pre_fc_norm_embedding.weight"][:-1].clone()
 
     rewrite_shard(snapshot_copy / MTP_SHARD, edit)
     result = run("overlay", "verify", demo_overlay, "--base", snapshot_copy)
