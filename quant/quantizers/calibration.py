@@ -131,6 +131,12 @@ def column_importance(x: torch.Tensor, weights: torch.Tensor | None = None) -> t
     return _damped((w * x * x).sum(0))
 
 
+def gram_importance(gram: torch.Tensor) -> torch.Tensor:
+    """:func:`column_importance` from a Gram matrix ``XᵀX [K, K]`` rather than the activations,
+    for callers that accumulate ``XᵀX`` over more tokens than they can hold."""
+    return _damped(gram.diagonal().to(torch.float32))
+
+
 class RoutedStatistics:
     """Per-expert importance for one MTP layer, from its router and the calibration tokens."""
 

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from support import SUPPORT_DIR
+from support import SUPPORT_DIR, run_scenario
 
 import pytest
 from click.testing import CliRunner
@@ -124,13 +124,7 @@ SCENARIO = textwrap.dedent('''
 
 def _run_scenario(pythonpath: str | None, extra_env: dict | None = None, script: str = SCENARIO,
                   args: tuple = ()) -> dict:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1", **(extra_env or {}))
-    tests = str(SUPPORT_DIR.parent)  # the scripts import the shared helpers in support/
-    env["PYTHONPATH"] = os.pathsep.join([pythonpath, *sys.path[1:], tests] if pythonpath
-                                        else [tests, *filter(None, [os.environ.get("PYTHONPATH")])])
-    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_scenario(script, args, pythonpath, extra_env)
 
 
 @pytest.fixture(scope="module")

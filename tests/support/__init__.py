@@ -1,6 +1,22 @@
 """What the tests share besides fixtures: the repository's paths, and helpers in this folder."""
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 SUPPORT_DIR = Path(__file__).resolve().parent
 ROOT = SUPPORT_DIR.parent.parent  # the repository
+
+
+def run_scenario(script: str, args: tuple = (), pythonpath: str | None = None, extra_env: dict | None = None) -> dict:
+    """Run a scenario script's text in a fresh interpreter on the CPU (``pythonpath`` first on the
+    path: a patched vLLM tree) and return the JSON of its last line of output."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1", **(extra_env or {}))
+    tests = str(SUPPORT_DIR.parent)  # the scripts import the shared helpers in support/
+    env["PYTHONPATH"] = os.pathsep.join([pythonpath, *sys.path[1:], tests] if pythonpath
+                                        else [tests, *filter(None, [os.environ.get("PYTHONPATH")])])
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -10,17 +10,26 @@ import os
 from contextlib import contextmanager
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.config import (
+    CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config,
+)
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
 
 @contextmanager
-def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheConfig | None = None):
-    """A current ``VllmConfig`` for the demo checkpoint with one gloo rank; yields it and vLLM's
-    ``qsa`` module (imported after the model module, which it imports back)."""
+def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheConfig | None = None,
+              mtp: bool = False):
+    """A current ``VllmConfig`` for the demo checkpoint with one gloo rank (``mtp``: with MTP
+    speculative decoding, as ``--speculative-config '{"method": "mtp"}'`` sets it); yields it and
+    vLLM's ``qsa`` module (imported after the model module, which it imports back)."""
     model_config = ModelConfig(model=snapshot, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16",
                                hf_overrides=hf_overrides)
-    config = VllmConfig(model_config=model_config, cache_config=cache_config or CacheConfig())
+    speculative = None
+    if mtp:
+        speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model_config,
+                                        target_parallel_config=ParallelConfig())
+    config = VllmConfig(model_config=model_config, cache_config=cache_config or CacheConfig(),
+                        speculative_config=speculative)
     config.engram_config.cpu_offload = False  # the PLE table in (CPU) device memory, not pinned
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:" + port,

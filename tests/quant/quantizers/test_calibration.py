@@ -13,7 +13,9 @@ from safetensors.torch import load_file, save_file
 from flashnext.errors import FlashnextError
 from flashnext.quant.demo import DEMO_TEXT_CONFIG
 from flashnext.quant.overlays.mtp_int4 import MtpInt4Builder, MtpInt4Options, make_mtp_int4
-from flashnext.quant.quantizers.calibration import Calibration, RoutedStatistics, load_calibration, route
+from flashnext.quant.quantizers.calibration import (
+    Calibration, RoutedStatistics, column_importance, gram_importance, load_calibration, route,
+)
 from flashnext.quant.quantizers.gptq import gptq_codes
 from flashnext.quant.quantizers.mse_rtn import dequantize, quantize_mse_rtn
 from flashnext.tools.make_mtp_int4 import main as make_mtp_int4_cli
@@ -41,6 +43,12 @@ def test_uniform_importance_is_exactly_the_weight_only_search():
     w = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
     a, b = quantize_mse_rtn(w), quantize_mse_rtn(w, importance=torch.full((256,), 3.5))
     assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+
+
+def test_importance_from_a_gram_matrix_is_the_importance_of_its_activations():
+    x = torch.randn(500, 128, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    assert torch.allclose(gram_importance(x.T @ x), column_importance(x.float()), rtol=1e-5)
+    assert torch.equal(gram_importance(torch.zeros(8, 8)), torch.ones(8))  # no signal: every column alike
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -213,3 +221,24 @@ def test_force_never_replaces_an_overlay_that_holds_the_calibration_file(demo_sn
                                                   "--calib", str(calib), "--force", "--no-progress"])
     assert done.exit_code == 1 and "--calib" in done.output and done.output.count("\n") == 1
     assert calib.is_file()
+
+
+def test_capture_recipe_on_vllms_draft_model_makes_a_calibration_file(demo_snapshot, tmp_path):
+    """docs/make-mtp-int4.md's recipe on vLLM 0.33.0's own draft model (``Qwen4ExpMTP``, loaded from
+    the demo snapshot by vLLM's loader) on the CPU: the hook sits on the MTP MoE block, records what
+    its router multiplies, and make-mtp-int4 routes the recording to the experts vLLM chose."""
+    pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+    from support import SUPPORT_DIR, run_scenario
+    from support.chat_server import free_port
+
+    calib = tmp_path / "mtp-moe-inputs.safetensors"
+    got = run_scenario((SUPPORT_DIR / "mtp_capture_scenario.py").read_text(),
+                       (str(demo_snapshot), str(free_port()), str(calib)),
+                       extra_env={"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
+    assert got["block"] == "Qwen4ExpSparseMoeBlock" and got["router_equal"]
+    assert got["recorded_shape"] == [5 + 40 + 83, H] and got["kernel_calls"] == 3
+    assert got["same_experts"] and got["clear_tokens"] >= 96  # tokens without a near-tie at the k-th expert
+    report = make_mtp_int4(demo_snapshot, tmp_path / "calibrated", MtpInt4Options(calib=calib), progress=False)
+    assert report["mode"] == "calibrated"
+    assert report["calibration"]["layers"][f"{MLP}.experts"]["tokens"] == 128
+
