@@ -11,7 +11,7 @@ patched vLLM trees: ``python moe_decode_scenario.py SNAPSHOT PORT [bitplane]``.
 import json, os, sys
 import torch
 
-from support.vllm_demo import build_model, demo_vllm, only_int6_shared_experts, read_tensors
+from support.vllm_demo import build_model, demo_vllm, only_int6_shared_experts, read_tensors, stand_in_experts_kernel
 
 snapshot, port = sys.argv[1], sys.argv[2]
 bitplane = sys.argv[3:] == ["bitplane"]
@@ -44,21 +44,8 @@ with demo_vllm(snapshot, port, only_int6_shared_experts if bitplane else bf16_la
             method.process_weights_after_loading(module)
     out["shared_expert_method"] = type(block.shared_expert.gate_up_proj.quant_method).__name__
 
-    # This vLLM build has no CPU MoE kernels (its CPU ops are not compiled in), so the routed experts'
-    # kernel, and only it, is stood in for by the arithmetic it implements, at the same boundary:
-    # the quant method's apply(layer, x, topk_weights, topk_ids). It records what it was given.
     received = []
-
-    def experts_kernel(layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-        received.append((topk_ids.long().clone(), topk_weights.float().clone()))
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        for t in range(x.shape[0]):
-            for e, w in zip(topk_ids[t].tolist(), topk_weights[t].tolist()):
-                gate, up = (x[t].float() @ layer.w13_weight[e].float().T).chunk(2)
-                out[t] += w * ((torch.nn.functional.silu(gate) * up) @ layer.w2_weight[e].float().T)
-        return out.to(x.dtype)
-
-    experts.quant_method.apply = experts_kernel
+    stand_in_experts_kernel(experts, received)
 
     patched = False
     try:

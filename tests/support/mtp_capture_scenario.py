@@ -7,8 +7,8 @@ block receives while the block runs; the recording is written as ``--calib`` tak
 the hook sat, the recording's shape, and whether the experts make-mtp-int4 routes the recording to
 (with the router it reads from the snapshot) are those vLLM's router chose.
 
-As in ``moe_decode_scenario.py``, the routed experts' kernel is the one thing stood in for (this vLLM
-build has no CPU MoE kernels), at the quant method's ``apply`` boundary; it records what it was given.
+The routed experts' kernel is the one thing stood in for (``stand_in_experts_kernel``: this vLLM
+build has no CPU MoE kernels); it records what vLLM's router gave it.
 """
 import json
 import sys
@@ -16,7 +16,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from support.vllm_demo import demo_vllm, read_tensors
+from support.vllm_demo import demo_vllm, read_tensors, stand_in_experts_kernel
 
 snapshot, port, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
 
@@ -40,17 +40,7 @@ with demo_vllm(snapshot, port, bf16_layers, mtp=True) as (config, _):
         if method is not None and module is not experts:
             method.process_weights_after_loading(module)
     chosen = []
-
-    def experts_kernel(layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-        chosen.append(topk_ids.long().clone())
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        for t in range(x.shape[0]):
-            for e, w in zip(topk_ids[t].tolist(), topk_weights[t].tolist()):
-                gate, up = (x[t].float() @ layer.w13_weight[e].float().T).chunk(2)
-                out[t] += w * ((torch.nn.functional.silu(gate) * up) @ layer.w2_weight[e].float().T)
-        return out.to(x.dtype)
-
-    experts.quant_method.apply = experts_kernel
+    stand_in_experts_kernel(experts, chosen)
 
     # -- the recipe, as documented --------------------------------------------------------------
     rows = []
@@ -74,7 +64,7 @@ with demo_vllm(snapshot, port, bf16_layers, mtp=True) as (config, _):
     ordered = logits.sort(-1, descending=True).values
     clear = (ordered[:, k - 1] - ordered[:, k]) > 2 ** -6 * ordered[:, 0].abs().clamp(min=1)  # no near-ties
     ids, _ = route(recorded, router, k, True)
-    vllm_ids = torch.cat(chosen)
+    vllm_ids = torch.cat([ids for ids, _ in chosen])
     print(json.dumps({
         "block": type(block).__name__,
         "block_is_draft_layer_mlp": block is draft.model.layers[0].mlp,

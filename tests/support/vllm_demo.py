@@ -76,3 +76,21 @@ def only_int6_shared_experts(config):
             g["targets"] = [r"re:.*mlp\.shared_expert\.(gate|up|down)_proj$"]
         qc["config_groups"] = groups
     return config
+
+
+def stand_in_experts_kernel(experts, received: list) -> None:
+    """This vLLM build has no CPU MoE kernels (its CPU ops are not compiled in), so the routed
+    experts' kernel, and only it, is stood in for by the arithmetic it implements, at the same
+    boundary: the quant method's ``apply(layer, x, topk_weights, topk_ids)``. Each call appends what
+    vLLM's router gave it, ``(topk_ids, topk_weights)``, to ``received``."""
+
+    def apply(layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        received.append((topk_ids.long().clone(), topk_weights.float().clone()))
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for t in range(x.shape[0]):
+            for e, w in zip(topk_ids[t].tolist(), topk_weights[t].tolist()):
+                gate, up = (x[t].float() @ layer.w13_weight[e].float().T).chunk(2)
+                out[t] += w * ((torch.nn.functional.silu(gate) * up) @ layer.w2_weight[e].float().T)
+        return out.to(x.dtype)
+
+    experts.quant_method.apply = apply
