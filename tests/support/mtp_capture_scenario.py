@@ -3,9 +3,9 @@ checkpoint, on the CPU: ``python mtp_capture_scenario.py SNAPSHOT PORT OUT.safet
 
 vLLM's ``Qwen4ExpMTP`` (what ``--speculative-config '{"method": "mtp"}'`` runs) is built and loaded
 from the snapshot by vLLM's own loader; a forward pre-hook on ``model.layers[0].mlp`` records what the
-block receives while the block runs; the recording is written as ``--calib`` takes it. Printed: where
-the hook sat, the recording's shape, and whether the experts make-mtp-int4 routes the recording to
-(with the router it reads from the snapshot) are those vLLM's router chose.
+block receives while the block runs; the recording is written as ``--calib`` takes it. Printed: the
+block's class, whether vLLM loaded the router make-mtp-int4 reads from the snapshot, the recording's
+shape, and whether make-mtp-int4's routing of the recording picks the experts vLLM's router chose.
 
 The routed experts' kernel is the one thing stood in for (``stand_in_experts_kernel``: this vLLM
 build has no CPU MoE kernels); it records what vLLM's router gave it.
@@ -32,7 +32,7 @@ with demo_vllm(snapshot, port, bf16_layers, mtp=True) as (config, _):
     from vllm.models.qwen4_exp.nvidia.mtp import Qwen4ExpMTP
 
     draft = Qwen4ExpMTP(vllm_config=config)
-    loaded = draft.load_weights(iter(read_tensors(snapshot, lambda n: n.startswith("mtp.")).items()))
+    draft.load_weights(iter(read_tensors(snapshot, lambda n: n.startswith("mtp.")).items()))
     block = draft.model.layers[0].mlp  # the recipe's module
     experts = block.experts.routed_experts
     for module in block.modules():  # as vLLM's loader finishes a layer
@@ -67,9 +67,6 @@ with demo_vllm(snapshot, port, bf16_layers, mtp=True) as (config, _):
     vllm_ids = torch.cat([ids for ids, _ in chosen])
     print(json.dumps({
         "block": type(block).__name__,
-        "block_is_draft_layer_mlp": block is draft.model.layers[0].mlp,
-        "router_loaded_from_snapshot": "model.layers.0.mlp.gate.weight" in {n.split("mtp.", 1)[-1] for n in loaded}
-        if loaded else None,
         "router_equal": torch.equal(block.gate.weight.float(), router.float()),
         "recorded_shape": list(recorded.shape),
         "kernel_calls": len(chosen),
