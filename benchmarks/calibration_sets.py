@@ -171,6 +171,7 @@ WHISPER_SHA256 = "d3dd57d32accea0b295c96e26691aa14d8822fac7d9d27d5dc00b4ca2826dd
 SAMPLE_RATE = 16_000
 EOT, SOT, NO_TIMESTAMPS = 50256, 50257, 50362  # tiny.en's special tokens
 MAX_NEW_TOKENS = 64
+CLIP_BATCH = 8  # clips a forward pass takes
 VOICES = ("en-us", "en+m3", "en-us+f3", "en-GB-x-rp+m1", "en+f2", "en-US-nyc+m5", "en-GB-scotland+f4", "en+m7")
 _RENAMES = (("encoder.blocks.", "model.encoder.layers."), ("decoder.blocks.", "model.decoder.layers."),
             (".cross_attn_ln.", ".encoder_attn_layer_norm."), (".cross_attn.", ".encoder_attn."),
@@ -349,10 +350,11 @@ class WhisperTinyEn:
         mask = (ended == 0) | ((ended == 1) & (ids == EOT))
         return ids, mask
 
-    def _forward(self, split: str, batch: int = 8):
-        for i in range(0, len(self.features[split]), batch):
-            yield i, self.model.model(input_features=self.features[split][i:i + batch],
-                                 decoder_input_ids=self.tokens[split][i:i + batch]).last_hidden_state
+    def _batches(self, split: str):
+        """``(features, tokens, mask)`` of ``split``, :data:`CLIP_BATCH` clips at a time."""
+        for i in range(0, len(self.features[split]), CLIP_BATCH):
+            yield (self.features[split][i:i + CLIP_BATCH], self.tokens[split][i:i + CLIP_BATCH],
+                   self.mask[split][i:i + CLIP_BATCH])
 
     @torch.no_grad()
     def grams(self, split: str) -> dict[str, torch.Tensor]:
@@ -363,25 +365,24 @@ class WhisperTinyEn:
             return x if x.shape[1] == encoder_positions else x[current["mask"]]
 
         hooks = GramHooks(self.linears, rows)
-        for i in range(0, len(self.features[split]), 8):
-            current["mask"] = self.mask[split][i:i + 8]
-            self.model.model(input_features=self.features[split][i:i + 8],
-                             decoder_input_ids=self.tokens[split][i:i + 8])
+        for features, tokens, mask in self._batches(split):
+            current["mask"] = mask
+            self.model.model(input_features=features, decoder_input_ids=tokens)
         return hooks.close()
 
     @torch.no_grad()
     def output(self, split: str) -> torch.Tensor:
         """The decoder's last hidden state at the transcript's positions: every quantized Linear,
         encoder and decoder, is upstream of it."""
-        return torch.cat([h[self.mask[split][i:i + 8]] for i, h in self._forward(split)])
+        return torch.cat([self.model.model(input_features=features, decoder_input_ids=tokens).last_hidden_state[mask]
+                          for features, tokens, mask in self._batches(split)])
 
     def transcripts_agree(self, split: str) -> float:
         """The share of held-out transcript tokens the current weights still predict greedily."""
         with torch.no_grad():
             hits = total = 0
-            for i in range(0, len(self.features[split]), 8):
-                ids, mask = self.tokens[split][i:i + 8], self.mask[split][i:i + 8]
-                logits = self.model(input_features=self.features[split][i:i + 8], decoder_input_ids=ids).logits
+            for features, ids, mask in self._batches(split):
+                logits = self.model(input_features=features, decoder_input_ids=ids).logits
                 logits[..., SOT:] = float("-inf")
                 target_mask = mask[:, 1:] & (torch.arange(ids.shape[1] - 1) >= 1)  # predictions of the text and EOT
                 hits += int((logits[:, :-1].argmax(-1) == ids[:, 1:])[target_mask].sum())
