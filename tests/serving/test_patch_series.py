@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from support import SUPPORT_DIR, run_scenario
+from support import SUPPORT_DIR, free_port, run_scenario, two_ranks
 
 import pytest
 from click.testing import CliRunner
@@ -127,19 +127,6 @@ def _run_scenario(pythonpath: str | None, extra_env: dict | None = None, script:
     return run_scenario(script, args, pythonpath, extra_env)
 
 
-@pytest.fixture(scope="module")
-def patched_tree(tmp_path_factory) -> Path:
-    """The installed vLLM with the whole series applied, as a shadow tree to put on PYTHONPATH."""
-    from flashnext.serving import patch_series as ps
-
-    tree = tmp_path_factory.mktemp("patched") / "tree"
-    patches = load_series()
-    ps._shadow_tree(installed_vllm_root(), {t for p in patches for t in p.touches}, tree)
-    for p in patches:
-        ps._apply(p, tree)
-    return tree
-
-
 def test_mtp03_scenario_rejects_before_and_not_after(patched_tree):
     assert _run_scenario(None)["rejected"] == 7  # stock vLLM 0.33.0: every alternate lookup misses
     tree = patched_tree
@@ -199,29 +186,12 @@ def test_pp_ple_scenario(patched_tree, demo_snapshot):
 
 # --- ple-mmap, decode-06, ttft-01: vLLM's own PLE layer on the CPU, served from the table file -----
 
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def demo_table(tmp_path_factory, demo_snapshot) -> Path:
-    from flashnext.quant.ple.table import build_table
-
-    table = tmp_path_factory.mktemp("ple") / "table.bin"
-    build_table(demo_snapshot, table, progress=False)
-    return table
-
-
 def test_ple_file_backend_matches_vllm_and_obeys_its_switches(patched_tree, demo_snapshot, demo_table):
     script = (SUPPORT_DIR / "ple_file_scenario.py").read_text()
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
 
     def run(tree, **extra):
-        return _run_scenario(tree, {**env, **extra}, script, (str(demo_snapshot), _free_port()))
+        return _run_scenario(tree, {**env, **extra}, script, (str(demo_snapshot), free_port()))
 
     stock = run(None)  # vLLM 0.33.0 with the table in (CPU) device memory, loaded from the shards
     assert stock["backend"] == "Qwen4ExpPLEDeviceEmbedding"
@@ -245,7 +215,7 @@ def test_qsa_offload_kv_cache_matches_the_plan_and_serves_from_host_rows(patched
     script = (SUPPORT_DIR / "qsa_offload_scenario.py").read_text()
     kv_bytes = 4_000_000
     run = lambda tree, **extra: _run_scenario(tree, {**env, **extra}, script,
-                                              (str(demo_snapshot), _free_port(), str(kv_bytes)))
+                                              (str(demo_snapshot), free_port(), str(kv_bytes)))
     stock = run(None, VLLM_QSA_KV_OFFLOAD="1")  # stock vLLM 0.33.0 has no such switch
     assert "3.self_attn.attn" in stock["specs"] and stock["block_size"] == 48 and stock["offloaded_layers"] == 0
     off = run(str(patched_tree), VLLM_QSA_KV_OFFLOAD="0")
@@ -273,7 +243,7 @@ def test_int8_modules_load_and_serve_the_release_tensors(patched_tree, demo_snap
     (int8-modules, and decode-04's fused mix on vLLM's own GatedResidual)."""
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
     script = (SUPPORT_DIR / "int8_modules_scenario.py").read_text()
-    run = lambda tree, **extra: _run_scenario(tree, {**env, **extra}, script, (str(demo_snapshot), _free_port()))
+    run = lambda tree, **extra: _run_scenario(tree, {**env, **extra}, script, (str(demo_snapshot), free_port()))
     refused = "There is no module or parameter named 'embed_tokens"
     stock = run(None)
     assert stock["loaded"] == refused and stock["methods"] == ["UnquantizedEmbeddingMethod"] * 2
@@ -293,38 +263,23 @@ def test_int8_modules_load_and_serve_the_release_tensors(patched_tree, demo_snap
 
 # --- mem-01: embed_tokens and lm_head only where they are used ------------------------------------
 
-def _two_ranks(extra_env: dict, scenario: str = "pp_ranks_scenario.py", args: tuple = ()) -> list[dict]:
-    """Run ``scenario RANK PORT *args`` as both ranks of a two-rank gloo group; their JSON results."""
-    script = SUPPORT_DIR / scenario
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", **extra_env)
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, *map(str, args)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for rank in range(2)]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
-
-
 def test_mem01_places_embed_and_lm_head_on_their_ranks():
     """Two gloo ranks with vLLM's own pipeline groups and weight loader."""
-    first, last = _two_ranks({})
+    first, last = two_ranks({})
     assert (first["embed_tokens"], first["lm_head"]) == ("VocabParallelEmbedding", "PPMissingLayer")
     assert (last["embed_tokens"], last["lm_head"]) == ("PPMissingLayer", "ParallelLMHead")
     assert first["loaded"] == ["model.embed_tokens.weight"] and last["loaded"] == ["lm_head.weight"]
-    first, last = _two_ranks({"VLLM_PP_MISSING_LAYERS": "0"})  # the switch: both everywhere again
+    first, last = two_ranks({"VLLM_PP_MISSING_LAYERS": "0"})  # the switch: both everywhere again
     assert first["parameters"] == last["parameters"] == 2 * 64 * 16
 
 
 # --- mtp-01 and mtp-02: the draft head on the last of two pipeline ranks ---------------------------
 
 def test_mtp01_mtp02_the_draft_under_pp():
-    first, last = _two_ranks({})
+    first, last = two_ranks({})
     assert first["draft_embeds"] and last["draft_embeds"]  # mtp-01: the draft embeds on its own rank
     assert last["draft_lm_head"] == "PPMissingLayer" and last["draft_loaded"] == []  # mtp-02: no copy built
-    first, last = _two_ranks({"VLLM_MTP_PP": "0", "VLLM_MTP_SLIM_DRAFT": "0"})
+    first, last = two_ranks({"VLLM_MTP_PP": "0", "VLLM_MTP_SLIM_DRAFT": "0"})
     assert (first["draft_embeds"], last["draft_embeds"]) == (True, False)  # stock: the global first rank only
     assert last["draft_lm_head"] == "ParallelLMHead" and last["draft_loaded"] == ["lm_head.weight"]
 
@@ -334,10 +289,10 @@ def test_mtp01_mtp02_the_draft_under_pp():
 def test_decode03_overlaps_preparation_with_the_previous_rank():
     """Rank 0 sends after 1.0 s of "forward"; rank 1 "prepares" for 0.6 s. Stock 0.33.0 waits for
     the send before preparing (ready at ~1.6 s); deferred, it prepares meanwhile (ready at ~1.0 s)."""
-    _, deferred = _two_ranks({}, "pp_recv_scenario.py")
+    _, deferred = two_ranks({}, "pp_recv_scenario.py")
     assert deferred["deferred"] and deferred["equal"]
     assert deferred["returned_after_s"] < 0.2 and deferred["forward_ready_after_s"] < 1.4
-    _, stock = _two_ranks({"VLLM_PP_DEFER_RECV": "0"}, "pp_recv_scenario.py")
+    _, stock = two_ranks({"VLLM_PP_DEFER_RECV": "0"}, "pp_recv_scenario.py")
     assert not stock["deferred"] and stock["equal"]
     assert stock["returned_after_s"] >= 0.9 and stock["forward_ready_after_s"] >= 1.5
 
@@ -369,7 +324,7 @@ def test_int6_bitplane_overlay_is_served(patched_tree, demo_snapshot, tmp_path):
     apply_overlays(demo_snapshot, [tmp_path / "overlay"], tmp_path / "view")
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
     script = (SUPPORT_DIR / "int6_bitplane_scenario.py").read_text()
-    served = _run_scenario(str(patched_tree), env, script, (str(tmp_path / "view"), str(demo_snapshot), _free_port()))
+    served = _run_scenario(str(patched_tree), env, script, (str(tmp_path / "view"), str(demo_snapshot), free_port()))
     assert served["methods"] == ["BitplaneLinearMethod"] and served["loaded"] is True
     assert served["weight_dtype"] == "torch.uint8"  # the planes as loaded, 3K/4 bytes a row
     assert served["gate_up_error"] <= 2 ** -7  # against the original dense weights; one bf16 rounding
@@ -390,12 +345,12 @@ def test_decode05_routes_vllms_moe_block_through_the_fused_router(patched_tree, 
 
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
     script = (SUPPORT_DIR / "moe_decode_scenario.py").read_text()
-    stock = _run_scenario(None, env, script, (str(demo_snapshot), _free_port()))
+    stock = _run_scenario(None, env, script, (str(demo_snapshot), free_port()))
     assert stock["patched"] is False
     repack_int6(demo_snapshot, tmp_path / "overlay")
     apply_overlays(demo_snapshot, [tmp_path / "overlay"], tmp_path / "view")
     for args in ((str(demo_snapshot),), (str(tmp_path / "view"), "bitplane")):
-        patched = _run_scenario(str(patched_tree), env, script, (args[0], _free_port(), *args[1:]))
+        patched = _run_scenario(str(patched_tree), env, script, (args[0], free_port(), *args[1:]))
         assert patched["patched"] is True
         if not patched["bitplane"]:  # the switch off is stock vLLM's block, output for output
             assert [r["stock_output"] for r in patched["steps"]] == [r["stock_output"] for r in stock["steps"]]
@@ -464,7 +419,7 @@ def test_vision_tower_only_on_the_first_rank_under_model_runner_v2(patched_tree,
     ``StageMissingLayer`` and loads none of the tower; under V1 every rank holds the tower."""
     env = {"HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(patched_tree), str(SUPPORT_DIR.parent)])}
-    ranks = lambda runner: _two_ranks({**env, "VLLM_USE_V2_MODEL_RUNNER": runner}, "vision_ranks_scenario.py",
+    ranks = lambda runner: two_ranks({**env, "VLLM_USE_V2_MODEL_RUNNER": runner}, "vision_ranks_scenario.py",
                                       (demo_snapshot,))
     first, later = ranks("1")
     assert first["v2_model_runner"] and first["visual"] == "Qwen3_VisionTransformer"
@@ -480,16 +435,16 @@ def test_vit_stream_runs_vllms_tower_from_two_slots(patched_tree, demo_snapshot)
     seed; vLLM's model-level post-load hook installs the stream (patch vit-stream)."""
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
     script = (SUPPORT_DIR / "vit_stream_scenario.py").read_text()
-    stock = _run_scenario(None, env, script, (str(demo_snapshot), _free_port()))
+    stock = _run_scenario(None, env, script, (str(demo_snapshot), free_port()))
     assert stock["streamed"] is False and stock["device_storages"] == 60 and stock["finite"]
     # `flashnext plan`'s tower sizes are vLLM's modules' (the demo's vision config at 5 blocks)
     from flashnext.serving.capacity import load_vision_config
 
     vision = load_vision_config(demo_snapshot)
     assert vision.block_bytes() == stock["vllm_block_bytes"] and vision.other_bytes() == stock["vllm_other_bytes"]
-    patched = _run_scenario(str(patched_tree), env, script, (str(demo_snapshot), _free_port()))
+    patched = _run_scenario(str(patched_tree), env, script, (str(demo_snapshot), free_port()))
     assert patched["streamed"] and patched["device_storages"] == 1  # every block's weights in the slots
     assert patched["device_bytes"] < 0.5 * patched["resident_block_bytes"]  # two slots for five blocks
     assert patched["bit_identical"] and patched["finite"]  # three runs of two images, as resident
-    off = _run_scenario(str(patched_tree), {**env, "VLLM_VIT_STREAM": "0"}, script, (str(demo_snapshot), _free_port()))
+    off = _run_scenario(str(patched_tree), {**env, "VLLM_VIT_STREAM": "0"}, script, (str(demo_snapshot), free_port()))
     assert off["streamed"] is False and off["device_storages"] == 60 and off["bit_identical"]

@@ -20,3 +20,27 @@ def run_scenario(script: str, args: tuple = (), pythonpath: str | None = None, e
     out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> str:
+    """A loopback port nothing listens on now (for a scenario's gloo group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def two_ranks(extra_env: dict, scenario: str = "pp_ranks_scenario.py", args: tuple = ()) -> list[dict]:
+    """Run ``scenario RANK PORT *args`` as both ranks of a two-rank gloo group; their JSON results."""
+    script = SUPPORT_DIR / scenario
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", **extra_env)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results

@@ -1,0 +1,28 @@
+"""Fixtures the patch tests share: the patched vLLM tree (built once a session) and the demo PLE table."""
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def patched_tree(tmp_path_factory) -> Path:
+    """The installed vLLM with the whole series applied, as a shadow tree to put on PYTHONPATH."""
+    pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+    from flashnext.serving import patch_series as ps
+
+    tree = tmp_path_factory.mktemp("patched") / "tree"
+    patches = ps.load_series()
+    ps._shadow_tree(ps.installed_vllm_root(), {t for p in patches for t in p.touches}, tree)
+    for p in patches:
+        ps._apply(p, tree)
+    return tree
+
+
+@pytest.fixture(scope="session")
+def demo_table(tmp_path_factory, demo_snapshot) -> Path:
+    from flashnext.quant.ple.table import build_table
+
+    table = tmp_path_factory.mktemp("ple") / "table.bin"
+    build_table(demo_snapshot, table, progress=False)
+    return table
