@@ -4,7 +4,6 @@ and patch mtp-03's scenario (seed 000 §8) on the CPU."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
