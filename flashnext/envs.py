@@ -53,6 +53,11 @@ VLLM_QSA_ROW_CACHE = EnvVar(
     "Patch qsa-offload (decode-07): 0 reads every selected K/V row from host memory in decode, "
     "without the row cache in the staging arena.")
 
+VLLM_QSA_INDEXER_OWN_SCHEME = EnvVar(
+    "VLLM_QSA_INDEXER_OWN_SCHEME", "1",
+    "Patch qsa-indexer-quant: 0 merges the QSA indexer projection into q/k/v as vLLM 0.33.0 does, "
+    "even when the checkpoint quantizes them differently (the release's INT8 indexer then fails to load).")
+
 VLLM_INT8_MODULES = EnvVar(
     "VLLM_INT8_MODULES", "1",
     "Patch int8-modules: 0 builds qwen4_exp's embed_tokens, lm_head and hyper-connection mixers as vLLM "
@@ -103,7 +108,7 @@ VLLM_HOST_POOL_LOCK = EnvVar(
     "VLLM_HOST_POOL_LOCK", "/tmp/flashnext-host-pool.lock",
     "The lock file that serialises the free-RAM check and pinning across pipeline ranks.")
 
-ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_DECODE_ADVICE, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_QSA_ROW_CACHE, VLLM_INT8_MODULES,
+ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_DECODE_ADVICE, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_QSA_ROW_CACHE, VLLM_QSA_INDEXER_OWN_SCHEME, VLLM_INT8_MODULES,
        VLLM_HC_FUSED_DECODE, VLLM_MOE_FUSED_DECODE, VLLM_INT6_BITPLANE, VLLM_VIT_STREAM, VLLM_MTP_DRAFTS_PER_REQUEST,
        VLLM_MTP_PP, VLLM_MTP_SLIM_DRAFT,
        VLLM_PP_PLE, VLLM_PP_DEFER_RECV, VLLM_PP_MISSING_LAYERS, VLLM_EXACT_HOST_POOL, VLLM_HOST_POOL_LOCK)

@@ -325,6 +325,13 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     vision: VisionPlan | None = None  # None: text only (or a text-only config)
     vram_bytes_with_images: list[int] = field(default_factory=list)  # vram_bytes plus the tower on rank 0
+    # The QSA staging arena / decode-07 row cache (patch qsa-offload), allocated at model load,
+    # outside --kv-cache-memory-bytes: the busiest rank's QSA layers x block_size rows on every
+    # rank that has QSA layers, split among that rank's layers.
+    qsa_arena_rows: int = 0
+    qsa_row_cache_rows: list[int] = field(default_factory=list)  # per QSA layer, per rank (0: none)
+    qsa_arena_bytes: list[int] = field(default_factory=list)  # per rank: the arena and its row-cache state
+    vram_bytes_total: list[int] = field(default_factory=list)  # KV pool + arena (+ the tower on rank 0)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -469,6 +476,29 @@ def offload_block_size(text: TextConfig, pp: int, partition: tuple[int, ...] | N
     return block_size
 
 
+# The decode-07 row cache's bookkeeping per set of a layer: an int64 tag, an int32 hitmark and
+# an int64 bid; and one int32 epoch per layer (flashnext.quant.kernels.qsa_row_cache.RowCache).
+ROW_CACHE_SET_BYTES = 8 + 4 + 8
+ROW_CACHE_EPOCH_BYTES = 4
+
+
+def qsa_arena_blocks(qsa_per_rank: list[int]) -> int:
+    """Blocks of rows in each rank's staging arena: one per QSA layer of the busiest rank (seed 000
+    §7: 5 x 9,776 rows with MTP on every rank, so that a prefill stages as many blocks anywhere)."""
+    return max(qsa_per_rank, default=0)
+
+
+def qsa_arena(text: TextConfig, qsa_per_rank: list[int], block_size: int) -> tuple[int, list[int], list[int]]:
+    """The arena's rows, the row-cache rows each layer of each rank gets, and each rank's arena
+    bytes (the rows and the row-cache state); a rank without QSA layers holds none."""
+    rows = qsa_arena_blocks(qsa_per_rank) * block_size
+    row_bytes = qsa_host_bytes_per_token(text)  # one token's K and V of every KV head, as on the host
+    shares = [rows // n if n else 0 for n in qsa_per_rank]
+    arena_bytes = [rows * row_bytes + n * (share * ROW_CACHE_SET_BYTES + ROW_CACHE_EPOCH_BYTES) if n else 0
+                   for n, share in zip(qsa_per_rank, shares)]
+    return rows, shares, arena_bytes
+
+
 @dataclass
 class KVCacheLayout:
     """What vLLM 0.33.0 makes of the model's KV cache specs: the whole-model groups and each
@@ -564,6 +594,8 @@ def plan(text: TextConfig, shape: ServingShape) -> Plan:
     exact = sum(host_per_rank)
     pow2 = sum(qsa_per_rank) * next_power_of_two(host_per_layer)
     tokens_per_block = shape.max_model_len / per_request
+    arena_rows, row_cache_rows, arena_bytes = qsa_arena(text, qsa_per_rank, block_size)
+    vram = [blocks * b for b in bytes_per_block]
     return Plan(
         block_size=block_size,
         state_page_bytes=layout.state_page_bytes,
@@ -578,7 +610,7 @@ def plan(text: TextConfig, shape: ServingShape) -> Plan:
         num_speculative_tokens=shape.num_speculative_tokens,
         layers_per_rank=[len(r) for r in layout.ranks],
         qsa_layers_per_rank=qsa_per_rank,
-        vram_bytes=[blocks * b for b in bytes_per_block],
+        vram_bytes=vram,
         pinned_host_bytes=exact,
         pinned_host_bytes_pow2=pow2,
         pinned_host_bytes_per_rank=host_per_rank,
@@ -587,6 +619,10 @@ def plan(text: TextConfig, shape: ServingShape) -> Plan:
         tokens_per_gib_host=tokens_per_block / (sum(qsa_per_rank) * block_size * qsa_host_bytes_per_token(text) / 2**30),
         groups=group_plans,
         notes=offload_notes(),
+        qsa_arena_rows=arena_rows,
+        qsa_row_cache_rows=row_cache_rows,
+        qsa_arena_bytes=arena_bytes,
+        vram_bytes_total=[v + a for v, a in zip(vram, arena_bytes)],
     )
 
 
@@ -619,4 +655,5 @@ def plan_profile(profile, kv_cache_memory_bytes: int | None = None, prefix_cachi
         result.vision = vision_plan(vision, shape.vit_stream, shape.max_pixels)
         result.vram_bytes_with_images = [v + (result.vision.vram_bytes if rank == 0 else 0)
                                          for rank, v in enumerate(result.vram_bytes)]
+        result.vram_bytes_total[0] += result.vision.vram_bytes
     return result

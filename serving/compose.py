@@ -59,8 +59,9 @@ def render_compose(req: ServeRequest) -> dict:
     """The Compose document for ``req``; paths need not exist (it may be meant for another host)."""
     p, c = req.profile, req.profile.container
     volumes = [{"type": "bind", "source": str(Path(req.model).absolute()), "target": MODEL_DIR, "read_only": True}]
+    # `serve` on the host ran the preflight before it started the container
     command = ["serve", "--engine", "native", "--profile", p.name, "--model", MODEL_DIR,
-               "--listen", "0.0.0.0", "--port", str(CONTAINER_PORT)]
+               "--listen", "0.0.0.0", "--port", str(CONTAINER_PORT), "--no-check"]
     for i, overlay in enumerate(req.overlays):
         target = f"{OVERLAY_DIR}/{i}"
         volumes.append({"type": "bind", "source": str(Path(overlay).absolute()), "target": target, "read_only": True})

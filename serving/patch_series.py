@@ -7,9 +7,10 @@ library hook it calls, a probe that proves it applied, and its upstream status.
 ``check`` never touches the installed package. It builds a shadow tree: every entry of the
 installed ``vllm`` is symlinked except along the touched paths, where directories are recreated
 and the touched files copied. It applies the series there with ``patch --fuzz=0`` (the first
-refused hunk is named), byte-compiles every touched file, and runs each probe in a fresh
-interpreter that imports the patched tree. ``--vllm`` may also name another vllm directory or a
-vllm wheel.
+refused hunk is named), byte-compiles every touched file, and runs every probe in one fresh
+interpreter that imports the patched tree (it first makes sure ``vllm`` comes from the shadow
+tree; each probe runs in its own namespace and is reported by its patch's id). ``--vllm`` may also
+name another vllm directory or a vllm wheel.
 """
 
 from __future__ import annotations
@@ -170,13 +171,88 @@ def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE) -> l
                 except py_compile.PyCompileError as e:
                     raise FlashnextError(f"patch {patch.id}: {rel} no longer compiles: {e.msg.strip().splitlines()[-1]}") from None
             results.append({"id": patch.id, "applied": True, "compiled": list(patch.touches)})
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *sys.path[1:]]), PYTHONDONTWRITEBYTECODE="1",
-                   CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+        failures = _run_probes(patches, root, tmp)
         for patch, result in zip(patches, results):
-            probe = subprocess.run([sys.executable, "-c", patch.probe], capture_output=True, text=True, env=env,
-                                   cwd=tmp, timeout=600)
-            if probe.returncode != 0:
-                tail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-                raise FlashnextError(f"patch {patch.id} applied but its probe failed: {tail}")
-            result["probe"] = "passed"
+            if patch.id not in failures:
+                result["probe"] = "passed"
+        if failures:
+            (first, error), *others = failures.items()
+            more = f" (and {len(others)} more failed: {', '.join(pid for pid, _ in others)})" if others else ""
+            raise FlashnextError(f"patch {first} applied but its probe failed: {error}{more}")
         return results
+
+
+# Runs in the interpreter that imports the shadow tree: argv is the tree, a JSON file of
+# [[id, probe, touched files]], and the file it appends one JSON line to per event. Probes
+# share the interpreter (one vLLM import instead of one per patch) but not their namespaces.
+_PROBE_RUNNER = r'''
+import importlib, json, linecache, os, sys, traceback
+root, probes_file, events_file = sys.argv[1:4]
+events = open(events_file, "a")
+
+def event(**fields):
+    events.write(json.dumps(fields) + "\n")
+    events.flush()
+
+def last_error_line(exc):
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith("<probe ")]
+    where = f" (probe line {frames[-1].lineno}: {frames[-1].line})" if frames and frames[-1].line else ""
+    return traceback.format_exception_only(type(exc), exc)[-1].strip() + where
+
+try:
+    import vllm
+    origin = os.path.abspath(vllm.__file__)
+    if not origin.startswith(os.path.join(root, "vllm") + os.sep):
+        raise ImportError(f"the probes import vllm from {origin}, not from the patched shadow tree {root}")
+except BaseException as exc:
+    event(fatal=last_error_line(exc))
+    sys.exit(1)
+for patch_id, probe, touched in json.load(open(probes_file)):
+    event(start=patch_id)
+    filename = f"<probe {patch_id}>"
+    linecache.cache[filename] = (len(probe), None, probe.splitlines(True), filename)
+    try:
+        exec(compile(probe, filename, "exec"), {"__name__": "__probe__"})
+        for rel in touched:  # a touched module the probe imported must be the tree's patched copy
+            module = sys.modules.get(rel[:-len(".py")].replace("/", ".").removesuffix(".__init__"))
+            if module is not None and os.path.abspath(module.__file__) != os.path.join(root, rel):
+                raise ImportError(f"{module.__name__} was imported from {module.__file__}, not the shadow tree")
+    except BaseException as exc:
+        event(id=patch_id, error=last_error_line(exc))
+    else:
+        event(id=patch_id, error=None)
+'''
+
+
+def _probe_env(root: Path) -> dict[str, str]:
+    """The probe interpreter's environment: the shadow tree first on its path, no GPU unless one is
+    visible here, no bytecode written next to the tree's symlinked sources."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *sys.path[1:]]), PYTHONDONTWRITEBYTECODE="1",
+                CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+
+def _run_probes(patches: list[Patch], root: Path, tmp: Path) -> dict[str, str]:
+    """Every patch's probe in one interpreter that imports ``root``; the failed ones, by id, with
+    their last error line (in series order)."""
+    probes_file, events_file = tmp / "probes.json", tmp / "probe-events.jsonl"
+    probes_file.write_text(json.dumps([[p.id, p.probe, list(p.touches)] for p in patches]))
+    events_file.write_text("")
+    try:
+        run = subprocess.run([sys.executable, "-c", _PROBE_RUNNER, str(root), str(probes_file), str(events_file)],
+                             capture_output=True, text=True, env=_probe_env(root), cwd=tmp, timeout=600)
+        crashed = (run.stderr.strip().splitlines() or [f"the probe interpreter exited with {run.returncode}"])[-1]
+    except subprocess.TimeoutExpired:
+        crashed = "the probe interpreter ran for more than 600 s"
+    events = [json.loads(line) for line in events_file.read_text().splitlines() if line.strip()]
+    failures: dict[str, str] = {}
+    for e in events:
+        if "fatal" in e:
+            raise FlashnextError(f"the patch probes could not start: {e['fatal']}")
+        if "id" in e and e["error"] is not None:
+            failures[e["id"]] = e["error"]
+    finished = {e["id"] for e in events if "id" in e}
+    started = [e["start"] for e in events if "start" in e]
+    for p in patches:  # the interpreter died: the probe it was in, and every one after it
+        if p.id not in finished:
+            failures[p.id] = crashed if started and p.id == started[-1] else "not run: an earlier probe ended the interpreter"
+    return {p.id: failures[p.id] for p in patches if p.id in failures}

@@ -1,6 +1,7 @@
 """Preflight: can this machine run a serving profile? Go/no-go, with numbers and the fix for each problem.
 
-Checks: the GPUs (count, model, free VRAM, through NVML); host RAM against the plan's pinned K/V;
+Checks: the GPUs (count, model, free VRAM, through NVML); host RAM against every pinned allocation
+(the plan's QSA K/V, a pinned PLE table, the MTP draft embedding, the streamed ViT blocks);
 the locked-memory limit, /dev/shm and the cgroup memory limit; whether process_madvise is allowed
 (SYS_PTRACE / seccomp); the PLE table file (whole, and built from this snapshot) and its drive
 (tail latency, ``flashnext ple drive-check``); each overlay against the snapshot; the serving
@@ -38,6 +39,7 @@ class Finding:
     fix: str | None = None
     exit: int = Exit.GO
     blocking: bool = True
+    terms: dict[str, int] | None = None  # host-ram: each pinned allocation's bytes
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -141,35 +143,167 @@ def check_cgroup(memory_max: Path = CGROUP_MEMORY_MAX, meminfo: Path = MEMINFO) 
 
 
 HOST_RAM_HEADROOM = 4 * 2**30  # the engine's own processes, CUDA contexts and the PLE prefetcher's buffers
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelEmbedding pads its rows to it
+BF16_BYTES = 2  # the release's PLE rows and its INT8 embedding's group scales are bf16
 
 
-def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path = CGROUP_MEMORY_MAX) -> Finding:
-    """Pinned host K/V from the plan, against what this host (and its cgroup) can still give."""
+@dataclass(frozen=True)
+class PinnedTerm:
+    """One allocation that stays pinned in host memory for the server's life."""
+
+    name: str
+    bytes: int  # as allocated: power-of-two rounded when PyTorch's allocator takes it
+    why: str
+
+
+def _flag_value(profile: Profile, flag: str) -> str | None:
+    args = profile.vllm_args
+    return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
+
+
+def _json_flag(profile: Profile, flag: str) -> dict:
+    import json
+
+    value = _flag_value(profile, flag)
+    return json.loads(value) if value else {}
+
+
+def _allocated(nbytes: int, exact_pool: bool) -> int:
+    from flashnext.serving.capacity import next_power_of_two
+
+    return nbytes if exact_pool else next_power_of_two(nbytes)
+
+
+def _text_config(model: Path | None) -> tuple[dict, str]:
+    import json
+
+    from flashnext.serving.capacity import MANIFEST
+
+    if model is None:
+        return json.loads(MANIFEST.read_text())["text_config"], MANIFEST.name
+    from flashnext.quant.checkpoint.snapshot import Snapshot
+
+    return Snapshot.open(model).text_config, str(model)
+
+
+def ple_table_bytes(model: Path | None) -> int:
+    """The PLE tables' bytes: from the snapshot's table shards and config, else the pinned manifest."""
+    import json
+
+    from flashnext.serving.capacity import MANIFEST
+
+    if model is None:
+        table = json.loads(MANIFEST.read_text())["ple_table"]
+        return int(table["padded_rows"]) * int(table["row_elements"]) * BF16_BYTES
+    from flashnext.quant.checkpoint.snapshot import Snapshot
+    from flashnext.quant.ple.table import find_ple_source
+
+    snap = Snapshot.open(model)
+    layers = sorted(set(snap.text_config.get("ple_layer_ids") or ()))
+    return sum(find_ple_source(snap, i).file_size for i in range(len(layers)))
+
+
+# What the draft loads as its embed_tokens (vLLM's _remap_mtp_weight_name), and how the release
+# stores it (manifests/qwen3.8-flash-next.json "releases": embed_tokens INT8 g128, bf16 scales).
+DRAFT_EMBED = "model.language_model.embed_tokens"
+RELEASE_EMBED_GROUP = 128
+
+
+def draft_embedding_bytes(model: Path | None) -> int:
+    """The MTP draft's ``embed_tokens`` as patch mtp-02 pins it at PP > 1: the checkpoint's tensors
+    of that embedding (INT8 words and scales, or bf16 rows), per row as stored, over the vocabulary
+    padded to 64 rows as vLLM's ``VocabParallelEmbedding`` allocates it."""
+    text, _ = _text_config(model)
+    vocab, hidden = int(text["vocab_size"]), int(text["hidden_size"])
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    if model is None:
+        return padded * hidden + padded * (hidden // RELEASE_EMBED_GROUP) * BF16_BYTES
+    from flashnext.errors import FlashnextError
+    from flashnext.quant.checkpoint.snapshot import Snapshot
+
+    snap = Snapshot.open(model)
+    quantized = [f"{DRAFT_EMBED}.weight_packed", f"{DRAFT_EMBED}.weight_scale"]
+    names = quantized if all(n in snap.weight_map for n in quantized) else [f"{DRAFT_EMBED}.weight"]
+    total = 0
+    for name in names:
+        _, entry = snap.entry(name)
+        if not entry.shape or entry.shape[0] != vocab:
+            raise FlashnextError(f"{model}: {name} has shape {list(entry.shape)}; config.json's vocab_size is {vocab}")
+        total += entry.nbytes // vocab * padded
+    return total
+
+
+def pinned_host_terms(profile: Profile, plan, model: Path | None, ple_table: Path | None) -> list[PinnedTerm]:
+    """Every host allocation the patched engine pins for ``profile``, each as it is allocated."""
+    from flashnext import envs
+
+    exact = envs.VLLM_EXACT_HOST_POOL.enabled_in(profile.env)
+    terms = [PinnedTerm("QSA K/V", plan.pinned_host_bytes_needed,
+                        f"{sum(plan.qsa_layers_per_rank)} layers x {plan.blocks} blocks (flashnext plan)")]
+    text, _ = _text_config(model)
+    file_backed = ple_table is not None or bool(profile.env.get(envs.VLLM_PLE_MMAP_PATH.name, "").strip())
+    if text.get("ple_layer_ids") and not file_backed and _json_flag(profile, "--engram-config").get("cpu_offload", True):
+        terms.append(PinnedTerm("PLE table", _allocated(ple_table_bytes(model), exact),
+                                "no --ple-table: vLLM's engram cpu_offload pins it whole"))
+    spec = _json_flag(profile, "--speculative-config")
+    pp = int(_flag_value(profile, "--pipeline-parallel-size") or 1)
+    if spec.get("method") == "mtp" and pp > 1 and envs.VLLM_MTP_SLIM_DRAFT.enabled_in(profile.env):
+        terms.append(PinnedTerm("MTP draft embedding", _allocated(draft_embedding_bytes(model), exact),
+                                "patch mtp-02 (VLLM_MTP_SLIM_DRAFT)"))
+    vision = getattr(plan, "vision", None)
+    if vision is not None and vision.streamed and vision.streamed_weight_bytes < vision.resident_weight_bytes:
+        from flashnext.serving import capacity
+
+        tower = capacity.load_vision_config(model)
+        terms.append(PinnedTerm("ViT blocks", _allocated(tower.depth * tower.slot_bytes(), exact),
+                                f"patch vit-stream: {tower.depth} blocks in one pinned row each"))
+    return terms
+
+
+def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path = CGROUP_MEMORY_MAX, *,
+                   model: Path | None = None, ple_table: Path | None = None) -> Finding:
+    """Every pinned host byte (QSA K/V, a pinned PLE table, the MTP draft embedding, the streamed ViT)
+    against what this host (and its cgroup) can still give."""
     from flashnext.errors import FlashnextError
     from flashnext.serving import capacity
 
     try:
         shape = capacity.ServingShape.from_profile(profile)
-        plan = capacity.plan(capacity.load_text_config(), shape)
+        plan = capacity.plan_profile(profile, model=model)
+        terms = pinned_host_terms(profile, plan, model, ple_table)
     except FlashnextError as e:
         return Finding("host-ram", False, f"no plan for this profile ({e})", "`flashnext plan --profile "
                        f"{profile.name}` says why", Exit.MEMORY, blocking=False)
     available = read_host_memory(meminfo, memory_max).allowance
-    need = plan.pinned_host_bytes_needed
-    rounding = "" if shape.exact_host_pool else f" (PyTorch rounds each pool to a power of two: {_gib(plan.pinned_host_bytes)} exact)"
-    detail = f"pinned QSA K/V {_gib(need)}{rounding} + {_gib(HOST_RAM_HEADROOM)} headroom; {_gib(available)} available"
+    need = sum(t.bytes for t in terms)
+    rounding = "" if shape.exact_host_pool else (f" (PyTorch rounds each pool to a power of two: QSA K/V "
+                                                 f"{_gib(plan.pinned_host_bytes)} exact)")
+    listed = " + ".join(f"{t.name} {_gib(t.bytes)}" for t in terms)
+    detail = (f"pinned host memory: {listed} = {_gib(need)}{rounding} + {_gib(HOST_RAM_HEADROOM)} headroom; "
+              f"{_gib(available)} available")
+    finding = Finding("host-ram", True, detail)
+    finding.terms = {t.name: t.bytes for t in terms}
     if need + HOST_RAM_HEADROOM <= available:
-        return Finding("host-ram", True, detail)
+        return finding
+    finding.ok, finding.exit = False, Exit.MEMORY
+    others = need - plan.pinned_host_bytes_needed
+    table = next((t for t in terms if t.name == "PLE table"), None)
     per_block = plan.pinned_host_bytes_needed / plan.blocks
-    fits = max(int((available - HOST_RAM_HEADROOM) // per_block), 0) if shape.exact_host_pool else 0
-    if not shape.exact_host_pool and plan.pinned_host_bytes + HOST_RAM_HEADROOM <= available:
-        fix = "turn the exact-size pool back on: environment `VLLM_EXACT_HOST_POOL: \"1\"`"
-    elif fits:
-        fix = (f"lower --kv-cache-memory-bytes to {fits * max(plan.bytes_per_block):,} ({fits} blocks; "
-               f"`flashnext plan --profile {profile.name} --kv-cache-memory-bytes N` shows the capacity)")
+    fits = max(int((available - HOST_RAM_HEADROOM - others) // per_block), 0) if shape.exact_host_pool else 0
+    if table is not None and need - table.bytes + HOST_RAM_HEADROOM <= available:
+        finding.fix = ("serve the PLE table from a file instead of pinning it: `--ple-table FILE`, made with "
+                       f"`flashnext ple build --src {model or 'SNAPSHOT'} --out FILE`")
+    elif not shape.exact_host_pool and plan.pinned_host_bytes + others + HOST_RAM_HEADROOM <= available:
+        finding.fix = "turn the exact-size pool back on: environment `VLLM_EXACT_HOST_POOL: \"1\"`"
+    elif fits and table is None:
+        finding.fix = (f"lower --kv-cache-memory-bytes to {fits * max(plan.bytes_per_block):,} ({fits} blocks; "
+                       f"`flashnext plan --profile {profile.name} --kv-cache-memory-bytes N` shows the capacity)")
+    elif table is not None:
+        finding.fix = ("serve the PLE table from a file (`--ple-table FILE`, from `flashnext ple build --src "
+                       f"{model or 'SNAPSHOT'} --out FILE`), and free host memory or use a larger host")
     else:
-        fix = "free host memory (stop other processes, drop the page cache) or use a larger host"
-    return Finding("host-ram", False, detail, fix, Exit.MEMORY)
+        finding.fix = "free host memory (stop other processes, drop the page cache) or use a larger host"
+    return finding
 
 
 def check_process_madvise() -> Finding:
@@ -288,7 +422,7 @@ def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_ta
     from flashnext.serving.capacity import PLANNED_FAMILIES
 
     if profile.model_family in PLANNED_FAMILIES:
-        findings.insert(1, check_host_ram(profile))
+        findings.insert(1, check_host_ram(profile, model=model, ple_table=ple_table))
     if ple_table is not None:
         findings.append(check_ple_table(ple_table, model))
         findings.append(check_ple_drive(ple_table))

@@ -58,6 +58,15 @@ def wait_ready(base_url: str, timeout_s: float, progress=None, poll_s: float = 2
         time.sleep(poll_s)
 
 
+def require_ple_table(profile, model: Path | None, ple_table: Path | None) -> None:
+    """A profile that serves the PLE table from a file cannot start without one: vLLM would fall back
+    to pinning the whole table (95.4 GiB), which beside the QSA K/V exceeds a 125 GiB host."""
+    if profile.uses_ple_table and ple_table is None:
+        raise FlashnextError(
+            f"profile {profile.name} serves the PLE table from a file: pass --ple-table FILE, made with "
+            f"`flashnext ple build --src {model or 'SNAPSHOT'} --out FILE`")
+
+
 def summary_line(profile) -> str | None:
     """One line of the plan for `serve` to print before starting; None when it cannot plan here."""
     from flashnext.serving import capacity

@@ -129,7 +129,7 @@ def test_wheel_in_a_fresh_venv_runs_the_main_job(wheel, tmp_path):
                               capture_output=True, text=True)
     assert no_extra.returncode == 1 and "pip install 'flashnext[bench]'" in no_extra.stderr, no_extra.stderr
     assert not (tmp_path / "b").exists()
-    profiles = run("serve --profile 3x3090 --model demo/snapshot --dry-run").stdout
+    profiles = run("serve --profile 3x3090 --model demo/snapshot --ple-table demo/ple.bin --dry-run").stdout
     assert "vllm serve" in profiles or "services:" in profiles
     # Commands that need no torch start without importing it.
     probe = ("import sys, time; t = time.perf_counter(); from flashnext.tools.cli import main\n"

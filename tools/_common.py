@@ -69,9 +69,11 @@ json_option = click.option("--json", "as_json", is_flag=True,
                            help="Print a machine-readable JSON result on stdout.")
 
 
-def preflight_report(profile_name: str, model, overlays, ple_table, engine: str, as_json: bool) -> None:
-    """Run the preflight (``doctor``, ``serve --check``), print go/no-go with each fix, and raise
-    :class:`~flashnext.errors.NoGo` with the first blocking finding's exit code."""
+def preflight_report(profile_name: str, model, overlays, ple_table, engine: str, as_json: bool,
+                     err: bool = False) -> None:
+    """Run the preflight (``doctor``, ``serve --check``, ``serve`` before it starts), print go/no-go
+    with each fix (on stderr with ``err``), and raise :class:`~flashnext.errors.NoGo` with the first
+    blocking finding's exit code."""
     from flashnext.errors import NoGo
     from flashnext.serving.preflight import preflight, verdict
     from flashnext.serving.profiles import load_profile
@@ -83,9 +85,9 @@ def preflight_report(profile_name: str, model, overlays, ple_table, engine: str,
     else:
         for f in findings:
             mark = "ok  " if f.ok else ("FAIL" if f.blocking else "warn")
-            click.echo(f"[{mark}] {f.check}: {f.detail}")
+            click.echo(f"[{mark}] {f.check}: {f.detail}", err=err)
             if not f.ok and f.fix:
-                click.echo(f"       fix: {f.fix}")
-        click.echo("GO" if code == 0 else f"NO-GO (exit {code})")
+                click.echo(f"       fix: {f.fix}", err=err)
+        click.echo("GO" if code == 0 else f"NO-GO (exit {code})", err=err)
     if code:
         raise NoGo(f"NO-GO (exit {code})", code)

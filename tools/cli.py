@@ -6,6 +6,7 @@ import click
 
 from flashnext import __version__
 from flashnext.tools import bench, demo_checkpoint, doctor, make_mtp_int4, overlay, patches, plan, ple, repack_int6, serve
+from flashnext.tools import selftest
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,6 +25,7 @@ main.add_command(repack_int6.main)
 main.add_command(patches.main)
 main.add_command(plan.main)
 main.add_command(bench.main)
+main.add_command(selftest.main)
 
 
 if __name__ == "__main__":

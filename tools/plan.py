@@ -32,6 +32,11 @@ def _print(profile: str, p) -> None:
     click.echo(f"  blocks per request   {p.blocks_per_request} = {parts}  (one {p.max_model_len:,}-token request)")
     click.echo(f"  capacity             {p.capacity_tokens:,} tokens ({p.concurrency:.2f}x)")
     click.echo(f"  VRAM per rank        {', '.join(f'{v:,}' for v in p.vram_bytes)} B")
+    if p.qsa_arena_rows:
+        shares = ", ".join(f"{n} x {rows:,}" for n, rows in zip(p.qsa_layers_per_rank, p.qsa_row_cache_rows))
+        arena = ", ".join(_mib(b) for b in p.qsa_arena_bytes)
+        click.echo(f"  QSA arena            {p.qsa_arena_rows:,} rows per rank, {arena} "
+                   f"(row cache: {shares} rows), allocated at model load")
     if p.vision is not None:
         v = p.vision
         weights = (f"{_mib(v.streamed_weight_bytes)} streamed (vit-stream; {_mib(v.resident_weight_bytes)} resident)"
@@ -41,6 +46,8 @@ def _print(profile: str, p) -> None:
         click.echo(f"  VRAM with images     {', '.join(f'{b:,}' for b in p.vram_bytes_with_images)} B")
     else:
         click.echo("  vision tower         none (text only)")
+    click.echo(f"  VRAM in all          {', '.join(f'{b:,}' for b in p.vram_bytes_total)} B (KV pool + arena"
+               f"{' + tower' if p.vision is not None else ''})")
     click.echo(f"  pinned host K/V      {_gib(p.pinned_host_bytes)} exact-size; {_gib(p.pinned_host_bytes_pow2)} "
                "with PyTorch's power-of-two rounding")
     click.echo(f"  marginal             {p.tokens_per_mib_vram:,.0f} tokens per MiB of VRAM, "

@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 
 from flashnext.errors import FlashnextError
-from flashnext.serving.run import (compose_command, exec_native, native_command, run_command, state_dir,
-                                   summary_line, wait_ready)
+from flashnext.serving.run import (compose_command, exec_native, native_command, require_ple_table, run_command,
+                                   state_dir, summary_line, wait_ready)
 from flashnext.tools._common import preflight_report, user_errors
 
 ENGINES = ("docker", "podman", "native")
@@ -37,20 +37,28 @@ def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | 
               help="The PLE table file from `flashnext ple build`.")
 @click.option("--engine", type=click.Choice(ENGINES), default="docker", show_default=True)
 @click.option("--dry-run", is_flag=True,
-              help="Print the compose YAML (native: the command and env) and do nothing else.")
+              help="Print the compose YAML (native: the command and env) and do nothing else: no preflight, "
+                   "so it works on a machine without GPUs (e.g. to render a file for another host).")
 @click.option("--bind", default="127.0.0.1", show_default=True, help="Host address the port is published on.")
 @click.option("--listen", default="127.0.0.1", show_default=True, help="native: the address vLLM listens on.")
 @click.option("--port", type=int, default=None, help="Port (default: the profile's).")
 @click.option("--check", is_flag=True, help="Run the preflight (as `flashnext doctor`) and exit with its verdict.")
+@click.option("--no-check", is_flag=True,
+              help="Start without the preflight (by default a NO-GO stops serve before anything starts).")
 @click.pass_context
 @user_errors
-def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen, port, check) -> None:
+def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen, port, check, no_check) -> None:
     """Start the optimized vLLM system for a profile.
+
+    Runs the preflight first (`flashnext doctor`: GPUs, every pinned host byte against RAM, limits,
+    the PLE table and its drive, overlays, the image) and starts nothing on a NO-GO, exiting with its
+    code (10-15); `--no-check` skips it. A profile that serves the PLE table from a file needs
+    `--ple-table` (made by `flashnext ple build`).
 
     \b
     Examples:
       serve --profile 3x3090 --model SNAPSHOT --overlay OVERLAY --ple-table TABLE
-      serve --profile 3x3090 --model SNAPSHOT --dry-run > compose.yaml
+      serve --profile 3x3090 --model SNAPSHOT --ple-table TABLE --dry-run > compose.yaml
       serve down --profile 3x3090
     """
     if ctx.invoked_subcommand is not None:
@@ -61,8 +69,13 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     if not profile or model is None:
         raise FlashnextError("serve needs --profile and --model (see `serve --help`)")
     prof = load_profile(profile)
+    if check and no_check:
+        raise FlashnextError("--check and --no-check contradict each other: pass one")
+    require_ple_table(prof, model, ple_table)
     if check:
         return preflight_report(profile, model, overlays, ple_table, engine, False)
+    if not dry_run and not no_check:  # a NO-GO raises here, before anything is written or started
+        preflight_report(profile, model, overlays, ple_table, engine, False, err=True)
     if engine == "native":
         return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
     req = ServeRequest(prof, model, tuple(overlays), ple_table, bind, port)

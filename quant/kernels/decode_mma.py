@@ -232,6 +232,19 @@ def bitplane_matmul(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor)
     return bitplane_mma(x, planes, scales)
 
 
+def warm_bitplane_matmul(planes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Launch, once and on zeros, the kernel variant :func:`bitplane_matmul` takes for 5..16 tokens
+    over this weight: the tensor-core kernel, whose variant does not depend on the token count.
+
+    CUDA graphs are captured for 1, 2 and 4 tokens (the profiles' ``cudagraph_capture_sizes``);
+    a layer that takes the GEMV there (a small one, or a shared expert that decode-05 runs through
+    the fused GEMVs) would otherwise compile and load the tensor-core kernel at its first eager step
+    of 5..16 tokens, in the middle of serving and outside vLLM's memory budget (seed 000 §5). Called
+    when the weights are loaded, before vLLM measures free memory."""
+    K = planes.shape[1] * 4 // 3
+    bitplane_matmul(torch.zeros(MAX_TOKENS, K, dtype=scales.dtype, device=planes.device), planes, scales)
+
+
 def _sms(device) -> int:
     if device.type != "cuda":
         return 4

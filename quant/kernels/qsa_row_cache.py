@@ -76,7 +76,7 @@ def _column_slots(indices_ptr, stride_indices_row, block_table_ptr, stride_table
     return slot, valid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # one variant for a store of any size (a 16-token one too)
 def _invalidate_kernel(tags_ptr, slots_ptr, num_slots, sets, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slots_ptr + offsets, mask=offsets < num_slots, other=-1).to(tl.int64)
@@ -359,7 +359,9 @@ class RowCache:
     """The VRAM arena of one rank and the row-cache state of its QSA layers.
 
     ``arena`` is ``arena_blocks`` blocks of rows, allocated once at start; prefill stages blocks in
-    it, decode splits its rows evenly among the layers as direct-mapped caches.
+    it, decode splits its rows evenly among the layers as direct-mapped caches. ``arena_blocks``
+    may exceed ``num_layers``: every rank holds the busiest rank's arena (seed 000 §7), and a rank
+    with fewer QSA layers gives each a larger share.
     """
 
     def __init__(self, num_layers: int, arena_blocks: int, block_size: int, kv_heads: int, head_dim: int,
@@ -383,6 +385,11 @@ class RowCache:
     @property
     def nbytes(self) -> int:
         return self.arena.numel() * self.arena.element_size()
+
+    @property
+    def state_nbytes(self) -> int:
+        """The row-cache bookkeeping beside the arena: tags, hitmarks, bids and epochs."""
+        return sum(t.numel() * t.element_size() for t in (self.tags, self.hitmark, self.claim, self.epoch))
 
     def next_epoch(self, layer: int) -> torch.Tensor:
         epoch = self.epochs[layer] + 1

@@ -122,6 +122,16 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, *, register: bool =
     return pool.view(dtype, tuple(shape))
 
 
+def release(tensor: torch.Tensor) -> None:
+    """Unpin and unmap the exact-size pool behind ``tensor`` (a :func:`pinned_empty` result) once
+    nothing else refers to it; a PyTorch pinned tensor (the switch off) just goes with its last reference."""
+    for pool in _POOLS:
+        if pool.tensor is not None and pool.tensor.data_ptr() == tensor.data_ptr():
+            _POOLS.remove(pool)
+            pool.close()
+            return
+
+
 def _cudart() -> ctypes.CDLL:
     """The CUDA runtime PyTorch loaded (a pip wheel's, or the system's)."""
     names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]

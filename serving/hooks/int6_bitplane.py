@@ -27,12 +27,17 @@ from flashnext import envs
 from flashnext.errors import FlashnextError
 from flashnext.quant.formats.bitplane import LAYOUT, bitplane_to_codes, bitplane_to_dense6
 from flashnext.quant.formats.packing import dequantize_groups
-from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, bitplane_matmul
+from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, bitplane_matmul, warm_bitplane_matmul
 from flashnext.serving.hooks.vllm_bases import linear_method_base, loads_with_weight_loader_v2
 
 
 def enabled() -> bool:
     return envs.VLLM_INT6_BITPLANE.enabled()
+
+
+def _compiles_kernels(weights: torch.Tensor) -> bool:
+    """Whether launching a kernel on ``weights`` compiles and loads it (on a GPU, not the interpreter)."""
+    return weights.is_cuda
 
 
 def recorded_modules(hf_config) -> set[str]:
@@ -127,6 +132,8 @@ class BitplaneLinearMethod(linear_method_base()):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.planes_kept:
+            if _compiles_kernels(layer.weight_packed):
+                warm_bitplane_matmul(layer.weight_packed, layer.weight_scale)
             return
         from vllm.model_executor.parameter import PackedvLLMParameter
 

@@ -1,23 +1,24 @@
 """Patch decode-05: a decode step's MoE block routed by one kernel.
 
-vLLM 0.33.0 routes each MoE block of a decode step with the router GEMM, ``topk_softmax``, the
-shared expert's gate GEMM and, inside Marlin, ``moe_align_block_size`` (seed 000 §3.3: 13.4 and 7.0
-us on a 3090). For a step of 1..16 tokens, :func:`forward` instead:
+vLLM 0.33.0 routes each MoE block of a decode step with the router GEMV, ``topk_softmax``, the
+shared expert's gate and, inside Marlin, ``moe_align_block_size`` (seed 000 §3.3, one token on a
+3090: 12, 7, 7 and 7 us). For a step of 1..4 tokens (:data:`MAX_FUSED_TOKENS`, the CUDA-graph
+sizes), :func:`forward` instead:
 
 1. runs :func:`flashnext.quant.kernels.moe_route.route` over the router's rows and the shared
-   gate's row (one GEMV, top-k and renormalized weights by its last program, and for 1..4 tokens
-   Marlin's block alignment from the same launch);
+   gate's row (one GEMV, top-k and renormalized weights by its last program, and Marlin's block
+   alignment from the same launch);
 2. hands the experts and weights to vLLM's own routed experts (``RoutedExperts.forward_modular``:
    Marlin on GPUs); ``fused_marlin_moe`` takes the step's alignment from :func:`alignment_for`
    instead of aligning again;
 3. runs the shared expert and adds it, gated by the logit from step 1: through the bit-plane
-   kernels when the shared expert is an INT6 bit-plane overlay (patch int6-bitplane) and the step
-   has at most four tokens, else through its own layers.
+   kernels when the shared expert is an INT6 bit-plane overlay (patch int6-bitplane), else through
+   its own layers.
 
 Where any of vLLM's MoE features that this path does not reproduce is in use (tensor, expert,
-data or sequence parallelism, EPLB, routing capture, grouped or biased routing, input/output
-transforms, a monolithic kernel), it returns None and vLLM's path runs. ``VLLM_MOE_FUSED_DECODE=0``
-turns it off.
+data or sequence parallelism, EPLB, expert substitution, routing capture, a router other than
+plain softmax top-k, input/output transforms, a monolithic kernel), it returns None and vLLM's
+path runs. ``VLLM_MOE_FUSED_DECODE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ from __future__ import annotations
 import torch
 
 from flashnext import envs
-from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS
+from flashnext.quant.kernels.decode_mma import INTERPRETED
 from flashnext.quant.kernels.moe_route import ALIGN_MAX_TOKENS, route
+
+# The largest step this path takes: the profiles' largest CUDA-graph size. The router kernel's
+# variant depends on the step's size (its top-k's token rows, the alignment), and a step of 5..16
+# tokens runs eagerly: through this path it would compile and load a new variant mid-service,
+# outside vLLM's memory budget (seed 000 §5). vLLM's path takes those steps (docs/serving.md).
+MAX_FUSED_TOKENS = 4
 
 # Marlin's block_size_m choices, smallest first (vllm/.../experts/marlin_moe.py, fused_marlin_moe).
 MARLIN_BLOCK_SIZES = (8, 16, 32, 48, 64)
@@ -61,26 +68,48 @@ def alignment_for(topk_ids: torch.Tensor, block_size: int, num_experts: int,
 
 
 def _plain_router(router) -> bool:
-    """A softmax top-k with renormalization and nothing else, which :func:`route` reproduces."""
+    """Whether ``router`` is a softmax over all experts, top-k and renormalization, and nothing else:
+    what :func:`route` computes. Decided by exact class, from what each of vLLM 0.33.0's router
+    classes holds (``router_factory.create_fused_moe_router``): on CUDA this MoE gets
+    ``FusedTopKRouter``, which has no grouping, bias, scaling or custom function to check; on the
+    CPU ``CPURouter``, which covers every scheme in one class. Every other class (grouped, biased or
+    hash-routed, custom, AITER's shared-expert router, the routing simulator, zero experts, or a
+    subclass of either) routes otherwise and is declined.
+
+    Rows that vLLM's CUDA ``topk_softmax`` is told are CUDA-graph padding (``VLLM_MOE_SKIP_PADDING``)
+    are routed here like any other row; their outputs are discarded, and the real rows' experts
+    and weights are the same."""
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
     from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
 
-    return (type(router) in (FusedTopKRouter, CPURouter) and router.scoring_func == "softmax" and router.renormalize
-            and not router.use_grouped_topk and router.e_score_correction_bias is None
-            and router.custom_routing_function is None and router.eplb_state is None and router.capture_fn is None
-            and router.routed_scaling_factor == 1.0 and getattr(router, "_hash_indices_table", None) is None
-            and getattr(router, "_routing_replay_out", None) is None)
+    kind = type(router)
+    if kind is not FusedTopKRouter and kind is not CPURouter:
+        return False
+    # FusedMoERouter's and BaseRouter's own state: EPLB, routing capture and replay, DeepSeek's image bias
+    if (router.eplb_state is not None or router.capture_fn is not None or router._routing_replay_out is not None
+            or router.bias_vl is not None):
+        return False
+    if router.scoring_func != "softmax" or not router.renormalize:
+        return False
+    if kind is CPURouter:
+        return (not router.use_grouped_topk and router.e_score_correction_bias is None
+                and router.custom_routing_function is None and router._hash_indices_table is None
+                and router.routed_scaling_factor == 1.0)
+    return True
 
 
 def _applies(block: torch.nn.Module, x: torch.Tensor) -> bool:
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
     runner = block.experts
     parallel = runner.moe_config.moe_parallel_config
-    return (1 <= x.shape[0] <= MAX_TOKENS and x.dtype == torch.bfloat16 and (x.is_cuda or INTERPRETED)
+    return (1 <= x.shape[0] <= MAX_FUSED_TOKENS and x.dtype == torch.bfloat16 and (x.is_cuda or INTERPRETED)
             and block.shared_expert is not None and not block.replicate_shared_expert
             and not block.is_fused_shared_expert_enabled and not block.is_sequence_parallel
             and parallel.tp_size == 1 and parallel.ep_size == 1 and parallel.dp_size == 1 and parallel.pcp_size == 1
             and runner.routed_input_transform is None and runner.routed_output_transform is None
             and runner.routed_scaling_factor == 1.0 and runner.moe_config.hidden_dim == x.shape[1]
+            and type(runner.routed_experts) is RoutedExperts  # not expert substitution's subclass
             and not runner.routed_experts.quant_method.is_monolithic and _plain_router(runner.router)
             and block.shared_expert.expert_gate is block.shared_expert_gate)
 
@@ -104,6 +133,13 @@ def _uses_marlin(method) -> bool:
 
     experts = getattr(method, "experts_cls", None)
     return isinstance(experts, type) and issubclass(experts, MarlinExperts)
+
+
+def route_step(x: torch.Tensor, rows: torch.Tensor, top_k: int, experts: int, marlin: bool) -> tuple[int, tuple]:
+    """``(the block size aligned for, or 0; route's outputs)`` for a step of 1..MAX_FUSED_TOKENS
+    tokens; with Marlin's experts the launch also writes their alignment."""
+    align = marlin_block_size(x.shape[0], top_k, experts) if marlin and x.shape[0] <= ALIGN_MAX_TOKENS else 0
+    return align, route(x, rows, top_k, align_block=align)
 
 
 def _shared_expert(mlp: torch.nn.Module, x: torch.Tensor, routed: torch.Tensor, gate_logit: torch.Tensor):
@@ -139,10 +175,8 @@ def forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
     router, method = runner.router, runner.routed_experts.quant_method
     top_k, experts = router.top_k, router.global_num_experts
     rows = _router_rows(block)
-    align = 0
-    if x.shape[0] <= ALIGN_MAX_TOKENS and x.is_cuda and _uses_marlin(method):
-        align = marlin_block_size(x.shape[0], top_k, experts)
-    _, gate_logit, topk_ids, topk_weights, *aligned = route(x, rows, top_k, align_block=align)
+    marlin = x.is_cuda and _uses_marlin(method)
+    align, (_, gate_logit, topk_ids, topk_weights, *aligned) = route_step(x, rows, top_k, experts, marlin)
     indices_dtype = method.topk_indices_dtype
     if indices_dtype is not None and topk_ids.dtype != indices_dtype:
         topk_ids = topk_ids.to(indices_dtype)

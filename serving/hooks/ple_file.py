@@ -224,7 +224,11 @@ class PleFileServing:
                 prefetcher.cancel(request_id)
 
     def ngram_ids(self, input_ids, query_start_loc, ngram_context) -> list[np.ndarray]:
-        """ple-mmap: each PLE layer's row ids for this step, on the host (vLLM's own hash kernel)."""
+        """ple-mmap: each PLE layer's row ids for this step, on the host (vLLM's own hash kernel).
+
+        The copy waits for the device: a decode step's newest token (and MTP's drafts) exists only
+        there, received from the last pipeline rank, so the host cannot hash it earlier; a pinned
+        non-blocking copy waits just as long (docs/serving.md, benchmarks/ple_ids_sync.py)."""
         import torch
 
         return [o.compute_ngram_ids(input_ids, query_start_loc, ngram_context).to("cpu", torch.int64).numpy()

@@ -15,7 +15,14 @@ limits the 3x3090 system to about 122k tokens of context (seed 000 §2). With
 * stores go to the host rows through unified addressing (vLLM's own cache writers) and invalidate
   the row cache; attention reads the selected rows (:mod:`flashnext.quant.kernels.qsa_row_cache`):
   decode-shaped steps through the row cache in the staging arena (decode-07,
-  ``VLLM_QSA_ROW_CACHE=0`` turns it off), prefill steps window by window through the arena.
+  ``VLLM_QSA_ROW_CACHE=0`` turns it off), prefill steps window by window through the arena;
+* nothing is allocated by a step. The arena (VRAM, the busiest rank's QSA layers x block_size
+  rows on every rank) is allocated when the first QSA layer is built, inside vLLM's
+  ``GPUModelRunner.load_model`` and its ``DeviceMemoryProfiler``: it counts as model memory,
+  before ``Worker.determine_available_memory`` profiles. The host rows are sized by the KV cache
+  config, so they are allocated when vLLM binds the compressed-key cache
+  (``Worker.initialize_from_config`` -> ``initialize_kv_cache`` -> ``bind_kv_cache_to_layers``),
+  before warm-up and CUDA graph capture.
 
 HiSparse (vLLM 0.33.0's host-resident KV groups) was the other candidate: its planner already
 leaves host-resident groups out of the device pool, but its host blocks are a second block space
@@ -46,8 +53,9 @@ def row_cache_enabled() -> bool:
 # --- configuration: the block size the engine uses ---------------------------------------------------
 
 
-def engine_block_size(vllm_config) -> int | None:
-    """The attention block size for ``vllm_config`` with the offload, or None where it does not apply
+def _offload_inputs(vllm_config):
+    """What the seed's block-size and arena rules read from ``vllm_config``: the text config, the
+    pipeline split, the draft tokens and the state page; None where the offload does not apply
     (switch off, or not a ``qwen4_exp`` model with QSA layers)."""
     if not enabled():
         return None
@@ -66,10 +74,19 @@ def engine_block_size(vllm_config) -> int | None:
     import vllm.envs as vllm_envs
 
     partition = vllm_envs.VLLM_PP_LAYER_PARTITION  # vLLM's own knob, read as get_pp_indices reads it
-    return capacity.offload_block_size(
-        config, vllm_config.parallel_config.pipeline_parallel_size,
-        tuple(int(x) for x in partition.split(",")) if partition else None,
-        spec.num_speculative_tokens if spec is not None else 0, state_page)
+    return (config, vllm_config.parallel_config.pipeline_parallel_size,
+            tuple(int(x) for x in partition.split(",")) if partition else None,
+            spec.num_speculative_tokens if spec is not None else 0, state_page)
+
+
+def engine_block_size(vllm_config) -> int | None:
+    """The attention block size for ``vllm_config`` with the offload, or None where it does not apply."""
+    inputs = _offload_inputs(vllm_config)
+    if inputs is None:
+        return None
+    from flashnext.serving import capacity
+
+    return capacity.offload_block_size(*inputs)
 
 
 def align_block_size(vllm_config) -> bool:
@@ -106,25 +123,51 @@ class OffloadedMetadata:
 
 
 class RankArena:
-    """The rank's staging arena and row cache, shared by its offloaded QSA layers."""
+    """The rank's staging arena and row cache, shared by its offloaded QSA layers.
+
+    Seed 000 §5 and §7: the arena is ``(QSA layers on the busiest rank) x block_size`` rows on
+    every rank, allocated at start-up; each rank splits it among its own QSA layers (with MTP:
+    rank 2's 5 layers get 9,776 rows each, ranks 0 and 1 the same arena in 4 shares of 12,220).
+    It is allocated while vLLM builds the model (``GPUModelRunner.load_model``, under its
+    ``DeviceMemoryProfiler``), so vLLM counts it with the weights, before it profiles anything.
+    """
 
     def __init__(self):
         self.layers: list[OffloadedQSA] = []
         self.cache = None
+        self.planned_layers = 0
+
+    def reserve(self, vllm_config, kv_heads: int, head_dim: int) -> None:
+        """Allocate the arena once, on the device vLLM is building the model on."""
+        if self.cache is not None:
+            return
+        inputs = _offload_inputs(vllm_config)
+        if inputs is None:
+            raise FlashnextError("VLLM_QSA_KV_OFFLOAD=1 needs a qwen4_exp model with QSA layers")
+        from vllm.distributed import get_pp_group
+
+        self.cache = rank_row_cache(*inputs, get_pp_group().rank_in_group, kv_heads, head_dim,
+                                    torch.get_default_device())
+        self.planned_layers = self.cache.num_layers
 
     def register(self, layer: "OffloadedQSA") -> int:
+        if len(self.layers) >= self.planned_layers:
+            raise RuntimeError(f"QSA offload: more QSA layers on this rank than the {self.planned_layers} planned")
         self.layers.append(layer)
         return len(self.layers) - 1
 
-    def row_cache(self, block_size: int, kv_heads: int, head_dim: int, dtype, device):
-        if self.cache is None:
-            from flashnext.quant.kernels.qsa_row_cache import RowCache
 
-            # One block of rows per QSA layer on the rank: the staged prefill's windows, and in
-            # decode a direct-mapped cache of block_size rows per layer.
-            n = len(self.layers)
-            self.cache = RowCache(n, n, block_size, kv_heads, head_dim, dtype, device)
-        return self.cache
+def rank_row_cache(text, pp: int, partition, draft_tokens: int, state_page: int, rank: int, kv_heads: int,
+                   head_dim: int, device):
+    """The arena and row cache of pipeline rank ``rank``: the busiest rank's QSA layers (the draft
+    head's included) in blocks of the engine's block size, shared by this rank's QSA layers."""
+    from flashnext.quant.kernels.qsa_row_cache import RowCache
+    from flashnext.serving import capacity
+
+    per_rank = capacity.qsa_layers_per_rank(text, pp, partition, draft_tokens)
+    block_size = capacity.offload_block_size(text, pp, partition, draft_tokens, state_page)
+    return RowCache(per_rank[rank], capacity.qsa_arena_blocks(per_rank), block_size, kv_heads, head_dim,
+                    torch.bfloat16, device)
 
 
 ARENA = RankArena()
@@ -148,31 +191,38 @@ class OffloadedQSA:
         self.layer = layer
         self.cache_config = vllm_config.cache_config
         self.decode_rows = 1 + vllm_config.num_speculative_tokens
+        ARENA.reserve(vllm_config, layer.num_kv_heads, layer.head_dim)
+        self.arena = ARENA.cache
         self.index = ARENA.register(self)
         self.pinned = None
+        # vLLM binds the compressed-key cache, and with it these rows (patch: _QSAStateCache.bind_kv_cache).
+        layer.indexer.compressed_key_cache.qsa_offload = self
 
     @property
     def block_size(self) -> int:
         return self.cache_config.block_size
 
-    def bind(self) -> None:
-        """Allocate the host rows on the first step that has a bound cache: as many blocks as the
-        compressed-key group's, exactly (patch host-pool), and bind their UVA view as the layer's
-        cache in the ``(blocks, heads, tokens, 2 * head_dim)`` view vLLM's writers take."""
-        if self.pinned is not None:
-            return
-        compressed = self.layer.indexer.compressed_key_cache.kv_cache
-        if compressed.numel() == 0:
-            raise RuntimeError("QSA offload: the compressed-key cache is not bound yet")
-        from flashnext.serving.hooks.host_pool import pinned_empty, uva_view
+    def bind(self, compressed: torch.Tensor) -> None:
+        """Called when vLLM binds the compressed-key cache (``initialize_kv_cache``, before CUDA graph
+        capture): allocate the host rows, as many blocks as that cache has, exactly (patch
+        host-pool), and bind their UVA view as the layer's cache in the ``(blocks, heads, tokens,
+        2 * head_dim)`` view vLLM's writers take. A second bind (vLLM's CUDA-graph memory profile
+        binds a minimal cache first, then the real one) releases the first pool."""
+        from flashnext.serving.hooks.host_pool import pinned_empty, release, uva_view
 
+        if self.arena.arena.shape[1] != self.block_size:
+            raise RuntimeError(f"QSA offload: the arena was sized for blocks of {self.arena.arena.shape[1]} tokens, "
+                               f"the engine runs {self.block_size}")
         layer = self.layer
         shape = (compressed.shape[0], self.block_size, layer.num_kv_heads, 2 * layer.head_dim)
+        previous, self.pinned = self.pinned, None
+        layer.kv_cache = torch.tensor([])
+        if previous is not None:
+            release(previous)
         self.pinned = pinned_empty(shape, torch.bfloat16, register=compressed.is_cuda)
         host = uva_view(self.pinned) if compressed.is_cuda else self.pinned
         layer.kv_cache = host.transpose(1, 2)
-        self.arena = ARENA.row_cache(self.block_size, layer.num_kv_heads, layer.head_dim, torch.bfloat16,
-                                     compressed.device)
+        self.arena.invalidate_all()  # the rows behind every tag are new
 
     @property
     def host_kv(self) -> torch.Tensor:

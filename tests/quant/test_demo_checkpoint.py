@@ -99,3 +99,18 @@ def test_ple_shards_follow_the_layout(demo_snapshot):
     assert sum(get(n).get_shape()[0] for n in shards) == layout.padded_rows
     sizes = get("model.language_model.layers.1.ple.ple_embedding.ngram_heads_vocab_sizes")[:]
     assert sizes.dtype == torch.int64 and tuple(sizes.tolist()) == layout.head_sizes
+
+
+def test_the_draft_head_reads_the_targets_int8_embed_tokens_and_lm_head(demo_snapshot):
+    """As in the release (``mtp_use_dedicated_embeddings: false``), the MTP head stores no embedding
+    or LM head of its own: vLLM's ``Qwen4ExpMTP`` loads ``model.language_model.embed_tokens.*`` and
+    ``lm_head.*``, the INT8 g128 tensors, which the ``ignore`` that keeps ``mtp.*`` BF16 leaves alone."""
+    cfg = json.loads((demo_snapshot / "config.json").read_text())
+    assert cfg["text_config"]["mtp_use_dedicated_embeddings"] is False
+    index, get = _tensors(demo_snapshot)
+    assert not [n for n in index if n.startswith("mtp.") and re.search(r"embed_tokens|shared_head|lm_head", n)]
+    ignore = [re.compile(p[3:]) for p in cfg["quantization_config"]["ignore"]]
+    for module in ("model.language_model.embed_tokens", "lm_head"):
+        assert get(f"{module}.weight_packed").get_dtype() == "I32"
+        assert get(f"{module}.weight_scale").get_shape() == [4096, 256 // 128]
+        assert not any(p.fullmatch(module) for p in ignore)

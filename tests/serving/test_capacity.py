@@ -60,6 +60,10 @@ def test_mtp_structure():
     assert p.qsa_layers_per_rank == [4, 4, 5] and p.layers_per_rank == [16, 17, 15]
     assert 5 * 66 * p.block_size <= p.state_page_bytes < 5 * 66 * (p.block_size + 16)
     assert round(p.pinned_host_bytes / GIB, 1) == 41.2
+    # seed 000 §7: every rank holds the 5 x 9,776-row arena; ranks 0/1 split it 4 ways
+    assert p.qsa_arena_rows == 5 * 9_776 and p.qsa_row_cache_rows == [12_220, 12_220, 9_776]
+    assert p.qsa_arena_bytes[2] == 5 * 9_776 * 2048 + 5 * 9_776 * 20 + 5 * 4
+    assert p.vram_bytes_total == [v + a for v, a in zip(p.vram_bytes, p.qsa_arena_bytes)]
 
 
 def test_another_config_by_hand(demo_snapshot):
@@ -115,6 +119,7 @@ def test_cli_json_and_text():
     r = CliRunner().invoke(cli, ["plan", "--profile", "3x3090-mtp"])
     assert r.exit_code == 0 and "blocks per rank      170" in r.stdout and "(2.00x)" in r.stdout
     assert "85 = 18 gdn x 3 + 1 ple_short_conv x 3 + 1 qsa_compressed_key x 27 + 1 qsa_key_ring x 1" in r.stdout
+    assert "QSA arena            48,880 rows per rank" in r.stdout and "4 x 12,220, 4 x 12,220, 5 x 9,776" in r.stdout
 
 
 def test_cli_refuses_other_families():

@@ -21,7 +21,7 @@ from flashnext.tools.cli import main as cli
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
 SERIES = ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01", "mtp-02",
-          "decode-03", "qsa-offload", "int8-modules", "decode-04", "int6-bitplane", "decode-05",
+          "decode-03", "qsa-indexer-quant", "qsa-offload", "int8-modules", "decode-04", "int6-bitplane", "decode-05",
           "vit-stream"]
 
 
@@ -204,37 +204,6 @@ def test_ple_file_backend_matches_vllm_and_obeys_its_switches(patched_tree, demo
     assert run(str(patched_tree), VLLM_PLE_MMAP_PATH="")["backend"] == "Qwen4ExpPLEDeviceEmbedding"
 
 
-# --- qsa-offload: the QSA K/V in host memory, planned and served by vLLM's own code --------------
-
-def test_qsa_offload_kv_cache_matches_the_plan_and_serves_from_host_rows(patched_tree, demo_snapshot):
-    """vLLM's own demo model on the CPU, its KV cache laid out as the engine core does."""
-    from flashnext.serving import capacity
-
-    env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
-    script = (SUPPORT_DIR / "qsa_offload_scenario.py").read_text()
-    kv_bytes = 4_000_000
-    run = lambda tree, **extra: _run_scenario(tree, {**env, **extra}, script,
-                                              (str(demo_snapshot), free_port(), str(kv_bytes)))
-    stock = run(None, VLLM_QSA_KV_OFFLOAD="1")  # stock vLLM 0.33.0 has no such switch
-    assert "3.self_attn.attn" in stock["specs"] and stock["block_size"] == 48 and stock["offloaded_layers"] == 0
-    off = run(str(patched_tree), VLLM_QSA_KV_OFFLOAD="0")
-    assert {k: off[k] for k in ("specs", "block_size", "num_blocks", "concurrency")} == {
-        k: stock[k] for k in ("specs", "block_size", "num_blocks", "concurrency")}
-
-    on = run(str(patched_tree), VLLM_QSA_KV_OFFLOAD="1")
-    assert "3.self_attn.attn" not in on["specs"] and on["mamba_page_size_padded"] is None
-    plan = capacity.plan(capacity.load_text_config(demo_snapshot),
-                         capacity.ServingShape(1, 4096, kv_bytes, True, 0, None, True, True))
-    assert (on["block_size"], on["num_blocks"]) == (plan.block_size, plan.blocks) == (1024, 217)
-    assert on["concurrency"] == plan.concurrency and on["concurrency"] > 10 * stock["concurrency"]
-    assert len(on["groups"]) == len(plan.groups)
-    # the hooks on vLLM's bound layer: host rows for every block, exactly; a store lands in them;
-    # attention matches the reference, and the row-cache step after it is bit-identical
-    assert on["host_rows"] == [plan.blocks, plan.block_size, 2, 128] and on["host_pool_is_exact"]
-    assert on["stored_key_in_host_row"] and on["cached_step_identical"] and on["row_cache_filled"] > 0
-    assert on["attention_error"] <= 2 ** -6
-
-
 # --- int8-modules: the release's INT8 embed_tokens and lm_head -------------------------------------
 
 def test_int8_modules_load_and_serve_the_release_tensors(patched_tree, demo_snapshot):
@@ -260,27 +229,7 @@ def test_int8_modules_load_and_serve_the_release_tensors(patched_tree, demo_snap
     assert off["loaded"] == refused and off["hc_loaded"] == "AttributeError"
 
 
-# --- mem-01: embed_tokens and lm_head only where they are used ------------------------------------
-
-def test_mem01_places_embed_and_lm_head_on_their_ranks():
-    """Two gloo ranks with vLLM's own pipeline groups and weight loader."""
-    first, last = two_ranks({})
-    assert (first["embed_tokens"], first["lm_head"]) == ("VocabParallelEmbedding", "PPMissingLayer")
-    assert (last["embed_tokens"], last["lm_head"]) == ("PPMissingLayer", "ParallelLMHead")
-    assert first["loaded"] == ["model.embed_tokens.weight"] and last["loaded"] == ["lm_head.weight"]
-    first, last = two_ranks({"VLLM_PP_MISSING_LAYERS": "0"})  # the switch: both everywhere again
-    assert first["parameters"] == last["parameters"] == 2 * 64 * 16
-
-
-# --- mtp-01 and mtp-02: the draft head on the last of two pipeline ranks ---------------------------
-
-def test_mtp01_mtp02_the_draft_under_pp():
-    first, last = two_ranks({})
-    assert first["draft_embeds"] and last["draft_embeds"]  # mtp-01: the draft embeds on its own rank
-    assert last["draft_lm_head"] == "PPMissingLayer" and last["draft_loaded"] == []  # mtp-02: no copy built
-    first, last = two_ranks({"VLLM_MTP_PP": "0", "VLLM_MTP_SLIM_DRAFT": "0"})
-    assert (first["draft_embeds"], last["draft_embeds"]) == (True, False)  # stock: the global first rank only
-    assert last["draft_lm_head"] == "ParallelLMHead" and last["draft_loaded"] == ["lm_head.weight"]
+# --- mem-01, mtp-01, mtp-02: tests/serving/patches/test_draft_head_under_pp.py ---------------------
 
 
 # --- decode-03: the receive deferred past input preparation ----------------------------------------
@@ -356,7 +305,7 @@ def test_decode05_routes_vllms_moe_block_through_the_fused_router(patched_tree, 
         else:
             assert patched["shared_expert_method"] == "BitplaneLinearMethod"
         for step in patched["steps"]:
-            assert step["fused_path"] is (step["tokens"] <= 16)  # decode batches only
+            assert step["fused_path"] is (step["tokens"] <= 4)  # the CUDA-graph sizes only
             assert step["same_experts"]
             # one bf16 step: the interpreter rounds the kernel's logits toward zero, vLLM's CPU GEMM
             # to nearest, and vLLM's CPU router takes its softmax in bf16 (its GPU router in fp32)

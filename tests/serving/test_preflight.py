@@ -26,36 +26,97 @@ def test_gpu_findings():
     assert not finding.ok and "GPU 1" in finding.detail and "nvidia-smi" in finding.fix
 
 
+# The release's pinned allocations, by hand: 244 blocks x 12,144 tokens x 2 KiB x 12 QSA layers; the
+# PLE table 320,001,536 padded rows x 160 bf16; 27 ViT blocks of 30,479,104 B (each parameter of a
+# 30,479,008 B block rounded up to vit-stream's slot alignment); the draft's INT8 embedding, 248,320
+# rows padded to 248,320 (already a multiple of 64) x (2,560 B + 20 bf16 scales).
+QSA_783MB = 244 * 12_144 * 2_048 * 12
+PLE_TABLE = 320_001_536 * 160 * 2
+VIT_BLOCKS = 27 * 30_479_104
+DRAFT_EMBED = 248_320 * (2_560 + 2_560 // 128 * 2)
+
+
+def meminfo_file(tmp_path, total_gib, available_gib):
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal: {total_gib * GIB // 1024} kB\nMemAvailable: {available_gib * GIB // 1024} kB\n")
+    return path
+
+
 def test_host_ram_against_the_plan(tmp_path):
-    """The 3x3090 profile at 783 MB pins 67.8 GiB exact-size (244 blocks x 12,144 tokens x 2 KiB x 12 layers)."""
+    """The 3x3090 profile at 783 MB with its table file: 67.82 GiB of QSA K/V + 0.77 GiB of ViT blocks."""
     profile = load_profile("3x3090")
-    meminfo = tmp_path / "meminfo"
     unlimited = tmp_path / "memory.max"
     unlimited.write_text("max\n")
-    meminfo.write_text(f"MemTotal: {125 * GIB // 1024} kB\nMemAvailable: {118 * GIB // 1024} kB\n")
-    rig = pf.check_host_ram(profile, meminfo, unlimited)
-    assert rig.ok and "67.82 GiB" in rig.detail
+    table = tmp_path / "table.bin"  # served from the file: never pinned, so never read here
+    rig = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), unlimited, ple_table=table)
+    assert rig.ok and rig.terms == {"QSA K/V": QSA_783MB, "ViT blocks": VIT_BLOCKS}
+    assert "QSA K/V 67.82 GiB + ViT blocks 0.77 GiB = 68.59 GiB" in rig.detail
 
-    meminfo.write_text(f"MemTotal: {64 * GIB // 1024} kB\nMemAvailable: {60 * GIB // 1024} kB\n")
-    small = pf.check_host_ram(profile, meminfo, unlimited)
+    small = pf.check_host_ram(profile, meminfo_file(tmp_path, 64, 60), unlimited, ple_table=table)
     assert not small.ok and small.exit == pf.Exit.MEMORY
-    # each block pins 12 x 12,144 x 2,048 B = 0.278 GiB: (60 - 4) GiB hold 201 blocks of 3,207,168 B
-    assert "lower --kv-cache-memory-bytes to 644,640,768 (201 blocks" in small.fix
+    # each block pins 12 x 12,144 x 2,048 B = 0.278 GiB: (60 - 4) GiB less the ViT's 0.77 hold 198 blocks
+    assert "lower --kv-cache-memory-bytes to 635,019,264 (198 blocks" in small.fix
 
     # a cgroup limit below MemAvailable is what counts
     unlimited.write_text(str(40 * GIB))
-    meminfo.write_text(f"MemTotal: {125 * GIB // 1024} kB\nMemAvailable: {118 * GIB // 1024} kB\n")
-    assert not pf.check_host_ram(profile, meminfo, unlimited).ok
+    assert not pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), unlimited, ple_table=table).ok
+
+
+def test_host_ram_counts_a_pinned_ple_table(tmp_path):
+    """Without --ple-table vLLM's engram default (cpu_offload) pins the whole 95.37 GiB table: with
+    the 67.82 GiB of QSA K/V that is more than a 125 GiB host has; the fix is the table file."""
+    profile = load_profile("3x3090")
+    finding = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), tmp_path / "absent")
+    assert finding.terms == {"QSA K/V": QSA_783MB, "PLE table": PLE_TABLE, "ViT blocks": VIT_BLOCKS}
+    assert not finding.ok and finding.blocking and finding.exit == pf.Exit.MEMORY
+    assert "QSA K/V 67.82 GiB + PLE table 95.37 GiB + ViT blocks 0.77 GiB = 163.96 GiB" in finding.detail
+    assert "--ple-table FILE" in finding.fix and "flashnext ple build --src SNAPSHOT --out FILE" in finding.fix
+    # the engram table kept on the GPU instead pins nothing on the host
+    on_gpu = dataclasses.replace(profile, vllm_args=[*profile.vllm_args, "--engram-config", '{"cpu_offload": false}'])
+    assert "PLE table" not in pf.check_host_ram(on_gpu, meminfo_file(tmp_path, 125, 118), tmp_path / "absent").terms
+
+
+def test_host_ram_counts_the_mtp_draft_embedding(tmp_path):
+    """3x3090-mtp at 550 MB: 170 blocks of 9,776 tokens over 12 QSA layers and the draft's one,
+    plus the draft's INT8 embedding that patch mtp-02 pins on the last rank (0.60 GiB)."""
+    profile = load_profile("3x3090-mtp")
+    finding = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), tmp_path / "absent",
+                                ple_table=tmp_path / "table.bin")
+    qsa = 170 * 9_776 * 2_048 * 13
+    assert finding.terms == {"QSA K/V": qsa, "MTP draft embedding": DRAFT_EMBED, "ViT blocks": VIT_BLOCKS}
+    assert finding.ok and f"= {(qsa + DRAFT_EMBED + VIT_BLOCKS) / GIB:.2f} GiB" in finding.detail
+    slim_off = dataclasses.replace(profile, env={**profile.env, "VLLM_MTP_SLIM_DRAFT": "0"})
+    assert "MTP draft embedding" not in pf.check_host_ram(slim_off, meminfo_file(tmp_path, 125, 118),
+                                                          tmp_path / "absent", ple_table=tmp_path / "t").terms
+
+
+def test_pinned_sizes_from_the_snapshots_tensors(demo_snapshot, demo_table):
+    """With --model the table and the draft embedding are sized from the snapshot: the table as the
+    file `ple build` wrote, the embedding from its tensors as the safetensors library reads them."""
+    from safetensors import safe_open
+
+    assert pf.ple_table_bytes(demo_snapshot) == demo_table.stat().st_size
+    config = json.loads((demo_snapshot / "config.json").read_text())
+    vocab = config["text_config"]["vocab_size"]
+    index = json.loads((demo_snapshot / "model.safetensors.index.json").read_text())["weight_map"]
+    stored = 0
+    for suffix in ("weight_packed", "weight_scale"):
+        name = f"model.language_model.embed_tokens.{suffix}"
+        with safe_open(demo_snapshot / index[name], "pt") as f:
+            t = f.get_tensor(name)
+        stored += t.numel() * t.element_size() // t.shape[0] * (-(-vocab // 64) * 64)
+    assert pf.draft_embedding_bytes(demo_snapshot) == stored
 
 
 def test_host_ram_counts_pytorch_power_of_two_rounding(tmp_path):
-    """Without the exact-size pool each 5.65 GiB layer pool becomes 8 GiB: 96 GiB for 12 layers (seed 000 §2)."""
+    """Without the exact-size pool each 5.65 GiB layer pool becomes 8 GiB: 96 GiB for 12 layers (seed 000 §2),
+    and the ViT's 0.77 GiB row becomes 1 GiB."""
     profile = load_profile("3x3090")
     off = dataclasses.replace(profile, env={**profile.env, "VLLM_EXACT_HOST_POOL": "0"})
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text(f"MemTotal: {125 * GIB // 1024} kB\nMemAvailable: {90 * GIB // 1024} kB\n")
-    finding = pf.check_host_ram(off, meminfo, tmp_path / "absent")
-    assert not finding.ok and "96.00 GiB" in finding.detail and "67.82 GiB exact" in finding.detail
+    finding = pf.check_host_ram(off, meminfo_file(tmp_path, 125, 90), tmp_path / "absent",
+                                ple_table=tmp_path / "table.bin")
+    assert not finding.ok and "QSA K/V 96.00 GiB + ViT blocks 1.00 GiB" in finding.detail
+    assert "67.82 GiB exact" in finding.detail
     assert 'VLLM_EXACT_HOST_POOL: "1"' in finding.fix
 
 
@@ -128,7 +189,7 @@ def test_image_findings():
     assert not missing_engine.ok and missing_engine.exit == pf.Exit.IMAGE
 
 
-def test_verdict_and_exit_codes(demo_snapshot, demo_overlay, monkeypatch):
+def test_verdict_and_exit_codes(demo_snapshot, demo_overlay, demo_table, monkeypatch):
     monkeypatch.setattr(pf, "nvml_devices", lambda: RTX3090)  # what NVML would answer on the rig
     result = CliRunner().invoke(cli, ["doctor", "--profile", "3x3090", "--model", str(demo_snapshot),
                                       "--overlay", str(demo_overlay), "--engine", "native", "--json"])
@@ -142,7 +203,7 @@ def test_verdict_and_exit_codes(demo_snapshot, demo_overlay, monkeypatch):
     # GPUs are checked first, so too few of them decides the exit code whatever else is wrong
     monkeypatch.setattr(pf, "nvml_devices", lambda: RTX3090[:1])
     result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(demo_snapshot), "--check",
-                                      "--engine", "native"])
+                                      "--engine", "native", "--ple-table", str(demo_table)])
     assert result.exit_code == pf.Exit.GPU and "NO-GO (exit 10)" in result.output and "fix:" in result.output
 
 

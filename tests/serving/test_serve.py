@@ -173,3 +173,79 @@ def test_wait_ready_against_a_server_on_loopback():
             wait_ready("http://127.0.0.1:9", 0.1, poll_s=0.05)
     finally:
         server.shutdown()
+
+
+# --- serve is safe by default: the PLE table file is required, the preflight runs first ----------
+
+@pytest.fixture
+def serve_state(tmp_path, monkeypatch):
+    """Where serve writes its compose file, and a record of what it would have executed."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    started = []
+    import flashnext.tools.serve as serve_tool
+
+    monkeypatch.setattr(serve_tool, "exec_native", lambda cmd, env: started.append((cmd, env)))
+    monkeypatch.setattr(serve_tool, "run_command", lambda cmd: started.append((cmd, None)))
+    return tmp_path / "cache", started
+
+
+@pytest.mark.parametrize("extra", [[], ["--dry-run"], ["--engine", "native"], ["--no-check"], ["--check"]])
+def test_a_ple_table_profile_without_the_table_is_refused(serve_state, extra):
+    """Without --ple-table vLLM would pin the whole 95.4 GiB table: refused in one line that says how
+    to make the file, before anything is checked, rendered, written or started."""
+    cache, started = serve_state
+    result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", "/srv/snap", *extra])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert "--ple-table" in result.output and "flashnext ple build --src /srv/snap --out FILE" in result.output
+    assert not cache.exists() and started == []
+
+
+def test_serve_stops_on_the_preflights_no_go_before_anything_starts(serve_state, demo_snapshot, demo_table,
+                                                                    monkeypatch):
+    from flashnext.serving import preflight as pf
+
+    cache, started = serve_state
+    gib = 2**30
+    one_gpu = [pf.GpuInfo(0, "NVIDIA GeForce RTX 3090", 24 * gib, 24 * gib)]
+    monkeypatch.setattr(pf, "nvml_devices", lambda: one_gpu)  # what NVML answers on a 1-GPU host
+    for engine in ("native", "docker"):
+        result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(demo_snapshot),
+                                          "--ple-table", str(demo_table), "--engine", engine])
+        assert result.exit_code == pf.Exit.GPU, result.output
+        assert "[FAIL] gpus" in result.stderr and "NO-GO (exit 10)" in result.stderr
+        assert not cache.exists() and started == []
+    # --no-check starts it anyway (the engine's own errors are then the user's to read)
+    result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(demo_snapshot),
+                                      "--ple-table", str(demo_table), "--engine", "native", "--no-check"])
+    assert result.exit_code == 0, result.output
+    [(cmd, env)] = started
+    assert cmd[:3] == ["vllm", "serve", str(demo_snapshot)] and env["VLLM_PLE_MMAP_PATH"] == str(demo_table)
+
+
+def test_serve_starts_after_a_go(serve_state, demo_snapshot, demo_table, monkeypatch):
+    """The verdict alone decides: a GO (every finding ok, supplied: no GPUs here) lets the engine start."""
+    from flashnext.serving import preflight as pf
+
+    _, started = serve_state
+    monkeypatch.setattr(pf, "preflight", lambda *a, **k: [pf.Finding("gpus", True, "3 x RTX 3090 (supplied)")])
+    result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(demo_snapshot),
+                                      "--ple-table", str(demo_table), "--engine", "native"])
+    assert result.exit_code == 0, result.output
+    assert "GO" in result.stderr and len(started) == 1
+
+
+def test_dry_run_needs_no_gpu_and_the_container_does_not_check_again(serve_state, monkeypatch):
+    from flashnext.serving import preflight as pf
+
+    def no_nvml():
+        raise AssertionError("--dry-run must not run the preflight")
+
+    monkeypatch.setattr(pf, "nvml_devices", no_nvml)
+    result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", "/srv/snap",
+                                      "--ple-table", "/srv/ple.bin", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    command = yaml.safe_load(result.stdout)["services"]["vllm"]["command"]
+    assert "--no-check" in command  # the host's serve ran the preflight before it started the container
+    both = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", "/srv/snap", "--ple-table",
+                                    "/srv/ple.bin", "--check", "--no-check"])
+    assert both.exit_code == 1 and "contradict" in both.output

@@ -40,6 +40,10 @@ with demo_vllm(snapshot, port, only_int6_shared_experts if bitplane else bf16_la
     experts = block.experts.routed_experts
     for module in block.modules():  # as vLLM's loader finishes a layer (the CPU linear layers' kernels)
         method = getattr(module, "quant_method", None)
+        # The CPU's packed bf16 GEMM needs vllm._C, which this CUDA build of vLLM cannot load without
+        # libcuda; vLLM's own flag for a layer that skips it gives torch's F.linear (what a CUDA run's
+        # default_unquantized_gemm calls).
+        module._cpu_skip_gemm_dispatch = True
         if method is not None and module is not experts:
             method.process_weights_after_loading(module)
     out["shared_expert_method"] = type(block.shared_expert.gate_up_proj.quant_method).__name__

@@ -67,6 +67,21 @@ def test_pinned_empty_is_exact(tmp_path, monkeypatch):
     assert host_pool._POOLS[-1].nbytes == 1000 * 160 * 2  # the table's bytes, nothing rounded
 
 
+def test_release_drops_exactly_that_pool(tmp_path, monkeypatch):
+    """qsa-offload binds its host rows twice at start-up (vLLM's CUDA-graph memory profile binds a
+    minimal KV cache first): the first pool must go, the other pools stay."""
+    from flashnext.serving.hooks import host_pool
+
+    monkeypatch.setenv("VLLM_HOST_POOL_LOCK", str(tmp_path / "lock"))
+    first = host_pool.pinned_empty((64, 512), torch.bfloat16, register=False)
+    second = host_pool.pinned_empty((32, 512), torch.bfloat16, register=False)
+    pools = list(host_pool._POOLS)
+    first_pool = next(p for p in pools if p.nbytes == 64 * 512 * 2 and p.tensor.data_ptr() == first.data_ptr())
+    host_pool.release(first)
+    assert first_pool not in host_pool._POOLS and first_pool.tensor is None
+    assert any(p.tensor is not None and p.tensor.data_ptr() == second.data_ptr() for p in host_pool._POOLS)
+
+
 @pytest.mark.gpu
 def test_pinned_empty_on_the_gpu(tmp_path, monkeypatch):
     """The exact pool is pinned, mapped for UVA reads like vLLM's pinned PLE lookup, and not rounded."""

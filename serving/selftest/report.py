@@ -1,0 +1,153 @@
+"""``report.json`` of ``flashnext selftest`` (schema: ``manifests/selftest-report.schema.json``).
+
+Every model rejects unknown keys, as bench's report does: a report from another version fails
+loudly rather than being half read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flashnext.errors import FlashnextError
+
+SCHEMA_VERSION = 1
+
+# A check's outcome. "could_not_run" is not a failure: it says what this machine cannot run and why.
+Status = Literal["passed", "failed", "could_not_run"]
+Verdict = Literal["agree", "disagree", "could_not_run"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Machine(_Model):
+    cuda_gpus: int = Field(description="CUDA GPUs the selftest may use (--gpus, or as many as NVML counts)")
+    gpu_names: list[str]
+    vllm_version: str | None = Field(description="the installed vLLM's version; null: not installed")
+    vllm_patched: bool | None = Field(description="every patch's probe passes on the installed vLLM itself "
+                                                  "(the serving image's); null: not checked")
+    unpatched_probe: str | None = Field(description="the first patch whose probe fails on the installed vLLM")
+
+
+class SeriesCheck(_Model):
+    """``flashnext patches check`` against the installed vLLM (a shadow copy; zero fuzz; probes)."""
+
+    status: Status
+    detail: str
+    patches: list[str] = Field(description="the patches that applied, compiled and passed their probe")
+
+
+class KernelLayer(_Model):
+    """One quantized layer of the demo checkpoint as vLLM builds it, at one compute capability."""
+
+    layer: str = Field(description="the module vLLM builds (a merged one names its parts)")
+    kind: Literal["linear", "moe"]
+    weight_type: str = Field(description="vLLM's scalar type, e.g. uint4b8")
+    group_size: int
+    k: int = Field(description="input features (per partition)")
+    n: int = Field(description="output features (per partition); for MoE the intermediate size")
+    capability: int = Field(description="compute capability, e.g. 86 for the RTX 3090, 90 for the H100/H200")
+    kernel: str | None = Field(description="what vLLM's chooser picked; null: none can implement the layer")
+    marlin: str = Field(description="Marlin's own verdict: 'ok' or its reason")
+    humming: str = Field(description="Humming's own verdict: 'ok' or its reason")
+    reasons: list[str] = Field(description="why the chooser rejected the kernels before its pick (or all)")
+
+
+class KernelFit(_Model):
+    status: Status
+    detail: str
+    capabilities: list[int]
+    layers: list[KernelLayer]
+    stand_in: str = Field(description="what the check supplies because no GPU is asked: the device's capability")
+
+
+class RunResult(_Model):
+    """One ``vllm serve`` of the demo checkpoint and the short bench run against it."""
+
+    name: str = Field(description="'on' (every patch on), 'on-again' (the A/A rerun) or 'off:<patch>'")
+    env: dict[str, str] = Field(description="the switches this run set")
+    started: bool
+    error: str | None = Field(description="why the server or the bench failed (the log's last line)")
+    bench_report: str | None = Field(description="the bench report.json, relative to the selftest's --out")
+    decode_tok_s: float | None = Field(description="decode tok/s, 1 concurrent, median of the rounds")
+    itl_p50_s: float | None
+
+
+class Agreement(_Model):
+    by: Literal["tokens", "characters"]
+    answers: int
+    identical: int
+    matching_fraction: float
+    mean_kl_nats: float | None
+
+
+class PatchResult(_Model):
+    id: str
+    env_switch: str
+    probe: Status = Field(description="its probe on the patched shadow tree (part of the series check)")
+    kernel_fit: Status | None = Field(description="for patches that run quantized layers: the kernel-fit check")
+    ab: Verdict = Field(description="switch off against on, beside the A/A noise floor")
+    ab_detail: str = Field(description="the numbers behind the verdict, or what could not run here and why")
+    agreement: Agreement | None
+    decode_change_pct: float | None = Field(description="decode tok/s with the switch off against on (+: faster off)")
+
+
+class Thresholds(_Model):
+    matching_slack: float = Field(description="a patch agrees when its token agreement is at least the A/A "
+                                              "floor's minus this")
+    kl_factor: float = Field(description="... and its mean KL at most this times the A/A floor's ...")
+    kl_abs_nats: float = Field(description="... or at most this many nats, whichever is larger")
+
+
+class Summary(_Model):
+    ok: bool = Field(description="everything that ran passed or agreed; the exit status is 0 only then")
+    passed: int
+    failed: int
+    could_not_run: int
+    lines: list[str] = Field(description="one line per failure and per part that could not run")
+
+
+class SelftestReport(_Model):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    flashnext_version: str
+    started_at: str
+    finished_at: str
+    profile: str
+    machine: Machine
+    series: SeriesCheck
+    kernel_fit: KernelFit
+    gpu_part: Status
+    gpu_detail: str
+    vllm_command: list[str] = Field(description="the `vllm serve` command line the GPU part runs (or would)")
+    thresholds: Thresholds
+    runs: list[RunResult]
+    noise_floor: Agreement | None = Field(description="the A/A rerun against the first run, all patches on")
+    patches: list[PatchResult]
+    summary: Summary
+
+
+def load_report(path: Path) -> SelftestReport:
+    try:
+        return SelftestReport.model_validate(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise FlashnextError(f"{path}: no such selftest report")
+    except json.JSONDecodeError as e:
+        raise FlashnextError(f"{path}: not JSON ({e.msg} at line {e.lineno})")
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the top level"
+        raise FlashnextError(f"{path}: not a flashnext selftest report (schema {SCHEMA_VERSION}): "
+                             f"{first['msg']} at {where}")
+
+
+def json_schema() -> dict:
+    """The schema shipped as ``manifests/selftest-report.schema.json``."""
+    schema = SelftestReport.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "flashnext selftest report"
+    return schema

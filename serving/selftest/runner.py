@@ -1,0 +1,313 @@
+"""``flashnext selftest``: what runs, in order, and the verdict.
+
+CPU part (always): the patch series against the installed vLLM (``patch_series.check_series``:
+zero fuzz on a shadow copy, compiled, probed) and the kernel fit (:mod:`.kernel_fit`, vLLM's own
+model built on the CPU from the demo config, in the patched tree, at capabilities 8.6 and 9.0).
+GPU part (CUDA GPUs for the profile's pipeline and a patched vLLM installed): :mod:`.gpu`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from flashnext import __version__
+from flashnext.errors import FlashnextError
+from flashnext.serving.selftest.report import (
+    KernelFit, KernelLayer, Machine, PatchResult, RunResult, SelftestReport, SeriesCheck, Summary,
+)
+
+# Patches whose code runs on the quantized layers the kernel fit checks: decode-05 hands the routed
+# experts to vLLM's Marlin MoE; int6-bitplane's switch off serves INT6 through vLLM's own kernel.
+KERNEL_FIT_PATCHES = {"decode-05", "int6-bitplane"}
+
+
+class SelftestFailed(FlashnextError):
+    """Something that ran failed or disagreed (each was printed and is in the report)."""
+
+    printed = True
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def vllm_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_env(pythonpath: Path | None = None) -> dict[str, str]:
+    """A fresh interpreter that sees no GPU: vLLM picks its CPU platform, Triton its interpreter."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", VLLM_TARGET_DEVICE="cpu",
+               PYTHONDONTWRITEBYTECODE="1")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *sys.path[1:]])
+    return env
+
+
+# -- the series --------------------------------------------------------------------------------
+
+def check_series(patches) -> SeriesCheck:
+    from flashnext.serving import patch_series
+
+    try:
+        results = patch_series.check_series()
+    except FlashnextError as e:
+        return SeriesCheck(status="failed", detail=str(e), patches=[])
+    return SeriesCheck(status="passed", detail=f"{len(results)} patches applied with zero fuzz, compiled and probed",
+                       patches=[r["id"] for r in results])
+
+
+def patched_tree(patches, dest: Path) -> Path:
+    """The installed vLLM with the series applied, as a shadow tree (for the kernel fit)."""
+    from flashnext.serving import patch_series
+
+    patch_series._shadow_tree(patch_series.installed_vllm_root(), {t for p in patches for t in p.touches}, dest)
+    for p in patches:
+        patch_series._apply(p, dest)
+    return dest
+
+
+_PROBES = """
+import json, sys
+probes = json.load(sys.stdin)
+for pid, code in probes:
+    try:
+        exec(compile(code, pid, "exec"), {"__name__": "__probe__"})
+    except BaseException as e:
+        print(json.dumps({"failed": pid, "why": f"{type(e).__name__}: {e}"[:200]}))
+        sys.exit(0)
+print(json.dumps({"failed": None}))
+"""
+
+
+def installed_vllm_is_patched(patches) -> tuple[bool, str | None]:
+    """Every probe against the installed vLLM itself (the serving image's, patched at build)."""
+    done = subprocess.run([sys.executable, "-c", _PROBES], input=json.dumps([[p.id, p.probe] for p in patches]),
+                          capture_output=True, text=True, env=_cpu_env(), timeout=900)
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return False, f"the probes did not run: {(done.stderr.strip().splitlines() or ['no output'])[-1]}"
+    if result["failed"] is None:
+        return True, None
+    return False, f"{result['failed']} ({result['why']})"
+
+
+# -- the kernel fit ----------------------------------------------------------------------------
+
+def check_kernel_fit(config: dict, workdir: Path, tree: Path | None) -> KernelFit:
+    """vLLM's kernel choice and the Marlin / Humming rules for every quantized layer of the model
+    ``config`` (a config.json dict), at 8.6 and 9.0; ``tree``: the patched vLLM to build it with."""
+    from flashnext.serving.selftest.kernel_fit import CAPABILITIES, STAND_IN
+
+    model_dir = workdir / "kernel-fit-config"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    out = workdir / "kernel-fit.json"
+    done = subprocess.run([sys.executable, "-m", "flashnext.serving.selftest.kernel_fit", str(model_dir), str(out)],
+                          capture_output=True, text=True, env=_cpu_env(tree), timeout=1200)
+    caps = list(CAPABILITIES)
+    if done.returncode != 0 or not out.is_file():
+        tail = [x for x in done.stderr.strip().splitlines() if x.strip() and not x.startswith(("INFO", "WARNING"))]
+        return KernelFit(status="failed", detail=f"the kernel-fit build failed: {(tail or ['no output'])[-1][:400]}",
+                         capabilities=caps, layers=[], stand_in=STAND_IN)
+    result = json.loads(out.read_text())
+    layers = [KernelLayer(**{k: v for k, v in row.items() if k != "fits"}) for row in result["layers"]]
+    misfits = [row for row in result["layers"] if not row["fits"]]
+    problems = list(result["errors"]) + [
+        f"{row['layer']} ({row['weight_type']} g{row['group_size']}, K={row['k']}) at {row['capability'] / 10:.1f}: "
+        f"{'; '.join(row['reasons'])} (vLLM picks {row['kernel']})" for row in misfits]
+    if problems:
+        return KernelFit(status="failed", detail=f"{len(problems)} problem(s): {problems[0]}" +
+                         (f" (and {len(problems) - 1} more in the report)" if len(problems) > 1 else ""),
+                         capabilities=caps, layers=layers, stand_in=STAND_IN)
+    kinds = sorted({row.kernel for row in layers})
+    n = len({row.layer for row in layers})
+    return KernelFit(status="passed", detail=f"{n} quantized layers fit at {', '.join(f'{c / 10:.1f}' for c in caps)}: "
+                     f"{', '.join(kinds)}", capabilities=caps, layers=layers, stand_in=STAND_IN)
+
+
+# -- the whole run -----------------------------------------------------------------------------
+
+def _failing_patch(detail: str) -> str | None:
+    m = re.match(r"patch (\S+) ", detail)
+    return m.group(1) if m else None
+
+
+def gpu_count(gpus: str) -> tuple[int, list[str]]:
+    from flashnext.serving.preflight import nvml_devices
+
+    devices = nvml_devices()
+    names = [d.name for d in devices]
+    if gpus == "auto":
+        return len(devices), names
+    return min(int(gpus), len(devices)), names[: int(gpus)]
+
+
+def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "auto",
+                 progress: Callable[[str], None] = lambda line: None, launcher=None,
+                 config: dict | None = None) -> SelftestReport:
+    """Every part this machine can run, results written under ``out_tmp`` (the output being built),
+    scratch (the demo checkpoint, the patched tree) under ``workdir``. ``config``: the demo's
+    config.json to check instead of ``flashnext.quant.demo``'s; ``launcher``: how ``vllm serve``
+    starts (:class:`.gpu.Launcher`)."""
+    from flashnext.quant import demo
+    from flashnext.serving.patch_series import load_series
+    from flashnext.serving.profiles import load_profile
+    from flashnext.serving.selftest import gpu
+
+    started = _now()
+    profile = load_profile(profile_name)
+    if profile.model_family != "qwen4_exp":
+        raise FlashnextError(f"profile {profile_name} serves {profile.model_family}; the selftest's demo checkpoint "
+                             "is a qwen4_exp model: choose a qwen4_exp profile")
+    version = vllm_version()
+    if version is None:
+        raise FlashnextError("flashnext selftest runs vLLM's own code and needs vllm 0.33.0: "
+                             "pip install 'flashnext[serve]'")
+    patches = load_series()
+    config = config if config is not None else demo.demo_config()
+    n_gpus, names = gpu_count(gpus)
+    pp = gpu.pipeline_size(profile)
+
+    progress("[cpu 1/2] the patch series against the installed vLLM (zero fuzz, compile, probes)")
+    series = check_series(patches)
+    progress(f"          {series.status}: {series.detail}")
+    tree = patched_tree(patches, workdir / "patched-vllm") if series.status == "passed" else None
+    progress("[cpu 2/2] kernel fit: the demo's quantized layers in vLLM's own model at 8.6 and 9.0")
+    fit = check_kernel_fit(config, workdir, tree)
+    if tree is None:
+        fit.detail += " (built with the installed vLLM: the series did not apply)"
+    progress(f"          {fit.status}: {fit.detail}")
+
+    patched, unpatched = None, None
+    if n_gpus:
+        patched, unpatched = installed_vllm_is_patched(patches)
+    if n_gpus < pp:
+        gpu_status, gpu_detail = "could_not_run", (
+            "--gpus 0: the CPU part only" if gpus == "0" else "no CUDA GPU here" if n_gpus == 0
+            else f"profile {profile_name} runs PP={pp}, and {n_gpus} GPU(s) are here")
+    elif not patched:
+        gpu_status, gpu_detail = "could_not_run", (f"the installed vLLM is not the patched one (probe of {unpatched} "
+                                                   "fails): run inside the flashnext image")
+    else:
+        gpu_status, gpu_detail = "passed", ""
+    argv = gpu.vllm_serve_argv(workdir / "demo", profile, 8000)
+    runs: list[RunResult] = []
+    part = None
+    if gpu_status == "passed":
+        from flashnext.quant.ple.table import build_table
+        from flashnext.serving.selftest.tokenizer import write_tokenizer
+
+        snapshot = workdir / "demo"
+        progress("[gpu] writing the demo checkpoint, its tokenizer and PLE table")
+        demo.write_demo_checkpoint(snapshot)
+        write_tokenizer(snapshot)
+        table = None
+        if profile.uses_ple_table:
+            table = workdir / "ple-table.bin"
+            build_table(snapshot, table, progress=False)
+        part = gpu.run_gpu_part(snapshot, profile, patches, table, launcher or gpu.Launcher(), out_tmp / "runs",
+                                out_tmp, progress)
+        runs = [r.result for r in part.runs]
+        failed_runs = [r for r in runs if r.name in ("on", "on-again") and r.error]
+        if failed_runs:
+            gpu_status, gpu_detail = "failed", f"run {failed_runs[0].name}: {failed_runs[0].error}"
+        else:
+            gpu_detail = f"{len(runs)} server starts on {n_gpus} GPU(s)"
+
+    results = patch_results(patches, series, fit, part, gpu_detail)
+    machine = Machine(cuda_gpus=n_gpus, gpu_names=names, vllm_version=version, vllm_patched=patched,
+                      unpatched_probe=unpatched)
+    report = SelftestReport(
+        flashnext_version=__version__, started_at=started, finished_at=_now(), profile=profile_name, machine=machine,
+        series=series, kernel_fit=fit, gpu_part=gpu_status, gpu_detail=gpu_detail, vllm_command=argv,
+        thresholds=gpu.THRESHOLDS, runs=runs, noise_floor=part.noise_floor if part else None, patches=results,
+        summary=Summary(ok=True, passed=0, failed=0, could_not_run=0, lines=[]))
+    report.summary = summarize(report)
+    return report
+
+
+def patch_results(patches, series: SeriesCheck, fit: KernelFit, part, gpu_detail: str) -> list[PatchResult]:
+    """Per patch: its probe, the kernel fit where it applies, and its A/B (or why it could not run)."""
+    failing = _failing_patch(series.detail) if series.status == "failed" else None
+    results = []
+    for p in patches:
+        probe = "passed" if series.status == "passed" else ("failed" if p.id == failing else "could_not_run")
+        if part is not None:
+            verdict, detail, agreement, change = part.verdicts[p.id]
+        else:
+            verdict, detail, agreement, change = "could_not_run", f"the A/B needs the GPU part: {gpu_detail}", None, None
+        results.append(PatchResult(id=p.id, env_switch=p.env_switch, probe=probe,
+                                   kernel_fit=fit.status if p.id in KERNEL_FIT_PATCHES else None, ab=verdict,
+                                   ab_detail=detail, agreement=agreement, decode_change_pct=change))
+    return results
+
+
+def summarize(r: SelftestReport) -> Summary:
+    """Counts over the checks that stand alone: the series, the kernel fit, the GPU part, each A/B."""
+    passed = failed = cnr = 0
+    lines = []
+    for name, status, detail in (("series", r.series.status, r.series.detail),
+                                 ("kernel fit", r.kernel_fit.status, r.kernel_fit.detail),
+                                 ("GPU part", r.gpu_part, r.gpu_detail)):
+        if status == "passed":
+            passed += 1
+        elif status == "failed":
+            failed += 1
+            lines.append(f"FAILED {name}: {detail}")
+        else:
+            cnr += 1
+            lines.append(f"could not run {name}: {detail}")
+    for p in r.patches:
+        if p.ab == "agree":
+            passed += 1
+        elif p.ab == "disagree":
+            failed += 1
+            lines.append(f"DISAGREES {p.id} ({p.env_switch} against on): {p.ab_detail}")
+        else:
+            cnr += 1
+            if r.gpu_part == "passed":
+                lines.append(f"could not run {p.id} off: {p.ab_detail}")
+    if r.gpu_part != "passed":
+        lines.append(f"could not run the A/B of {len(r.patches)} patches: {r.gpu_detail}")
+    return Summary(ok=failed == 0, passed=passed, failed=failed, could_not_run=cnr, lines=lines)
+
+
+def write_outputs(report: SelftestReport, out_tmp: Path) -> list[str]:
+    from flashnext.serving.selftest.html import write_html
+
+    (out_tmp / "report.json").write_text(json.dumps(report.model_dump(mode="json"), indent=1) + "\n")
+    write_html(report, out_tmp / "report.html")
+    return ["report.json", "report.html"]
+
+
+def selftest(profile_name: str, out: Path, gpus: str = "auto", keep: bool = False, force: bool = False,
+             progress: Callable[[str], None] = lambda line: None, launcher=None,
+             config: dict | None = None) -> tuple[SelftestReport, Path | None]:
+    """:func:`run_selftest` into ``out`` (whole or not at all); with ``keep`` the scratch directory
+    stays, and is returned."""
+    from flashnext.quant.checkpoint.fsutil import atomic_directory
+
+    workdir = Path(tempfile.mkdtemp(prefix="flashnext-selftest-"))
+    try:
+        with atomic_directory(Path(out), force=force, made_by="flashnext selftest") as tmp:
+            report = run_selftest(profile_name, tmp, workdir, gpus, progress, launcher, config)
+            write_outputs(report, tmp)
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return report, workdir if keep else None

@@ -1,0 +1,48 @@
+"""`flashnext patches check` runs every probe in one interpreter that imports the shadow tree: a
+failing probe among passing ones is named by its own patch, and the tree is what it imports."""
+
+import json
+
+import pytest
+
+from flashnext.errors import FlashnextError
+from flashnext.serving import patch_series as ps
+
+pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+
+
+def _series_with(tmp_path, probes: dict[str, str]):
+    data = json.loads(ps.SERIES_FILE.read_text())
+    for entry in data["patches"]:
+        entry["probe"] = probes.get(entry["id"], entry["probe"])
+    series = tmp_path / "series.json"
+    series.write_text(json.dumps(data))
+    return series
+
+
+def test_a_failing_probe_among_passing_ones_is_named_with_its_error(tmp_path):
+    # mem-01's probe asks the opposite of what the patched tree has; its neighbours are unchanged
+    wrong = ("import inspect\nimport vllm.models.qwen4_exp.nvidia.model as m\n"
+             "assert 'on_first_rank(' not in inspect.getsource(m.Qwen4ExpModel.__init__), 'the patched source'")
+    with pytest.raises(FlashnextError) as failed:
+        ps.check_series(series_file=_series_with(tmp_path, {"mem-01": wrong}))
+    assert str(failed.value) == ("patch mem-01 applied but its probe failed: AssertionError: the patched source "
+                                 "(probe line 3: assert 'on_first_rank(' not in "
+                                 "inspect.getsource(m.Qwen4ExpModel.__init__), 'the patched source')")
+
+
+def test_probes_after_a_failing_one_still_run_and_each_is_named(tmp_path):
+    probes = {"pp-ple": "raise RuntimeError('first')", "decode-05": "import vllm.no_such_module"}
+    with pytest.raises(FlashnextError) as failed:
+        ps.check_series(series_file=_series_with(tmp_path, probes))
+    assert str(failed.value) == ("patch pp-ple applied but its probe failed: RuntimeError: first (probe line 1: "
+                                 "raise RuntimeError('first')) (and 1 more failed: decode-05)")
+
+
+def test_the_probes_refuse_a_vllm_that_is_not_the_shadow_tree(tmp_path, monkeypatch):
+    installed = str(ps.installed_vllm_root())
+    real_env = ps._probe_env
+    monkeypatch.setattr(ps, "_probe_env", lambda root: {**real_env(root), "PYTHONPATH": installed})
+    with pytest.raises(FlashnextError, match=r"the patch probes could not start: ImportError: the probes import vllm "
+                                             r"from .*site-packages/vllm/__init__.py, not from the patched shadow tree"):
+        ps.check_series()

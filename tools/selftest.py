@@ -1,0 +1,60 @@
+"""``flashnext selftest``: check this machine's serving stack on the demo checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from flashnext.tools._common import emit_json, json_option, user_errors
+
+
+def _gpus(value: str) -> str:
+    if value == "auto" or (value.isdigit() and int(value) >= 0):
+        return value
+    raise click.BadParameter("give auto or a number of GPUs", param_hint="--gpus")
+
+
+@click.command("selftest")
+@click.option("--profile", "profile_name", default="3x3090", show_default=True,
+              help="The serving profile whose parallel layout and patches to test.")
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("flashnext-selftest"),
+              show_default=True, help="Output directory: report.json, report.html, runs/ (bench reports, server logs).")
+@click.option("--force", is_flag=True, help="Replace --out if an earlier flashnext selftest made it.")
+@click.option("--gpus", default="auto", show_default=True, callback=lambda c, p, v: _gpus(v),
+              help="How many CUDA GPUs to use: auto (as many as NVML reports) or N (0: the CPU part only).")
+@click.option("--keep", is_flag=True, help="Keep the scratch directory (demo checkpoint, patched vLLM tree) and say where.")
+@json_option
+@user_errors
+def main(profile_name: str, out: Path, force: bool, gpus: str, keep: bool, as_json: bool) -> None:
+    """Run before loading the 125B model: the patch series against the installed vLLM, the demo
+    checkpoint's quantized layers against the GPU kernels vLLM picks for them (capabilities 8.6 and
+    9.0), and, on CUDA GPUs with the patched vLLM, the demo served as the profile serves (its
+    pipeline size), benched with every patch on and with each patch's switch off, against an A/A
+    rerun. Writes OUT/report.json and OUT/report.html; exits 0 only if everything that ran passed
+    or agreed (1 otherwise). Without GPUs it runs the CPU part and says, per patch, what it could not run.
+    """
+    from flashnext.errors import FlashnextError
+    from flashnext.quant.checkpoint.fsutil import require_flashnext_output
+    from flashnext.serving.selftest import SelftestFailed, selftest
+
+    if out.exists() or out.is_symlink():  # before minutes of checks, not after
+        if not force:
+            raise FlashnextError(f"{out} already exists: choose another --out or pass --force")
+        require_flashnext_output(out)
+    report, kept = selftest(profile_name, out, gpus=gpus, keep=keep, force=force,
+                            progress=lambda line: click.echo(line, err=True))
+    s = report.summary
+    if as_json:
+        emit_json({"ok": s.ok, "out": str(out), "passed": s.passed, "failed": s.failed,
+                   "could_not_run": s.could_not_run, "lines": s.lines,
+                   "patches": {p.id: p.ab for p in report.patches}, "kept": str(kept) if kept else None})
+    else:
+        for line in s.lines:
+            click.echo(line)
+        click.echo(f"{'OK' if s.ok else 'FAILED'}: {s.passed} passed, {s.failed} failed, {s.could_not_run} could "
+                   f"not run here; wrote {out}/report.html and report.json")
+        if kept:
+            click.echo(f"kept the scratch directory {kept}")
+    if not s.ok:
+        raise SelftestFailed(f"{s.failed} check(s) failed")
