@@ -133,6 +133,16 @@ def _apply(patch: Patch, root: Path) -> None:
                              f"{failed[0] if failed else (out.stdout + out.stderr).strip().splitlines()[-1]}")
 
 
+def patched_tree(dest: Path, series_file: Path = SERIES_FILE) -> Path:
+    """The installed vLLM with the whole series applied, as a shadow tree at ``dest`` (put it first
+    on PYTHONPATH). The installed package is not touched."""
+    patches = load_series(series_file)
+    _shadow_tree(installed_vllm_root(), {t for p in patches for t in p.touches}, Path(dest))
+    for p in patches:
+        _apply(p, Path(dest))
+    return Path(dest)
+
+
 def apply_series(target_root: Path, series_file: Path = SERIES_FILE) -> list[str]:
     """Apply the series in place to the vllm under ``target_root`` (the serving image's
     site-packages) and byte-compile the touched files. Run ``check_series`` first."""

@@ -70,16 +70,6 @@ def check_series(patches) -> SeriesCheck:
                        patches=[r["id"] for r in results])
 
 
-def patched_tree(patches, dest: Path) -> Path:
-    """The installed vLLM with the series applied, as a shadow tree (for the kernel fit)."""
-    from flashnext.serving import patch_series
-
-    patch_series._shadow_tree(patch_series.installed_vllm_root(), {t for p in patches for t in p.touches}, dest)
-    for p in patches:
-        patch_series._apply(p, dest)
-    return dest
-
-
 _PROBES = """
 import json, sys
 probes = json.load(sys.stdin)
@@ -165,6 +155,7 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
     config.json to check instead of ``flashnext.quant.demo``'s; ``launcher``: how ``vllm serve``
     starts (:class:`.gpu.Launcher`)."""
     from flashnext.quant import demo
+    from flashnext.serving import patch_series
     from flashnext.serving.patch_series import load_series
     from flashnext.serving.profiles import load_profile
     from flashnext.serving.selftest import gpu
@@ -186,7 +177,7 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
     progress("[cpu 1/2] the patch series against the installed vLLM (zero fuzz, compile, probes)")
     series = check_series(patches)
     progress(f"          {series.status}: {series.detail}")
-    tree = patched_tree(patches, workdir / "patched-vllm") if series.status == "passed" else None
+    tree = patch_series.patched_tree(workdir / "patched-vllm") if series.status == "passed" else None
     progress("[cpu 2/2] kernel fit: the demo's quantized layers in vLLM's own model at 8.6 and 9.0")
     fit = check_kernel_fit(config, workdir, tree)
     if tree is None:

@@ -9,14 +9,9 @@ import pytest
 def patched_tree(tmp_path_factory) -> Path:
     """The installed vLLM with the whole series applied, as a shadow tree to put on PYTHONPATH."""
     pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
-    from flashnext.serving import patch_series as ps
+    from flashnext.serving.patch_series import patched_tree as build
 
-    tree = tmp_path_factory.mktemp("patched") / "tree"
-    patches = ps.load_series()
-    ps._shadow_tree(ps.installed_vllm_root(), {t for p in patches for t in p.touches}, tree)
-    for p in patches:
-        ps._apply(p, tree)
-    return tree
+    return build(tmp_path_factory.mktemp("patched") / "tree")
 
 
 @pytest.fixture(scope="session")
