@@ -16,7 +16,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from support.vllm_demo import demo_vllm, read_tensors, stand_in_experts_kernel
+from support.vllm_demo import demo_vllm, finish_layers, read_tensors, stand_in_experts_kernel
 
 snapshot, port, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
 
@@ -35,10 +35,7 @@ with demo_vllm(snapshot, port, bf16_layers, mtp=True) as (config, _):
     draft.load_weights(iter(read_tensors(snapshot, lambda n: n.startswith("mtp.")).items()))
     block = draft.model.layers[0].mlp  # the recipe's module
     experts = block.experts.routed_experts
-    for module in block.modules():  # as vLLM's loader finishes a layer
-        method = getattr(module, "quant_method", None)
-        if method is not None and module is not experts:
-            method.process_weights_after_loading(module)
+    finish_layers(block, skip=experts)
     chosen = []
     stand_in_experts_kernel(experts, chosen)
 

@@ -7,7 +7,7 @@ model's post-load hook (patch vit-stream) stream its blocks, and run the image a
 import json, sys
 import torch
 
-from support.vllm_demo import build_model, demo_vllm
+from support.vllm_demo import build_model, demo_vllm, finish_layers
 
 snapshot, port = sys.argv[1], sys.argv[2]
 DEPTH = 5
@@ -35,14 +35,7 @@ with demo_vllm(snapshot, port, bf16_five_blocks) as (config, _):
     with torch.no_grad():
         for p in visual.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    for module in visual.modules():  # as vLLM's loader finishes each layer
-        method = getattr(module, "quant_method", None)
-        # The CPU's packed bf16 GEMM needs vllm._C, which this CUDA build of vLLM cannot load without
-        # libcuda; vLLM's own flag for a layer that skips it gives torch's F.linear (what a CUDA run's
-        # default_unquantized_gemm calls).
-        module._cpu_skip_gemm_dispatch = True
-        if method is not None:
-            method.process_weights_after_loading(module)
+    finish_layers(visual)
     pixels = torch.randn(64, 3 * 2 * 16 * 16, generator=g).to(torch.bfloat16)
     grid = [[1, 4, 8], [1, 4, 8]]  # two images of 4 x 8 patches
     block_bytes = lambda b: sum(p.numel() * p.element_size() for p in b.parameters())

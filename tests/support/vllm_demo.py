@@ -94,3 +94,17 @@ def stand_in_experts_kernel(experts, received: list) -> None:
         return out.to(x.dtype)
 
     experts.quant_method.apply = apply
+
+
+def finish_layers(root, skip=None) -> None:
+    """Run each layer's ``process_weights_after_loading`` under ``root`` as vLLM's loader does
+    (``skip``: a module left alone, e.g. experts a stand-in kernel serves).
+
+    The CPU's packed bf16 GEMM needs vllm._C, which this CUDA build of vLLM cannot load without
+    libcuda; vLLM's own flag for a layer that skips it gives torch's F.linear (what a CUDA run's
+    default_unquantized_gemm calls)."""
+    for module in root.modules():
+        module._cpu_skip_gemm_dispatch = True
+        method = getattr(module, "quant_method", None)
+        if method is not None and module is not skip:
+            method.process_weights_after_loading(module)
