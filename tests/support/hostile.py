@@ -1,0 +1,260 @@
+"""The hostile-input suite's harness: a private work tree per case, header surgery, the command
+lines, and the one-line check. Each module of ``tests/hostile/`` is one class of attack, table-driven.
+
+Each case gets a private work tree: ``snap`` (a copy of the demo snapshot), ``ov`` (an mtp-int4
+overlay of it) and ``table.bin`` (its PLE table file with sidecar); the case breaks one thing and
+returns the command line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from click.testing import CliRunner
+
+from flashnext.tools.cli import main as cli
+
+MTP_SHARD = "model-00005-of-00005.safetensors"
+FIRST_SHARD = "model-00001-of-00005.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class Work:
+    root: Path
+
+    @property
+    def snap(self) -> Path:
+        return self.root / "snap"
+
+    @property
+    def ov(self) -> Path:
+        return self.root / "ov"
+
+    @property
+    def table(self) -> Path:
+        return self.root / "table.bin"
+
+    def edit_json(self, path: Path, edit: Callable[[object], object]) -> None:
+        """Edit the document in place, or replace it whole when ``edit`` returns :class:`Whole`."""
+        data = json.loads(path.read_text())
+        result = edit(data)
+        path.write_text(json.dumps(result.value if isinstance(result, Whole) else data))
+
+
+@dataclass(frozen=True)
+class Whole:
+    value: object
+
+
+def tree_state(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root``: directories, link targets and file hashes."""
+    state = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                state[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                state[rel] = ("dir",)
+            else:
+                state[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest())
+    return state
+
+
+# --- safetensors header surgery -------------------------------------------------------------------
+
+def read_raw(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_raw(path: Path, header: dict | bytes, data: bytes) -> None:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def edit_header(path: Path, edit: Callable[[dict], None]) -> None:
+    header, data = read_raw(path)
+    edit(header)
+    write_raw(path, header, data)
+
+
+def tensors_by_offset(header: dict) -> list[str]:
+    return sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+def negative_offset(h):
+    first = tensors_by_offset(h)[0]
+    h[first]["data_offsets"][0] = -8
+
+
+def reversed_offsets(h):
+    last = tensors_by_offset(h)[-1]
+    h[last]["data_offsets"].reverse()
+
+
+def overlapping_offsets(h):
+    a, b = tensors_by_offset(h)[:2]
+    size = h[b]["data_offsets"][1] - h[b]["data_offsets"][0]
+    h[b]["data_offsets"] = [h[a]["data_offsets"][0], h[a]["data_offsets"][0] + size]
+
+
+def non_string_metadata(h):
+    h["__metadata__"] = {"format": 1}
+
+
+def unknown_dtype(h):
+    h[tensors_by_offset(h)[0]]["dtype"] = "Q3"
+
+
+def shape_disagrees_with_bytes(h):
+    h[tensors_by_offset(h)[-1]]["shape"] = [1, 1]
+
+
+def header_not_an_object(path: Path) -> None:
+    write_raw(path, b"[1, 2, 3]", b"")
+
+
+def duplicate_tensor_names(path: Path) -> None:
+    header, data = read_raw(path)
+    first = tensors_by_offset(header)[0]
+    text = json.dumps(header)
+    entry = json.dumps({first: header[first]})[1:-1]
+    write_raw(path, (text[:-1] + ", " + entry + "}").encode(), data)
+
+
+def trailing_bytes(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"\0" * 8)
+
+
+def truncated(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 8)
+
+
+def huge_header_length(path: Path) -> None:
+    raw = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", 1 << 40) + raw[8:])
+
+
+# --- the cases ------------------------------------------------------------------------------------
+
+def mtp(w: Work, *extra: str) -> list[str]:
+    return ["make-mtp-int4", "--src", str(w.snap), "--out", str(w.root / "out"), "--no-progress", *extra]
+
+
+def repack(w: Work, *extra: str) -> list[str]:
+    return ["repack-int6", "--src", str(w.snap), "--out", str(w.root / "out"), *extra]
+
+
+def apply(w: Work, *extra: str, out: Path | None = None) -> list[str]:
+    return ["overlay", "apply", str(w.ov), "--base", str(w.snap), "--out", str(out or w.root / "out"), *extra]
+
+
+def shard_name(name: str) -> Callable[[Work], list[str]]:
+    """The index names ``name`` as the MTP shard's file."""
+    def setup(w: Work) -> list[str]:
+        def edit(index):
+            for k, v in index["weight_map"].items():
+                if v == MTP_SHARD:
+                    index["weight_map"][k] = name
+        w.edit_json(w.snap / INDEX, edit)
+        return mtp(w)
+    return setup
+
+
+def header_case(edit: Callable, shard: str = MTP_SHARD, command=mtp) -> Callable[[Work], list[str]]:
+    def setup(w: Work) -> list[str]:
+        path = w.snap / shard
+        if edit.__code__.co_varnames[:1] == ("h",):
+            edit_header(path, edit)
+        else:
+            edit(path)
+        return command(w)
+    return setup
+
+
+def json_case(file: Callable[[Work], Path], edit: Callable[[object], object],
+              command: Callable[[Work], list[str]]) -> Callable[[Work], list[str]]:
+    """Edit one JSON file of the work tree, then run ``command``."""
+    def setup(w: Work) -> list[str]:
+        w.edit_json(file(w), edit)
+        return command(w)
+    return setup
+
+
+def manifest_case(edit, command):
+    return json_case(lambda w: w.ov / "overlay.json", edit, command)
+
+
+def adds(path: str):
+    def edit(m):
+        m["adds"].append({"path": path, "sha256": "0" * 64, "size": 0})
+    return edit
+
+
+def config_case(edit, command=mtp, file: str = "config.json"):
+    return json_case(lambda w: w.snap / file, edit, command)
+
+
+def text(key: str, value):
+    def edit(c):
+        c["text_config"][key] = value
+    return edit
+
+
+def sidecar_case(edit, command):
+    return json_case(lambda w: w.root / "table.bin.json", edit, command)
+
+
+def ple_verify(w: Work) -> list[str]:
+    return ["ple", "verify", str(w.table)]
+
+
+def ple_build(w: Work, *extra: str) -> list[str]:
+    return ["ple", "build", "--src", str(w.snap), "--out", str(w.root / "new.bin"), "--no-progress", *extra]
+
+
+def view_record_case(edit: Callable[[dict], object]):
+    def setup(w: Work) -> list[str]:
+        view = w.root / "view"
+        assert CliRunner().invoke(cli, apply(w, out=view)).exit_code == 0
+        w.edit_json(view / ".flashnext-view.json", edit)
+        return ["overlay", "verify", str(view)]
+    return setup
+
+
+def unrelated_folder(w: Work) -> Path:
+    folder = w.root / "my-data"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("years of work")
+    return folder
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    setup: Callable[[Work], list[str]]
+    message: str
+    exit_code: int = 1
+
+
+def invoke_expecting_one_line(argv: list[str]):
+    result = CliRunner().invoke(cli, argv)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    return result, lines[0]
+
+
