@@ -9,12 +9,14 @@ container, from read-only mounts of the snapshot and of each overlay.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from flashnext import __version__, envs
+from flashnext.errors import FlashnextError
 from flashnext.serving.profiles import Profile
 
 IMAGE = f"flashnext/vllm-openai:v0.33.0-flashnext{__version__}"
@@ -55,20 +57,74 @@ def runtime_env(profile: Profile, ple_table: str | None) -> dict[str, str]:
     return env
 
 
-def render_compose(req: ServeRequest) -> dict:
-    """The Compose document for ``req``; paths need not exist (it may be meant for another host)."""
+def compose_literal(value: str) -> str:
+    """``value`` as a Compose string that reads back as ``value``.
+
+    Compose interpolates ``$NAME``, ``${NAME}`` and ``$$`` in every string value of the file
+    (extension fields included, mapping keys not): a model under ``/data/$HOME`` would otherwise
+    mount the user's home directory."""
+    return value.replace("$", "$$")
+
+
+def _escape_values(node):
+    if isinstance(node, str):
+        return compose_literal(node)
+    if isinstance(node, dict):
+        return {key: _escape_values(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_escape_values(item) for item in node]
+    return node
+
+
+def _bind_source(what: str, path: Path) -> str:
+    """``path`` as the absolute bind source Compose gets, refused in one line where no Compose file
+    can carry it: a control character (a newline would also split every message that names the
+    path) or bytes that are not UTF-8 (Compose files are UTF-8; YAML would escape them into
+    another name)."""
+    text = str(Path(path).absolute())
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
+        raise FlashnextError(f"{what} {text!r} contains a newline or another control character, which a "
+                             "Compose mount cannot name: rename it, or pass a symlink to it whose path has none")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FlashnextError(f"{what} {text!r} is not valid UTF-8, which a Compose file cannot name: rename it, "
+                             "or pass a symlink to it whose path is UTF-8") from None
+    return text
+
+
+def _bind(source: str, target: str) -> dict:
+    # Without `create_host_path: false` Compose hands a plain bind to Docker as the string
+    # "SOURCE:TARGET:ro", which a `:` in SOURCE breaks; with it, Compose uses the Mount API (one
+    # field per part) and a missing source is an error rather than an empty directory made by root.
+    return {"type": "bind", "source": source, "target": target, "read_only": True,
+            "bind": {"create_host_path": False}}
+
+
+def _published_port(bind: str, host_port: int) -> dict:
+    try:
+        ipaddress.ip_address(bind)
+    except ValueError:
+        raise FlashnextError(f"--bind {bind!r} is not an IP address (Docker publishes ports on an address, "
+                             "e.g. 127.0.0.1, 0.0.0.0 or ::)") from None
+    return {"target": CONTAINER_PORT, "published": str(host_port), "host_ip": bind, "protocol": "tcp"}
+
+
+def compose_model(req: ServeRequest) -> dict:
+    """The Compose document for ``req`` with every value as the container must see it, before the
+    escaping a Compose file needs (:func:`render_compose`); paths need not exist (it may be meant
+    for another host)."""
     p, c = req.profile, req.profile.container
-    volumes = [{"type": "bind", "source": str(Path(req.model).absolute()), "target": MODEL_DIR, "read_only": True}]
+    volumes = [_bind(_bind_source("--model", req.model), MODEL_DIR)]
     # `serve` on the host ran the preflight before it started the container
     command = ["serve", "--engine", "native", "--profile", p.name, "--model", MODEL_DIR,
                "--listen", "0.0.0.0", "--port", str(CONTAINER_PORT), "--no-check"]
     for i, overlay in enumerate(req.overlays):
         target = f"{OVERLAY_DIR}/{i}"
-        volumes.append({"type": "bind", "source": str(Path(overlay).absolute()), "target": target, "read_only": True})
+        volumes.append(_bind(_bind_source("--overlay", overlay), target))
         command += ["--overlay", target]
     if p.uses_ple_table and req.ple_table is not None:
-        volumes.append({"type": "bind", "source": str(Path(req.ple_table).absolute()), "target": PLE_PATH,
-                        "read_only": True})
+        volumes.append(_bind(_bind_source("--ple-table", req.ple_table), PLE_PATH))
         command += ["--ple-table", PLE_PATH]
     service: dict = {
         "image": IMAGE,
@@ -76,7 +132,7 @@ def render_compose(req: ServeRequest) -> dict:
         "command": command,
         "environment": runtime_env(p, PLE_PATH if p.uses_ple_table and req.ple_table else None),
         "volumes": volumes,
-        "ports": [f"{req.bind}:{req.host_port}:{CONTAINER_PORT}"],
+        "ports": [_published_port(req.bind, req.host_port)],
         "ipc": c.ipc,
         "shm_size": c.shm_size,
         "stop_grace_period": f"{c.stop_grace_period_s}s",
@@ -98,6 +154,12 @@ def render_compose(req: ServeRequest) -> dict:
         service["build"] = {"context": str(SOURCE_ROOT), "dockerfile": "serving/Dockerfile"}
     return {"name": f"flashnext-{p.name}", "services": {SERVICE: service},
             "x-flashnext": {"profile": p.name, "description": p.description, "base_image": BASE_IMAGE}}
+
+
+def render_compose(req: ServeRequest) -> dict:
+    """The Compose file's document for ``req``: :func:`compose_model` with every string value
+    escaped, so that Compose reads back exactly the model's values."""
+    return _escape_values(compose_model(req))
 
 
 def to_yaml(document: dict) -> str:

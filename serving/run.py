@@ -62,9 +62,10 @@ def require_ple_table(profile, model: Path | None, ple_table: Path | None) -> No
     """A profile that serves the PLE table from a file cannot start without one: vLLM would fall back
     to pinning the whole table (95.4 GiB), which beside the QSA K/V exceeds a 125 GiB host."""
     if profile.uses_ple_table and ple_table is None:
+        src = shlex.quote(str(model)) if model is not None and str(model).isprintable() else "SNAPSHOT"
         raise FlashnextError(
             f"profile {profile.name} serves the PLE table from a file: pass --ple-table FILE, made with "
-            f"`flashnext ple build --src {model or 'SNAPSHOT'} --out FILE`")
+            f"`flashnext ple build --src {src} --out FILE`")
 
 
 def summary_line(profile) -> str | None:

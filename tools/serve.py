@@ -63,7 +63,7 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     """
     if ctx.invoked_subcommand is not None:
         return
-    from flashnext.serving.compose import ServeRequest, render_compose, to_yaml
+    from flashnext.serving.compose import IMAGE, ServeRequest, render_compose, to_yaml
     from flashnext.serving.profiles import load_profile
 
     if not profile or model is None:
@@ -74,12 +74,13 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     require_ple_table(prof, model, ple_table)
     if check:
         return preflight_report(profile, model, overlays, ple_table, engine, False)
+    req = ServeRequest(prof, model, tuple(overlays), ple_table, bind, port)
+    # rendered first: a path or address no Compose file can carry is refused before the preflight
+    document = render_compose(req) if engine != "native" else None
     if not dry_run and not no_check:  # a NO-GO raises here, before anything is written or started
         preflight_report(profile, model, overlays, ple_table, engine, False, err=True)
     if engine == "native":
         return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
-    req = ServeRequest(prof, model, tuple(overlays), ple_table, bind, port)
-    document = render_compose(req)
     if dry_run:
         click.echo(to_yaml(document), nl=False)
         return
@@ -92,9 +93,8 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     folder.mkdir(parents=True, exist_ok=True)
     compose_file = folder / "compose.yaml"
     compose_file.write_text(to_yaml(document))
-    image = document["services"]["vllm"]["image"]
-    if subprocess.run([engine, "image", "inspect", image], capture_output=True).returncode != 0:
-        click.echo(f"building {image} (vLLM 0.33.0 with the patch series) ...", err=True)
+    if subprocess.run([engine, "image", "inspect", IMAGE], capture_output=True).returncode != 0:
+        click.echo(f"building {IMAGE} (vLLM 0.33.0 with the patch series) ...", err=True)
         run_command(compose_command(engine, compose_file, "build"))
     if line := summary_line(prof):
         click.echo(line, err=True)

@@ -1,6 +1,7 @@
 """Serving profiles: the rendered compose against the Compose schema, every vLLM argument against
 vLLM 0.33.0's own parser, every environment variable against what is read, and `serve` itself."""
 
+import dataclasses
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,7 +14,7 @@ from click.testing import CliRunner
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
-from flashnext.serving.compose import ServeRequest, render_compose, vllm_command
+from flashnext.serving.compose import ServeRequest, compose_model, render_compose, vllm_command
 from flashnext.serving.profiles import available, load_profile
 from flashnext.tools.cli import main as cli
 from flashnext.serving.run import wait_ready
@@ -43,16 +44,42 @@ def test_compose_validates_against_the_compose_schema(name):
     jsonschema.validate(yaml.safe_load(result.stdout), SCHEMA)
 
 
+def test_the_compose_file_is_the_model_with_every_value_escaped():
+    """Compose interpolates `$` in values (not keys): the file doubles each one, and nothing else
+    differs from the values the container must see (tests/hostile/test_hostile_compose.py checks
+    that with a real Compose)."""
+    profile = dataclasses.replace(load_profile("3x3090"), env={"A": "$HOME ${X} $$"}, description="$5")
+    req = ServeRequest(profile, Path("/srv/$HOME"), (Path("/srv/${X}:ro"),), Path("/srv/$$.bin"))
+
+    def doubled(node):
+        if isinstance(node, str):
+            return node.replace("$", "$$")
+        if isinstance(node, dict):
+            return {k: doubled(v) for k, v in node.items()}
+        return [doubled(v) for v in node] if isinstance(node, list) else node
+
+    document, model = render_compose(req), compose_model(req)
+    assert document == doubled(model)
+    svc = document["services"]["vllm"]
+    assert svc["environment"] == {"A": "$$HOME $${X} $$$$", "VLLM_PLE_MMAP_PATH": "/models/ple/table.bin"}
+    assert [v["source"] for v in svc["volumes"]] == ["/srv/$$HOME", "/srv/$${X}:ro", "/srv/$$$$.bin"]
+    assert document["x-flashnext"]["description"] == "$$5"
+    jsonschema.validate(document, SCHEMA)
+
+
 @pytest.mark.parametrize("name", PROFILES)
 def test_container_settings(name):
     profile = load_profile(name)
     svc = render(name)["services"]["vllm"]
-    assert svc["ports"] == [f"127.0.0.1:{profile.container.port}:8000"]
+    assert svc["ports"] == [{"target": 8000, "published": str(profile.container.port), "host_ip": "127.0.0.1",
+                             "protocol": "tcp"}]
     assert svc["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
     assert svc["ipc"] == "host" and svc["shm_size"]
     assert svc["deploy"]["resources"]["reservations"]["devices"][0]["count"] == profile.gpus
     mounts = {m["target"]: m for m in svc["volumes"]}
     assert mounts["/models/snapshot"]["read_only"] and mounts["/models/snapshot"]["source"] == "/srv/snapshot"
+    # a missing source is an error, not an empty directory Docker makes (and the Mount API carries a `:`)
+    assert all(m["type"] == "bind" and m["bind"] == {"create_host_path": False} for m in svc["volumes"])
     assert mounts["/models/overlays/0"]["source"] == "/srv/ov1" and mounts["/models/overlays/1"]["read_only"]
     assert svc["command"].count("--overlay") == 2
     shutdown = int(profile.vllm_args[profile.vllm_args.index("--shutdown-timeout") + 1])
