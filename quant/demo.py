@@ -19,7 +19,6 @@ not depend on a library's random generator.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from flashnext import __version__
-from flashnext.quant.checkpoint.fsutil import atomic_directory
+from flashnext.quant.checkpoint.fsutil import atomic_directory, output_file, write_json, write_new
 from flashnext.quant.quantizers.mse_rtn import quantize_absmax_rtn
 from flashnext.quant.formats.packing import pack_int32
 from flashnext.quant.ple.layout import SPLITMIX_GAMMA, SPLITMIX_M1, SPLITMIX_M2, ple_layout
@@ -365,29 +364,29 @@ def write_demo_checkpoint(out: Path, force: bool = False) -> dict:
     weight_map: dict[str, str] = {}
     total = 0
     stream = 0
-    with atomic_directory(Path(out), force=force, made_by="demo-checkpoint") as tmp:
+    with atomic_directory(Path(out), force=force, made_by="demo-checkpoint", held=True) as tmp:
         for filename, planned in shards.items():
             tensors: dict[str, torch.Tensor] = {}
             for t in planned:
                 stream += 1
                 tensors.update(_materialise(t, stream))
             specs: list[TensorSpec] = [spec_of(k, v) for k, v in tensors.items()]
-            with ShardWriter(tmp / filename, specs, {"format": "pt"}) as writer:
+            with ShardWriter(output_file(tmp, filename), specs, {"format": "pt"}) as writer:
                 for k, v in tensors.items():
                     writer.write(k, v)
             for k, v in tensors.items():
                 weight_map[k] = filename
                 total += v.numel() * v.element_size()
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": config["text_config"]["bos_token_id"],
-             "eos_token_id": config["text_config"]["eos_token_id"],
-             "temperature": 1.0, "top_p": 0.95, "top_k": 20}, indent=2) + "\n")
-        (tmp / "README.md").write_text(
-            f"# flashnext demo checkpoint\n\nA miniature Qwen3.8-Flash-Next snapshot made by "
-            f"flashnext {__version__} (`flashnext demo-checkpoint`). Random weights; real names, "
-            "dtypes and quantization layout.\n")
+        write_json(tmp / INDEX_FILE, index)
+        write_json(tmp / CONFIG_FILE, config)
+        write_json(tmp / "generation_config.json",
+                   {"bos_token_id": config["text_config"]["bos_token_id"],
+                    "eos_token_id": config["text_config"]["eos_token_id"],
+                    "temperature": 1.0, "top_p": 0.95, "top_k": 20})
+        write_new(tmp / "README.md",
+                  f"# flashnext demo checkpoint\n\nA miniature Qwen3.8-Flash-Next snapshot made by "
+                  f"flashnext {__version__} (`flashnext demo-checkpoint`). Random weights; real names, "
+                  "dtypes and quantization layout.\n")
     return {"path": str(Path(out)), "shards": len(shards), "tensors": len(weight_map),
             "total_size": total}

@@ -11,22 +11,33 @@ refused hunk is named), byte-compiles every touched file, and runs every probe i
 interpreter that imports the patched tree (it first makes sure ``vllm`` comes from the shadow
 tree; each probe runs in its own namespace and is reported by its patch's id). ``--vllm`` may also
 name another vllm directory or a vllm wheel.
+
+``apply`` changes the serving image's vllm in place, all or nothing: the touched files are patched
+and compiled in a stage beside it and swapped in only once the whole series applied; their
+originals and hashes are recorded first (``RECORD_DIR``), so that ``apply --revert`` restores them
+byte for byte and a rerun finishes a swap that was killed halfway, or says the tree is patched.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import py_compile
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.fsutil import confined, fsync_dir, output_lock, read_output_marker, write_marker
+from flashnext.quant.checkpoint.inputs import open_regular, read_regular_bytes
+from flashnext.quant.checkpoint.jsonfile import parse_json, read_json
 
 PATCH_DIR = Path(__file__).resolve().parent / "patches"
 SERIES_FILE = PATCH_DIR / "series.json"
@@ -58,16 +69,26 @@ class Patch:
 
 
 def load_series(series_file: Path = SERIES_FILE) -> list[Patch]:
-    data = json.loads(Path(series_file).read_text())
+    entries = read_json(series_file, "the patch series").get("patches")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise FlashnextError(f"{series_file}: patches must be a list of objects")
     patches = []
-    for entry in data["patches"]:
+    for entry in entries:
         unknown, missing = set(entry) - set(_FIELDS), set(_FIELDS) - set(entry)
         if unknown or missing:
             raise FlashnextError(f"{series_file}: patch {entry.get('id')}: unknown {sorted(unknown)}, missing {sorted(missing)}")
+        if (type(entry["order"]) is not int or not isinstance(entry["touches"], list)
+                or not all(isinstance(entry[k], str) for k in _FIELDS if k not in ("order", "touches"))
+                or not all(isinstance(t, str) for t in entry["touches"])):
+            raise FlashnextError(f"{series_file}: patch {entry.get('id')!r}: order must be an integer, touches a "
+                                 "list of strings and every other field a string")
+        confined(PATCH_DIR, entry["file"], str(series_file))
         patches.append(Patch(**{**entry, "touches": tuple(entry["touches"])}))
     patches.sort(key=lambda p: p.order)
     for p in patches:
-        touched = {line.split()[1][2:] for line in p.path.read_text().splitlines() if line.startswith("+++ ")}
+        diff = read_regular_bytes(p.path, "a patch of the series").decode("utf-8", "replace")
+        touched = {line.split()[1][2:] for line in diff.splitlines()
+                   if line.startswith("+++ ") and len(line.split()) > 1}
         if touched != set(p.touches):
             raise FlashnextError(f"{p.id}: the series says it touches {sorted(p.touches)}, the diff touches {sorted(touched)}")
     return patches
@@ -128,6 +149,8 @@ def _apply(patch: Patch, root: Path) -> None:
     except FileNotFoundError:
         raise FlashnextError("the `patch` program is not installed (apt-get install patch)") from None
     if out.returncode != 0:
+        if "Reversed (or previously applied) patch detected" in out.stdout + out.stderr:
+            raise FlashnextError(f"patch {patch.id} is applied already to this vllm")
         failed = [line for line in (out.stdout + out.stderr).splitlines() if "FAILED" in line or "can't find" in line]
         raise FlashnextError(f"patch {patch.id} does not apply with zero fuzz to this vllm: "
                              f"{failed[0] if failed else (out.stdout + out.stderr).strip().splitlines()[-1]}")
@@ -143,15 +166,319 @@ def patched_tree(dest: Path, series_file: Path = SERIES_FILE) -> Path:
     return Path(dest)
 
 
-def apply_series(target_root: Path, series_file: Path = SERIES_FILE) -> list[str]:
-    """Apply the series in place to the vllm under ``target_root`` (the serving image's
-    site-packages) and byte-compile the touched files. Run ``check_series`` first."""
-    patches = load_series(series_file)
+# What `patches apply` keeps beside the vllm it patched (in the same site-packages): the touched
+# files' originals and record.json, which names the series and every file's sha256 before and after.
+RECORD_DIR = ".flashnext-vllm-patches"
+RECORD_FILE = "record.json"
+ORIGINALS = "originals"
+_MADE_BY = "flashnext patches apply"
+_LEFTOVER = re.compile(re.escape(RECORD_DIR) + r"\.(?:stage|partial)-[0-9]+")
+
+
+def series_sha256(patches: list[Patch]) -> str:
+    """What identifies a series: its patches' ids and diffs, in order."""
+    digest = hashlib.sha256()
+    for p in patches:
+        diff = read_regular_bytes(p.path, "a patch of the series")
+        digest.update(f"{p.id}\0{len(diff)}\0".encode() + diff)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class SeriesApplied:
+    """What ``patches apply`` did: the ids applied (in order), or that they already were."""
+
+    ids: list[str]
+    already: bool
+    record: Path
+
+
+def _create_file(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """A new file with ``data``, created exclusively and never through a link, synced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o7777)
+    try:
+        os.fchmod(fd, mode & 0o7777)  # not the umask's
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.flashnext-{os.getpid()}.tmp")
+
+
+def _replace_file(path: Path, data: bytes, mode: int, mtime_ns: int | None = None) -> None:
+    """``path``'s content becomes ``data`` at once (a sibling written in full, then renamed over it).
+    An original gets its ``mtime_ns`` back too, so the bytecode Python cached for it is valid again."""
+    tmp = _tmp_sibling(path)
+    try:
+        _create_file(tmp, data, mode)
+        if mtime_ns is not None:
+            os.utime(tmp, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _swap_in(target: Path, rel: str, data: bytes, mode: int) -> None:
+    """Install one patched file in the target (tests stop a swap here)."""
+    _replace_file(target / rel, data, mode)
+
+
+def _compile(patch: Patch, root: Path, rel: str, cfile: Path) -> None:
+    """Byte-compile ``root/rel`` (after ``patch``) into ``cfile``, away from the tree's own bytecode."""
+    try:
+        py_compile.compile(str(root / rel), cfile=str(cfile), doraise=True)
+    except py_compile.PyCompileError as e:
+        raise FlashnextError(f"patch {patch.id}: {rel} no longer compiles: {e.msg.strip().splitlines()[-1]}") from None
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read_target_file(target: Path, rel: str) -> tuple[bytes, os.stat_result]:
+    """A touched file of the target vllm and its status; it must be a regular file (no link: the
+    swap would replace the link, not what it points to)."""
+    path = confined(target, rel, "the patch series")
+    try:
+        with open_regular(path, "a file of the vllm package", follow_symlinks=False) as f:
+            return f.read(), os.fstat(f.fileno())
+    except FileNotFoundError:
+        raise FlashnextError(f"{path}: missing; the series patches vllm==0.33.0, which has it") from None
+
+
+def _read_record(target: Path) -> dict | None:
+    """The record of the series applied to ``target``, None when there is none."""
+    record_dir = target / RECORD_DIR
+    if not os.path.lexists(record_dir):
+        return None
+    path = record_dir / RECORD_FILE
+    if record_dir.is_symlink() or not record_dir.is_dir() or not os.path.lexists(path):
+        raise FlashnextError(f"{record_dir} is not a record of `flashnext patches apply`; remove it yourself")
+    data = parse_json(read_regular_bytes(path, "a patch record", follow_symlinks=False), str(path))
+    files = data.get("files") if isinstance(data, dict) else None
+    if (not isinstance(data, dict) or data.get("made_by") != _MADE_BY or not isinstance(data.get("series"), list)
+            or not isinstance(data.get("series_sha256"), str) or not isinstance(files, dict) or not all(
+                isinstance(f, dict) and isinstance(f.get("original_sha256"), str)
+                and isinstance(f.get("patched_sha256"), str) and type(f.get("mode")) is int
+                and type(f.get("mtime_ns")) is int for f in files.values())):
+        raise FlashnextError(f"{path}: not a record of `flashnext patches apply`")
+    for rel in files:
+        confined(target, rel, str(path))
+    return data
+
+
+def _state(target: Path, record: dict) -> dict[str, str]:
+    """Each recorded file: ``patched``, ``original``, or ``changed`` (neither: someone else's edit)."""
+    states = {}
+    for rel, entry in record["files"].items():
+        digest = _sha256(_read_target_file(target, rel)[0])
+        states[rel] = ("patched" if digest == entry["patched_sha256"]
+                       else "original" if digest == entry["original_sha256"] else "changed")
+    return states
+
+
+def _original(target: Path, record: dict, rel: str) -> bytes:
+    path = confined(target / RECORD_DIR / ORIGINALS, rel, str(target / RECORD_DIR / RECORD_FILE))
+    data = read_regular_bytes(path, "a kept original", follow_symlinks=False)
+    if _sha256(data) != record["files"][rel]["original_sha256"]:
+        raise FlashnextError(f"{path}: the kept original does not match its record; reinstall vllm==0.33.0 "
+                             f"(pip install --force-reinstall) and remove {target / RECORD_DIR}")
+    return data
+
+
+def _remove_leftovers(target: Path, touched: set[str]) -> None:
+    """What a killed ``patches apply`` left (only under its lock): its stage and partial record
+    directories, by exact name and marker, and its temporary siblings of touched files."""
+    for entry in os.scandir(target):
+        if (_LEFTOVER.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)
+                and read_output_marker(Path(entry.path))):
+            shutil.rmtree(entry.path)
+    for rel in touched:
+        path = target / rel
+        if not path.parent.is_dir():
+            continue
+        mine = re.compile(re.escape(f".{path.name}.flashnext-") + r"[0-9]+\.tmp")
+        for entry in os.scandir(path.parent):
+            if mine.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+
+
+def _staged(patches: list[Patch], originals: dict[str, bytes], modes: dict[str, int], stage: Path) -> dict[str, bytes]:
+    """The touched files with the whole series applied with zero fuzz, each byte-compiled, built in
+    ``stage`` from ``originals``; the target is not touched."""
+    for rel, data in originals.items():
+        path = confined(stage, rel, "the patch series")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _create_file(path, data, modes[rel])
     for patch in patches:
-        _apply(patch, Path(target_root))
+        _apply(patch, stage)
         for rel in patch.touches:
-            py_compile.compile(str(Path(target_root) / rel), doraise=True)
-    return [p.id for p in patches]
+            _compile(patch, stage, rel, stage / "pyc" / (rel + "c"))
+    return {rel: (stage / rel).read_bytes() for rel in originals}
+
+
+def _already_patched_hint(error: FlashnextError, target: Path) -> FlashnextError:
+    if "is applied already" in str(error):
+        return FlashnextError(f"{error}, but {target} has no record of flashnext's (an older flashnext patched it "
+                              "in place): pip install --force-reinstall vllm==0.33.0 there, then apply again")
+    return error
+
+
+def apply_series(target_root: Path, series_file: Path = SERIES_FILE) -> SeriesApplied:
+    """Apply the series to the vllm under ``target_root`` (the serving image's site-packages), all
+    or nothing: the touched files are patched and byte-compiled in a stage beside it, and swapped in
+    only when every patch applied with zero fuzz and every file compiled. Their originals and
+    hashes are kept in ``RECORD_DIR`` first, so that :func:`revert_series` can restore them and a
+    rerun after an interrupted swap finishes it; a rerun on a patched tree says so. Run
+    ``check_series`` first."""
+    target = _target(target_root)
+    patches = load_series(series_file)
+    touched = sorted({t for p in patches for t in p.touches})
+    digest = series_sha256(patches)
+    with output_lock(target / RECORD_DIR):
+        _remove_leftovers(target, set(touched))
+        record = _read_record(target)
+        if record is not None:
+            return _finish_recorded(target, record, patches, digest)
+        current = {rel: _read_target_file(target, rel) for rel in touched}
+        originals = {rel: data for rel, (data, _) in current.items()}
+        modes = {rel: st.st_mode & 0o7777 for rel, (_, st) in current.items()}
+        mtimes = {rel: st.st_mtime_ns for rel, (_, st) in current.items()}
+        stage = _make_marked_dir(target / f"{RECORD_DIR}.stage-{os.getpid()}")
+        try:
+            try:
+                patched = _staged(patches, originals, modes, stage)
+            except FlashnextError as e:
+                raise _already_patched_hint(e, target) from None
+            _write_record(target, patches, digest, originals, patched, modes, mtimes)
+            swapped: list[str] = []
+            try:
+                for rel in touched:
+                    if _sha256(_read_target_file(target, rel)[0]) != _sha256(originals[rel]):
+                        raise FlashnextError(f"{target / rel}: changed while `patches apply` ran; nothing was "
+                                             "patched: run it again")
+                    _swap_in(target, rel, patched[rel], modes[rel])
+                    swapped.append(rel)
+            except BaseException:
+                # Should a restore fail too, the record stays: --revert or a rerun finishes from it.
+                for rel in swapped:
+                    _replace_file(target / rel, originals[rel], modes[rel], mtimes[rel])
+                shutil.rmtree(target / RECORD_DIR)
+                raise
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    return SeriesApplied([p.id for p in patches], False, target / RECORD_DIR / RECORD_FILE)
+
+
+def _target(target_root: Path) -> Path:
+    target = Path(target_root).absolute()
+    if not (target / "vllm" / "__init__.py").is_file():
+        raise FlashnextError(f"--target {target}: no vllm package there (pass the site-packages directory "
+                             "that holds vllm/)")
+    return target
+
+
+def _make_marked_dir(path: Path) -> Path:
+    path.mkdir()
+    write_marker(path, _MADE_BY)
+    return path
+
+
+def _write_record(target: Path, patches: list[Patch], digest: str, originals: dict[str, bytes],
+                  patched: dict[str, bytes], modes: dict[str, int], mtimes: dict[str, int]) -> None:
+    """The originals and record.json, built in a partial directory and renamed into place whole."""
+    partial = _make_marked_dir(target / f"{RECORD_DIR}.partial-{os.getpid()}")
+    try:
+        for rel, data in originals.items():
+            path = confined(partial / ORIGINALS, rel, "the patch series")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _create_file(path, data)
+        record = {"made_by": _MADE_BY, "series": [p.id for p in patches], "series_sha256": digest,
+                  "files": {rel: {"original_sha256": _sha256(originals[rel]), "patched_sha256": _sha256(patched[rel]),
+                                  "mode": modes[rel], "mtime_ns": mtimes[rel]} for rel in originals}}
+        _create_file(partial / RECORD_FILE, (json.dumps(record, indent=2) + "\n").encode())
+        os.rename(partial, target / RECORD_DIR)
+        fsync_dir(target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _finish_recorded(target: Path, record: dict, patches: list[Patch], digest: str) -> SeriesApplied:
+    """A target with a record: already patched by this series, or an interrupted swap to finish."""
+    record_file = target / RECORD_DIR / RECORD_FILE
+    if record["series_sha256"] != digest:
+        raise FlashnextError(f"{target} is patched with another patch series ({', '.join(map(str, record['series']))}; "
+                             f"{record_file}): run `flashnext patches apply --target {target} --revert` first")
+    states = _state(target, record)
+    _refuse_changed(target, states)
+    if all(state == "patched" for state in states.values()):
+        return SeriesApplied(list(record["series"]), True, record_file)
+    # An apply stopped during its swap: the rest of the files get the same patched bytes.
+    originals = {rel: _original(target, record, rel) for rel in record["files"]}
+    modes = {rel: entry["mode"] for rel, entry in record["files"].items()}
+    stage = _make_marked_dir(target / f"{RECORD_DIR}.stage-{os.getpid()}")
+    try:
+        patched = _staged(patches, originals, modes, stage)
+        if any(_sha256(patched[rel]) != entry["patched_sha256"] for rel, entry in record["files"].items()):
+            raise FlashnextError(f"{record_file}: the series no longer patches to the recorded bytes; run "
+                                 f"`flashnext patches apply --target {target} --revert`, then apply")
+        for rel, state in states.items():
+            if state == "original":
+                _swap_in(target, rel, patched[rel], modes[rel])
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return SeriesApplied([p.id for p in patches], False, record_file)
+
+
+def _refuse_changed(target: Path, states: dict[str, str]) -> None:
+    changed = [rel for rel, state in states.items() if state == "changed"]
+    if changed:
+        raise FlashnextError(f"{target / changed[0]}: changed since `flashnext patches apply` patched it (neither "
+                             f"the original nor the patched file); reinstall vllm==0.33.0 there (pip install "
+                             f"--force-reinstall) and remove {target / RECORD_DIR}")
+
+
+def revert_series(target_root: Path) -> list[str]:
+    """Restore every file ``apply_series`` changed under ``target_root`` to its recorded original
+    and remove the record; the files restored. A file changed since (neither the original nor the
+    patched bytes) is refused before anything is restored."""
+    target = _target(target_root)
+    with output_lock(target / RECORD_DIR):
+        record = _read_record(target)
+        if record is None:
+            raise FlashnextError(f"{target}: no record of `flashnext patches apply` ({target / RECORD_DIR}); "
+                                 "nothing to revert")
+        _remove_leftovers(target, set(record["files"]))
+        states = _state(target, record)
+        _refuse_changed(target, states)
+        originals = {rel: _original(target, record, rel) for rel in record["files"]}
+        restored = []
+        for rel, state in states.items():
+            if state == "patched":
+                entry = record["files"][rel]
+                _replace_file(target / rel, originals[rel], entry["mode"], entry["mtime_ns"])
+                restored.append(rel)
+        shutil.rmtree(target / RECORD_DIR)
+        fsync_dir(target)
+    return restored
+
+
+def _extract_wheel(wheel: Path, dest: Path) -> None:
+    """The ``vllm/`` part of ``wheel`` extracted into ``dest``; a file that is no wheel is one line."""
+    with open_regular(wheel, "a vllm wheel (.whl) or a vllm directory") as f:
+        try:
+            with zipfile.ZipFile(f) as whl:
+                # ZipFile drops absolute and ".." parts of member names, so nothing lands outside dest.
+                whl.extractall(dest, [n for n in whl.namelist() if n.startswith("vllm/")])
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, NotImplementedError, ValueError) as e:
+            raise FlashnextError(f"--vllm {wheel}: not a vllm wheel or directory (not a readable zip: {e})") from None
 
 
 def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE) -> list[dict]:
@@ -160,9 +487,8 @@ def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE) -> l
     patches = load_series(series_file)
     with tempfile.TemporaryDirectory(prefix="flashnext-patches-") as tmp:
         tmp = Path(tmp)
-        if vllm is not None and str(vllm).endswith(".whl"):
-            with zipfile.ZipFile(vllm) as whl:
-                whl.extractall(tmp / "wheel", [n for n in whl.namelist() if n.startswith("vllm/")])
+        if vllm is not None and not Path(vllm).is_dir():
+            _extract_wheel(Path(vllm), tmp / "wheel")
             source = tmp / "wheel"
         else:
             source = Path(vllm) if vllm is not None else installed_vllm_root()
@@ -176,10 +502,7 @@ def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE) -> l
         for patch in patches:
             _apply(patch, root)
             for rel in patch.touches:
-                try:
-                    py_compile.compile(str(root / rel), cfile=str(tmp / "pyc" / (rel + "c")), doraise=True)
-                except py_compile.PyCompileError as e:
-                    raise FlashnextError(f"patch {patch.id}: {rel} no longer compiles: {e.msg.strip().splitlines()[-1]}") from None
+                _compile(patch, root, rel, tmp / "pyc" / (rel + "c"))
             results.append({"id": patch.id, "applied": True, "compiled": list(patch.touches)})
         failures = _run_probes(patches, root, tmp)
         for patch, result in zip(patches, results):

@@ -24,8 +24,10 @@ class UserError(click.ClickException):
 
 
 def _first_line(e: BaseException) -> str:
+    from flashnext.quant.checkpoint.fsutil import display_path
+
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    return display_path(text.splitlines()[0]) if text else type(e).__name__
 
 
 def user_errors(fn):
@@ -43,7 +45,9 @@ def user_errors(fn):
                 sys.exit(exit_code(e))
             raise UserError(e) from None
         except OSError as e:  # a permission, a full disk, a vanished file: one line, not a traceback
-            where = f": {e.filename}" if getattr(e, "filename", None) else ""
+            from flashnext.quant.checkpoint.fsutil import display_path
+
+            where = f": {display_path(str(e.filename))}" if getattr(e, "filename", None) else ""
             raise click.ClickException(f"{e.strerror or _first_line(e)}{where}") from None
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)

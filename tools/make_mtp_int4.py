@@ -64,7 +64,7 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_sea
                              rounding=rounding, gptq_prior_tokens=gptq_prior_tokens)
     result = make_mtp_int4(src, out, options, force=force, progress=progress)
     if report is not None:
-        write_report(report, result)
+        write_report(report, result, {"the source snapshot": src, "--out": out})
     if as_json:
         emit_json(result)
         return

@@ -24,7 +24,9 @@ def main() -> None:
 @json_option
 @user_errors
 def verify(target: Path, base: Path | None, full: bool, as_json: bool) -> None:
-    """Check an OVERLAY against --base, or every overlay of a VIEW against its base.
+    """Check an OVERLAY against --base, or a VIEW: every overlay of it against its base, and every
+    entry of it against what `overlay apply` made (missing, extra, a link replaced or redirected,
+    an edited merged file).
 
     Overlay files are always checked by content hash; base files by their safetensors header hash
     (by content with --full). Each mismatch is one line; exit status 3 if there is any."""
@@ -104,13 +106,15 @@ def upload(overlay: Path, repo_id: str, private: bool, revision: str | None, dry
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="The view to create.")
 @click.option("--revision", default=None, help="Branch, tag or commit of the overlay repo.")
 @click.option("--endpoint", default=None, help="Hub endpoint (default: huggingface_hub's, i.e. HF_ENDPOINT).")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="huggingface_hub cache directory.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="huggingface_hub cache directory (not inside --base).")
 @click.option("--force", is_flag=True, help="Replace an existing view.")
 @json_option
 @user_errors
 def fetch(repo_id: str, base: Path, out: Path, revision: str | None, endpoint: str | None,
           cache_dir: Path | None, force: bool, as_json: bool) -> None:
-    """Download overlay REPO_ID, verify it against --base, and apply it as the view --out."""
+    """Download overlay REPO_ID (only the files its overlay.json lists), verify it against --base,
+    and apply it as the view --out."""
     from flashnext.quant.overlays.hub import fetch_overlay
 
     result = fetch_overlay(repo_id, base, out, revision=revision, endpoint=endpoint, cache_dir=cache_dir,

@@ -78,10 +78,23 @@ def check(vllm: Path | None, as_json: bool) -> None:
 @main.command("apply")
 @click.option("--target", type=click.Path(path_type=Path), required=True,
               help="The site-packages directory whose vllm is modified in place (the serving image's).")
+@click.option("--revert", is_flag=True, help="Restore the files an earlier apply changed, from its record.")
 @user_errors
-def apply(target: Path) -> None:
-    """Apply the series in place (the serving image's build step; run `check` first)."""
-    from flashnext.serving.patch_series import apply_series
+def apply(target: Path, revert: bool) -> None:
+    """Apply the series in place, all or nothing, keeping the originals to --revert to (the serving
+    image's build step; run `check` first). A rerun on a patched tree says so and changes nothing."""
+    from flashnext.serving.patch_series import apply_series, revert_series
 
-    for patch_id in apply_series(target):
+    if revert:
+        restored = revert_series(target)
+        for rel in restored:
+            click.echo(f"restored {rel}")
+        click.echo(f"reverted: {target} has vllm's original files again")
+        return
+    result = apply_series(target)
+    if result.already:
+        click.echo(f"already patched: {target} has the whole series ({len(result.ids)} patches, record "
+                   f"{result.record}); nothing to do")
+        return
+    for patch_id in result.ids:
         click.echo(f"applied {patch_id}")

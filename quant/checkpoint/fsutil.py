@@ -4,12 +4,19 @@ Every writer goes through this module, so that the rules hold for every command:
 
 * a path read from a file (an index's shard name, a manifest's file path) is untrusted and must stay
   inside its root (:func:`confined`);
-* an output never is, contains or lies inside an input (:func:`refuse_overlap`);
+* an output never is, contains or lies inside an input (:func:`refuse_overlap` on the paths before
+  any work, :func:`refuse_overlap_open` on the directories actually opened);
 * ``--force`` replaces only what flashnext made: a directory holding :data:`OUTPUT_MARKER`
   (:func:`require_flashnext_output`);
 * one writer per output at a time (:func:`output_lock`), and the output appears whole or not at all
   (:func:`atomic_directory`, :func:`write_text_atomic`); what a killed writer left behind is
-  removed by the next one.
+  removed by the next one, by its exact temporary name (:func:`remove_leftovers`).
+
+Whoever can write in an output's parent can plant or swap the temporary names beside it
+(``.OUT.partial-PID``, ``.OUT.old-PID``, ``.OUT.lock``, ``.NAME.tmp-PID``). So the parent is opened
+once (:class:`HeldDirectory`) and every create, rename and unlink goes through that descriptor;
+every file is created with ``O_EXCL|O_NOFOLLOW``; a planted link is never followed, only removed
+or refused.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
@@ -28,6 +37,11 @@ from flashnext.errors import FlashnextError
 
 HASH_CHUNK = 16 << 20
 OUTPUT_MARKER = ".flashnext-output.json"
+
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+# Only looked up through (ancestors may be unreadable): O_PATH where the platform has it.
+_LOOKUP = getattr(os, "O_PATH", os.O_RDONLY) | os.O_CLOEXEC
+_CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def sha256_file(path: Path, progress=None) -> str:
@@ -57,8 +71,112 @@ def confined(root: Path, relative: object, source: str) -> Path:
     return Path(root) / PurePosixPath(relative)
 
 
+# --- directories held open ------------------------------------------------------------------------
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _through_proc(fd: int) -> bool:
+    try:
+        return _identity(os.stat(f"/proc/self/fd/{fd}")) == _identity(os.fstat(fd))
+    except OSError:
+        return False
+
+
+# What each held descriptor's directory is called, for messages: an OS error raised through a
+# ``/proc/self/fd/N`` path names the directory as the user gave it. Kept after close (the error
+# reaches the CLI layer after the ``with``); a reused descriptor number overwrites its entry.
+_HELD_NAMES: dict[int, Path] = {}
+_THROUGH_FD = re.compile(r"/proc/self/fd/(\d+)")
+
+
+def display_path(text: str) -> str:
+    """``text`` with every ``/proc/self/fd/N`` of a held directory replaced by that directory's name."""
+    return _THROUGH_FD.sub(lambda m: str(_HELD_NAMES.get(int(m.group(1)), m.group(0))), text)
+
+
+class HeldDirectory:
+    """A directory opened once. Names inside it are created, renamed and removed through its
+    descriptor, so that a later swap of any component of its path (or of the directory itself)
+    changes nothing; :meth:`through` gives code that only takes paths a path that resolves through
+    the descriptor too."""
+
+    def __init__(self, fd: int, path: Path):
+        self.fd = fd
+        self.path = Path(path)  # for messages: what the user named
+        self._proc = _through_proc(fd)
+        _HELD_NAMES[fd] = self.path
+
+    @classmethod
+    def open(cls, path: Path) -> "HeldDirectory":
+        # The path resolves once, here, as the user gave it (a link of theirs, or a /proc/self/fd
+        # path of a directory already held); from then on only the descriptor counts.
+        try:
+            fd = os.open(path, _DIRECTORY)
+        except OSError as e:
+            raise FlashnextError(f"cannot open the directory {path}: {e.strerror}") from None
+        return cls(fd, path)
+
+    def open_directory(self, name: str) -> "HeldDirectory":
+        """A directory inside this one, never through a link."""
+        return HeldDirectory(os.open(name, _DIRECTORY | os.O_NOFOLLOW, dir_fd=self.fd), self.path / name)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "HeldDirectory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def identity(self) -> tuple[int, int]:
+        return _identity(os.fstat(self.fd))
+
+    def through(self, name: str = "") -> Path:
+        """A path to ``name`` inside this directory that resolves through the descriptor (Linux's
+        ``/proc/self/fd``; without /proc, the plain path). Only for this process's own opens."""
+        base = Path(f"/proc/self/fd/{self.fd}") if self._proc else self.path
+        return base / name if name else base
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def holds(self, name: str, identity: tuple[int, int]) -> bool:
+        """Whether ``name`` here is still the very file or directory ``identity`` (not a link to it)."""
+        st = self.lstat(name)
+        return st is not None and _identity(st) == identity
+
+    def create(self, name: str, flags: int = os.O_WRONLY, mode: int = 0o644) -> int:
+        """A new file ``name``, created exclusively, never through a link."""
+        return os.open(name, flags | _CREATE, mode, dir_fd=self.fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def remove_tree(self, name: str) -> None:
+        """Remove ``name`` here: a link or file by unlinking, a directory with all it holds (never
+        following a link inside it)."""
+        st = self.lstat(name)
+        if st is None:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=self.fd)
+        else:
+            os.unlink(name, dir_fd=self.fd)
+
+
+# --- overlap of outputs and inputs ----------------------------------------------------------------
+
 def refuse_overlap(out: Path, inputs: dict[str, Path | None]) -> None:
-    """Refuse an output that is, contains or lies inside one of the named inputs."""
+    """Refuse an output that is, contains or lies inside one of the named inputs (by path, before
+    any work; :func:`refuse_overlap_open` checks again what is actually opened)."""
     o = Path(out).resolve()
     for label, path in inputs.items():
         if path is None:
@@ -74,35 +192,153 @@ def refuse_overlap(out: Path, inputs: dict[str, Path | None]) -> None:
                                  "write somewhere else")
 
 
+def _ancestry(fd: int) -> set[tuple[int, int]]:
+    """The identities of the directory open as ``fd`` and of every directory above it."""
+    seen: set[tuple[int, int]] = set()
+    here = os.open(".", _LOOKUP | os.O_DIRECTORY, dir_fd=fd)
+    try:
+        while True:
+            ident = _identity(os.fstat(here))
+            if ident in seen:  # "/" is its own parent
+                return seen
+            seen.add(ident)
+            up = os.open("..", _LOOKUP | os.O_DIRECTORY, dir_fd=here)
+            os.close(here)
+            here = up
+    finally:
+        os.close(here)
+
+
+def _input_identity(path: Path) -> tuple[tuple[int, int], set[tuple[int, int]]] | None:
+    """An input's identity (what reading it opens) and its ancestors'; None when it does not exist
+    (its reader refuses it)."""
+    try:
+        fd = os.open(path, _LOOKUP)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return _identity(st), _ancestry(fd)
+    finally:
+        os.close(fd)
+    try:
+        parent = os.open(os.path.dirname(os.path.realpath(path)), _LOOKUP | os.O_DIRECTORY)
+    except OSError:
+        return _identity(st), set()
+    try:
+        return _identity(st), _ancestry(parent)
+    finally:
+        os.close(parent)
+
+
+def refuse_overlap_open(parent: HeldDirectory, name: str, inputs: dict[str, Path | None]) -> None:
+    """:func:`refuse_overlap` for what is open: the output ``name`` written in the held ``parent``
+    must not be, contain or lie inside an input, by device and inode, whatever the paths now say."""
+    out = parent.path / name
+    where = _ancestry(parent.fd)
+    existing = parent.lstat(name)
+    existing = _identity(existing) if existing is not None else None
+    for label, path in inputs.items():
+        if path is None:
+            continue
+        found = _input_identity(path)
+        if found is None:
+            continue
+        ident, above = found
+        if existing == ident:
+            raise FlashnextError(f"{out} is {label} itself; write somewhere else")
+        if ident in where:
+            raise FlashnextError(f"{out} lies inside {label} {path}, which flashnext never writes into; "
+                                 "write somewhere else")
+        if existing is not None and existing in above:
+            raise FlashnextError(f"{out} contains {label} {path}; replacing it would delete the input: "
+                                 "write somewhere else")
+
+
+# --- markers --------------------------------------------------------------------------------------
+
+def _parse_marker(text: str) -> dict | None:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("made_by"), str) else None
+
+
 def read_output_marker(directory: Path) -> dict | None:
     """The marker of a directory flashnext made, or None."""
     marker = Path(directory) / OUTPUT_MARKER
     if marker.is_symlink() or not marker.is_file():
         return None
     try:
-        data = json.loads(marker.read_text())
+        return _parse_marker(marker.read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and isinstance(data.get("made_by"), str) else None
+
+
+def _marker_at(parent: HeldDirectory, name: str) -> dict | None:
+    """The marker of the directory ``name`` in ``parent`` (None for a link, a file, or a directory
+    flashnext did not make)."""
+    try:
+        directory = parent.open_directory(name)
+    except OSError:
+        return None
+    try:
+        fd = os.open(OUTPUT_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory.fd)
+    except OSError:
+        return None
+    finally:
+        directory.close()
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        try:
+            return _parse_marker(f.read(1 << 16).decode())
+        except (OSError, ValueError):
+            return None
 
 
 def require_flashnext_output(out: Path) -> None:
     """``--force`` may replace ``out`` only when it is a directory flashnext made."""
     if out.is_symlink() or not out.is_dir() or read_output_marker(out) is None:
-        raise FlashnextError(f"{out} exists and was not made by flashnext (no {OUTPUT_MARKER}); --force only "
-                             "replaces flashnext's own output: remove it yourself or choose another --out")
+        _not_flashnexts(out)
 
+
+def _not_flashnexts(out: Path):
+    raise FlashnextError(f"{out} exists and was not made by flashnext (no {OUTPUT_MARKER}); --force only "
+                         "replaces flashnext's own output: remove it yourself or choose another --out")
+
+
+def write_new(path: Path, data: bytes | str) -> None:
+    """A new file at ``path`` (inside an output being built), created exclusively and never through
+    a link."""
+    fd = os.open(path, os.O_WRONLY | _CREATE, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+def write_marker(directory: Path, made_by: str) -> None:
+    from flashnext import __version__
+
+    write_new(Path(directory) / OUTPUT_MARKER,
+               (json.dumps({"made_by": made_by, "flashnext_version": __version__}) + "\n").encode())
+
+
+# --- files inside an output being built -----------------------------------------------------------
 
 def output_file(root: Path, relative: str) -> Path:
-    """A file path inside the output being built, its parent directories created."""
+    """A new, empty file inside the output being built (created exclusively, never through a link),
+    its parent directories created."""
     path = confined(root, relative, "output")
     path.parent.mkdir(parents=True, exist_ok=True)
+    write_new(path, b"")
     return path
 
 
 def write_json(path: Path, obj) -> None:
-    """A small JSON file inside an output being built (the output itself is renamed into place)."""
-    Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+    """A small new JSON file inside an output being built (the output itself is renamed into place)."""
+    write_new(Path(path), (json.dumps(obj, indent=2) + "\n").encode())
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -129,17 +365,34 @@ def fsync_dir(path: Path) -> None:
 
 
 def make_parents(path: Path) -> list[Path]:
-    """Create ``path``'s missing parent directories; returns those created, deepest last."""
+    """Create ``path``'s missing parent directories; returns those created, deepest last. Each is
+    made inside the one above it as opened, so a swapped component cannot send the next elsewhere."""
     created = []
-    for parent in reversed(Path(path).absolute().parents):
-        if not parent.exists():
+    chain = list(reversed(Path(path).absolute().parents))
+    here = os.open(chain[0], _LOOKUP | os.O_DIRECTORY)
+    try:
+        for parent in chain[1:]:
             try:
-                parent.mkdir()
-            except FileExistsError:
-                continue
+                below = os.open(parent.name, _LOOKUP | os.O_DIRECTORY, dir_fd=here)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(parent.name, 0o777, dir_fd=here)
+                    created.append(parent)
+                except FileExistsError:
+                    pass
+                except OSError as e:
+                    raise FlashnextError(f"cannot create {parent}: {e.strerror}") from None
+                try:
+                    below = os.open(parent.name, _LOOKUP | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=here)
+                except OSError as e:
+                    raise FlashnextError(f"cannot create {parent}: {e.strerror}") from None
             except OSError as e:
-                raise FlashnextError(f"cannot create {parent}: {e.strerror}") from None
-            created.append(parent)
+                raise FlashnextError(f"cannot create {path}: {parent} is not a directory one can enter "
+                                     f"({e.strerror})") from None
+            os.close(here)
+            here = below
+    finally:
+        os.close(here)
     return created
 
 
@@ -151,111 +404,265 @@ def remove_empty(directories: Iterable[Path]) -> None:
             break
 
 
-@contextmanager
-def output_lock(out: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``out`` (a sibling ``.NAME.lock``); a second writer is refused."""
-    out = Path(out).absolute()
-    lock = out.parent / f".{out.name}.lock"
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise FlashnextError(f"another flashnext process is writing {out} (lock {lock}); "
-                                     "wait for it to finish or stop it") from None
-            raise
-        # The holder before us may have unlinked the file between our open and our flock.
-        try:
-            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
+# --- the lock -------------------------------------------------------------------------------------
+
+def _open_lock(parent: HeldDirectory, name: str, lock: Path) -> int | None:
+    """The lock file, created exclusively, or the one a writer before us left (a regular file of
+    ours with one link); None when it vanished between two looks."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        yield
-    finally:
-        lock.unlink(missing_ok=True)
+        return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=parent.fd)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(name, flags, dir_fd=parent.fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise FlashnextError(f"the lock {lock} is a symbolic link, not flashnext's lock; remove it "
+                                 "(someone else can write in that folder?)") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
         os.close(fd)
+        raise FlashnextError(f"the lock {lock} is not flashnext's lock (a regular file of yours with one link); "
+                             "remove it (someone else can write in that folder?)")
+    return fd
 
 
-def _leftovers(out: Path) -> list[Path]:
-    """What killed writers of ``out`` left beside it (only called under the output's lock)."""
-    prefixes = (f".{out.name}.partial-", f".{out.name}.old-", f".{out.name}.tmp-")
-    return [p for p in out.parent.iterdir() if p.name.startswith(prefixes)]
+@contextmanager
+def output_lock(out: Path) -> Iterator[HeldDirectory]:
+    """Hold an exclusive lock on ``out`` (a sibling ``.NAME.lock``); a second writer is refused.
+    Yields ``out``'s parent, held open: write ``out`` and its temporary siblings through it."""
+    out = Path(out).absolute()
+    name = f".{out.name}.lock"
+    lock = out.parent / name
+    parent = HeldDirectory.open(out.parent)
+    try:
+        while True:
+            fd = _open_lock(parent, name, lock)
+            if fd is None:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise FlashnextError(f"another flashnext process is writing {out} (lock {lock}); "
+                                         "wait for it to finish or stop it") from None
+                raise
+            # The holder before us may have unlinked the file between our open and our flock.
+            mine = _identity(os.fstat(fd))
+            if parent.holds(name, mine):
+                break
+            os.close(fd)
+        try:
+            yield parent
+        finally:
+            if parent.holds(name, mine):
+                os.unlink(name, dir_fd=parent.fd)
+            os.close(fd)
+    finally:
+        parent.close()
 
 
-def remove_leftovers(out: Path) -> None:
-    """Remove the temporary siblings of ``out`` that dead writers left: directories only when they
-    carry flashnext's marker (or are empty), files only by their temporary names."""
-    for p in _leftovers(out):
-        if p.is_symlink() or p.is_file():
-            if ".tmp-" in p.name:
-                p.unlink(missing_ok=True)
-        elif p.is_dir() and (read_output_marker(p) is not None or not any(p.iterdir())):
-            shutil.rmtree(p, ignore_errors=True)
+# --- leftovers ------------------------------------------------------------------------------------
+
+def _temporary_names(name: str) -> re.Pattern:
+    """flashnext's own temporary names for ``name``, exactly: ``.NAME.partial-PID``,
+    ``.NAME.old-PID`` and ``.NAME.tmp-PID`` (not ``.NAME.partial-1x``, nor another output's)."""
+    return re.compile(rf"\.{re.escape(name)}\.(?P<kind>partial|old|tmp)-(?P<pid>[1-9][0-9]{{0,9}})")
 
 
-def write_marker(directory: Path, made_by: str) -> None:
-    from flashnext import __version__
+def _writer_gone(pid: int) -> bool:
+    """Whether the process that named a temporary file is over (our own earlier attempts are: we
+    hold the output's lock). A live one's name is not ours to remove, whatever it looks like."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
 
-    (Path(directory) / OUTPUT_MARKER).write_text(
-        json.dumps({"made_by": made_by, "flashnext_version": __version__}) + "\n")
+
+def remove_leftovers(out: Path, parent: HeldDirectory | None = None) -> Path | None:
+    """Remove the temporary siblings of ``out`` that dead writers left, by their exact names: links
+    (removing a link changes nothing it points at), files only by their ``.tmp-`` names, directories
+    only when they carry flashnext's marker (or are empty). A previous output that a ``--force``
+    replace had moved aside (``.OUT.old-PID``) when it was killed is put back when ``out`` is missing;
+    returns its path then (only called under the output's lock)."""
+    out = Path(out).absolute()
+    if parent is None:
+        with HeldDirectory.open(out.parent) as held:
+            return remove_leftovers(out, held)
+    pattern = _temporary_names(out.name)
+    set_aside: list[tuple[int, str]] = []
+    for name in sorted(os.listdir(parent.fd)):
+        m = pattern.fullmatch(name)
+        st = parent.lstat(name) if m else None
+        if st is None or not _writer_gone(int(m["pid"])):
+            continue
+        if stat.S_ISLNK(st.st_mode) or (stat.S_ISREG(st.st_mode) and m["kind"] == "tmp"):
+            os.unlink(name, dir_fd=parent.fd)
+        elif stat.S_ISDIR(st.st_mode) and _marker_at(parent, name) is not None and m["kind"] == "old":
+            set_aside.append((st.st_mtime_ns, name))
+        elif stat.S_ISDIR(st.st_mode) and (_marker_at(parent, name) is not None or _empty(parent, name)):
+            parent.remove_tree(name)
+    restored = None
+    if set_aside and parent.lstat(out.name) is None:
+        newest = max(set_aside)
+        set_aside.remove(newest)
+        parent.rename(newest[1], out.name)
+        restored = out.parent / newest[1]
+    for _, name in set_aside:
+        parent.remove_tree(name)
+    return restored
+
+
+def _empty(parent: HeldDirectory, name: str) -> bool:
+    try:
+        with parent.open_directory(name) as d:
+            return not os.listdir(d.fd)
+    except OSError:
+        return False
+
+
+# --- atomic outputs -------------------------------------------------------------------------------
+
+def _renameat2(fd: int, src: str, dst: str, flags: int) -> bool:
+    """``renameat2(2)`` in ``fd``; False where the system or the filesystem does not have it."""
+    import ctypes
+
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if call(fd, os.fsencode(src), fd, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def _commit(parent: HeldDirectory, partial: str, name: str, replacing: bool) -> None:
+    """Put the complete ``partial`` in ``name``'s place. At no moment is there no complete copy:
+    the old output and the new one swap in one step where the filesystem can; elsewhere the old
+    one is moved aside as ``.NAME.old-PID``, which the next writer puts back if this one dies."""
+    if not replacing:
+        if not _renameat2(parent.fd, partial, name, RENAME_NOREPLACE):
+            parent.rename(partial, name)
+        return
+    if _renameat2(parent.fd, partial, name, RENAME_EXCHANGE):
+        parent.remove_tree(partial)  # now the old output
+        return
+    old = f".{name}.old-{os.getpid()}"
+    parent.rename(name, old)
+    parent.rename(partial, name)
+    parent.remove_tree(old)
 
 
 @contextmanager
 def atomic_directory(out: Path, force: bool = False, inputs: dict[str, Path | None] | None = None,
-                     made_by: str = "flashnext") -> Iterator[Path]:
+                     made_by: str = "flashnext", held: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of ``out`` to build in; rename it to ``out`` only on success.
 
-    ``out`` must not be, contain or lie inside any of ``inputs``. An existing ``out`` is refused
-    unless ``force``, and even then only if flashnext made it; it is replaced only once the new one
-    is complete. On any exception the temporary directory is removed and ``out`` is left as it was.
+    ``out`` must not be, contain or lie inside any of ``inputs`` (checked by path first, then on
+    the directories opened, again before the rename). An existing ``out`` is refused unless
+    ``force``, and even then only if flashnext made it; it is replaced only once the new one is
+    complete. On any exception the temporary directory is removed and ``out`` is left as it was.
+
+    With ``held`` the yielded path resolves through the temporary directory's descriptor, so that
+    swapping it or its parent for a link changes nothing; it is good for this process's own opens
+    only (not for a child process's command line).
     """
     out = Path(out).absolute()
-    refuse_overlap(out, inputs or {})
+    inputs = inputs or {}
+    refuse_overlap(out, inputs)
     created = make_parents(out)
     try:
-        with output_lock(out):
-            remove_leftovers(out)
-            if out.exists() or out.is_symlink():
+        with output_lock(out) as parent:
+            refuse_overlap_open(parent, out.name, inputs)
+            restored = remove_leftovers(out, parent)
+            existing = parent.lstat(out.name)
+            if existing is not None:
                 if not force:
-                    raise FlashnextError(f"{out} already exists: choose another --out or pass --force")
-                require_flashnext_output(out)
-            tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-            tmp.mkdir()
+                    how = f" (put back from {restored.name}, left by a --force replace that was interrupted)" \
+                        if restored else ""
+                    raise FlashnextError(f"{out} already exists{how}: choose another --out or pass --force")
+                if not stat.S_ISDIR(existing.st_mode) or _marker_at(parent, out.name) is None:
+                    _not_flashnexts(out)
+            name = f".{out.name}.partial-{os.getpid()}"
             try:
-                write_marker(tmp, made_by)
-                yield tmp
-                fsync_dir(tmp)
-                if out.exists():
-                    old = out.parent / f".{out.name}.old-{os.getpid()}"
-                    os.rename(out, old)
-                    os.rename(tmp, out)
-                    shutil.rmtree(old)
-                else:
-                    os.rename(tmp, out)
-                fsync_dir(out.parent)
+                os.mkdir(name, 0o777, dir_fd=parent.fd)
+            except FileExistsError:
+                raise FlashnextError(f"{out.parent / name} exists and is not a leftover of flashnext's; "
+                                     "remove it") from None
+            try:
+                partial = parent.open_directory(name)
+            except OSError:
+                raise FlashnextError(f"{out.parent / name} was replaced as it was made; is someone else "
+                                     "writing in that folder?") from None
+            mine = partial.identity()
+            try:
+                write_marker(partial.through(), made_by)
+                yield partial.through() if held else out.parent / name
+                os.fsync(partial.fd)
+                if not parent.holds(name, mine):
+                    raise FlashnextError(f"{out.parent / name} was replaced while it was being written; "
+                                         "is someone else writing in that folder?")
+                refuse_overlap_open(parent, out.name, inputs)
+                _commit(parent, name, out.name, replacing=existing is not None)
+                os.fsync(parent.fd)
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                if parent.holds(name, mine):
+                    parent.remove_tree(name)
                 raise
+            finally:
+                partial.close()
     except BaseException:
         remove_empty(created)
         raise
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a small file via a temporary sibling and rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def write_text_at(parent: HeldDirectory, name: str, text: str) -> None:
+    """Write the small file ``name`` in the held ``parent`` via a temporary sibling and a rename."""
+    tmp = f".{name}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
+        fd = parent.create(tmp)
+    except FileExistsError:
+        # Our own temporary name: a leftover, or a link someone planted. Removing the name changes
+        # nothing it points at; anything else there is refused.
+        st = parent.lstat(tmp)
+        if st is None or not (stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            raise FlashnextError(f"{parent.path / tmp} exists and is not a leftover of flashnext's; remove it") from None
+        os.unlink(tmp, dir_fd=parent.fd)
+        fd = parent.create(tmp)
+    mine = _identity(os.fstat(fd))
+    try:
+        with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        parent.rename(tmp, name)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if parent.holds(tmp, mine):
+            os.unlink(tmp, dir_fd=parent.fd)
         raise
+
+
+def write_text_atomic(path: Path, text: str, inputs: dict[str, Path | None] | None = None) -> None:
+    """Write a small file via a temporary sibling and rename, through its parent held open;
+    ``inputs`` it may not be, contain or lie inside (checked on what is open)."""
+    path = Path(path)
+    with HeldDirectory.open(path.parent) as parent:
+        if inputs:
+            refuse_overlap_open(parent, path.name, inputs)
+        write_text_at(parent, path.name, text)

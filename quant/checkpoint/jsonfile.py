@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.inputs import read_regular_bytes
 
 M = TypeVar("M")
 
@@ -33,19 +34,54 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        # Python reads 1e400 as inf, which json.dumps would write back as Infinity, no JSON at all.
+        raise ValueError(f"number {text} is out of range (read as {value})")
+    return value
+
+
+# Deeper than any document flashnext reads (a config is about 6 levels); what nests deeper would
+# cost the copies, merges and validators after the parse a RecursionError.
+MAX_DEPTH = 64
+_TOO_DEEP = object()
+
+
+def _depth_exceeds(data: Any, limit: int) -> bool:
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
 def parse_json(text: str | bytes, where: str) -> Any:
-    """Strict JSON: no duplicate keys, no NaN/Infinity."""
+    """Strict JSON: no duplicate keys, no NaN/Infinity and no number that only reads as one, nested
+    at most :data:`MAX_DEPTH` deep."""
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:
+        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                          parse_float=_finite)
+    except RecursionError:
+        data = _TOO_DEEP  # nested past the interpreter's own limit, so past ours too
+    except ValueError as e:
         raise FlashnextError(f"{where}: not valid JSON ({str(e).splitlines()[0]})") from None
+    if data is _TOO_DEEP or isinstance(data, (dict, list)) and _depth_exceeds(data, MAX_DEPTH):
+        raise FlashnextError(f"{where}: JSON nested more than {MAX_DEPTH} levels deep; no file flashnext "
+                             "reads is")
+    return data
 
 
 def read_json(path: Path, what: str, expect: type = dict) -> Any:
     """The JSON document at ``path`` (``what`` it is, for the message), of type ``expect``."""
     path = Path(path)
     try:
-        text = path.read_bytes()
+        text = read_regular_bytes(path, what)
     except FileNotFoundError:
         raise FlashnextError(f"{path}: missing ({what})") from None
     except IsADirectoryError:
@@ -85,8 +121,10 @@ def read_model(path: Path, model: type[M], what: str) -> M:
     return validate(read_json(path, what), model, str(path))
 
 
-def get_int(obj: dict, key: str, where: str, minimum: int | None = None, default: int | None = None) -> int:
-    """``obj[key]`` as an int (a JSON integer, or a float with an integral value), at least ``minimum``."""
+def get_int(obj: dict, key: str, where: str, minimum: int | None = None, default: int | None = None,
+            maximum: int | None = None) -> int:
+    """``obj[key]`` as an int (a JSON integer, or a float with an integral value), at least ``minimum``
+    and at most ``maximum``."""
     if key not in obj:
         if default is not None:
             return default
@@ -98,6 +136,8 @@ def get_int(obj: dict, key: str, where: str, minimum: int | None = None, default
     value = int(value)
     if minimum is not None and value < minimum:
         raise FlashnextError(f"{where}: {key} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise FlashnextError(f"{where}: {key} must be at most {maximum}, got {value}")
     return value
 
 

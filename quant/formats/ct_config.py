@@ -10,6 +10,7 @@ draft head's modules are looked up as ``mtp.layers.{num_hidden_layers + k}...`` 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 
 from flashnext.errors import FlashnextError
@@ -51,9 +52,81 @@ def checked_quantization_config(quantization_config: object, where: str) -> dict
     return quantization_config
 
 
+# The names matched are module paths of a few dozen characters and the patterns that select them
+# short; a longer or more ambiguous pattern is refused rather than risked (Python's `re` has no
+# time limit, and `(a+)+$` against one 40-character name backtracks for hours).
+PATTERN_LIMIT = 512
+# Quantifiers that may take a varying count ("*", "+", "?", "{m,n}"): k of them in a row can try
+# every way of splitting a name among them, C(len + k, k); 6 against a 70-character name is
+# ~0.3 s.
+VARIABLE_QUANTIFIER_LIMIT = 6
+
+
+def _refuse(entry: str, why: str) -> FlashnextError:
+    shown = repr(entry[:80]) + ("..." if len(entry) > 80 else "")
+    return FlashnextError(f"quantization_config: the target or ignore pattern {shown} {why}")
+
+
+_SLOW = "; matching it can take exponential time: write a simpler pattern (the names are short module paths)"
+
+
+def _check_quantifiers(entry: str, parsed, inside_repeat: bool, counts: list[int]) -> None:
+    """Refuse what makes a backtracking match exponential: a quantifier or an alternation inside a
+    repeated group (``(a+)+``, ``(a?){30}``, ``(a|ab)*``), or too many quantifiers in a row."""
+    from re import _constants as c
+
+    for op, av in parsed:
+        if op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+            low, high, body = av
+            variable = low != high
+            if inside_repeat and variable:
+                raise _refuse(entry, "has a quantifier inside a repeated group" + _SLOW)
+            counts[0] += variable
+            if counts[0] > VARIABLE_QUANTIFIER_LIMIT:
+                raise _refuse(entry, f"has more than {VARIABLE_QUANTIFIER_LIMIT} quantifiers" + _SLOW)
+            _check_quantifiers(entry, body, inside_repeat or high > 1, counts)
+        elif op is c.BRANCH:
+            if inside_repeat:
+                raise _refuse(entry, "has an alternation inside a repeated group" + _SLOW)
+            for branch in av[1]:
+                _check_quantifiers(entry, branch, inside_repeat, counts)
+        elif op is c.SUBPATTERN:
+            _check_quantifiers(entry, av[-1], inside_repeat, counts)
+        elif op in (c.ASSERT, c.ASSERT_NOT):
+            _check_quantifiers(entry, av[1], inside_repeat, counts)
+        elif op is c.ATOMIC_GROUP:
+            _check_quantifiers(entry, av, inside_repeat, counts)
+        elif op is c.GROUPREF_EXISTS:
+            for branch in av[1:]:
+                if branch is not None:
+                    _check_quantifiers(entry, branch, inside_repeat, counts)
+
+
+@functools.lru_cache(maxsize=1024)
+def bounded_pattern(entry: str) -> re.Pattern:
+    """The compiled regular expression of a ``re:`` target or ``ignore`` entry, refused in one line
+    when it is not a valid expression, is longer than :data:`PATTERN_LIMIT` or could backtrack
+    without bound."""
+    pattern = entry[3:]
+    if len(pattern) > PATTERN_LIMIT:
+        raise _refuse(entry, f"is longer than {PATTERN_LIMIT} characters" + _SLOW)
+    try:
+        compiled = re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise _refuse(entry, f"is not a valid regular expression ({e})") from None
+    from re import _parser  # the parse `re.compile` itself makes: the only exact reading of the syntax
+
+    _check_quantifiers(entry, _parser.parse(pattern), False, [0])
+    return compiled
+
+
 def _matches(entry: str, name: str) -> bool:
+    """compressed-tensors' matcher (``re:`` entries with ``re.match``, others by equality), with
+    every pattern checked by :func:`bounded_pattern` first."""
+    if not isinstance(entry, str):
+        raise FlashnextError(f"quantization_config: target or ignore entry {entry!r} is not a string")
     if entry.startswith("re:"):
-        return re.match(entry[3:], name) is not None
+        return bounded_pattern(entry).match(name) is not None
     return entry == name
 
 

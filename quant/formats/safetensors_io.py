@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.inputs import FileIdentity, check_still, check_unchanged, open_regular
 from flashnext.quant.checkpoint.jsonfile import parse_json
 
 HEADER_LIMIT = 100 * 1024 * 1024
@@ -45,6 +46,8 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int  # absolute file offset of the first byte
     end: int
+    # The version of the file whose header this entry came from: its bytes are read only from that.
+    source: FileIdentity | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -58,10 +61,17 @@ class ShardHeader:
     metadata: dict[str, str]
     data_start: int
     header_bytes: bytes  # the raw length prefix and JSON, for hashing
+    identity: FileIdentity | None = field(default=None, compare=False, repr=False)
 
     @property
     def file_size(self) -> int:
         return max((e.end for e in self.entries.values()), default=self.data_start)
+
+    def check_unchanged(self) -> None:
+        """The file is still the version this header was read from: an output made from it calls
+        this just before its final rename, so that a rewrite after the last read is caught too."""
+        if self.identity is not None:
+            check_unchanged(self.path, self.identity)
 
     def specs_in_file_order(self) -> list["TensorSpec"]:
         """Every tensor's spec, in the order its bytes lie in the file."""
@@ -76,7 +86,8 @@ def read_header(path: Path) -> ShardHeader:
     :class:`FlashnextError` naming the file and the tensor."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "a safetensors file") as f:
+            opened = FileIdentity.of_open(f)
             prefix = f.read(8)
             if len(prefix) != 8:
                 raise FlashnextError(f"{path}: not a safetensors file (shorter than 8 bytes)")
@@ -84,7 +95,8 @@ def read_header(path: Path) -> ShardHeader:
             if length > HEADER_LIMIT:
                 raise FlashnextError(f"{path}: safetensors header of {length} bytes is implausible")
             raw = f.read(length)
-            size = os.fstat(f.fileno()).st_size
+            check_still(f, opened, path)
+            size = opened.size
     except FileNotFoundError:
         raise FlashnextError(f"{path}: file not found") from None
     except IsADirectoryError:
@@ -114,7 +126,8 @@ def read_header(path: Path) -> ShardHeader:
         what = "truncated" if data_start + cursor > size else "has trailing bytes"
         raise FlashnextError(f"{path}: {what}: the header describes {data_start + cursor} bytes, "
                              f"the file has {size}")
-    return ShardHeader(path, entries, metadata, data_start, prefix + raw)
+    return ShardHeader(path, {name: replace(e, source=opened) for name, e in entries.items()}, metadata,
+                       data_start, prefix + raw, opened)
 
 
 def _entry(path: Path, name: str, info: object, data_start: int) -> TensorEntry:
@@ -195,7 +208,8 @@ class ShardWriter:
         prefix, offsets = _encode_header(specs, metadata or {})
         self._base = len(prefix)
         self._offsets = offsets
-        self._pending = set(self.specs)
+        # A 0-element tensor (safetensors allows them) has no bytes for anyone to write.
+        self._pending = {s.name for s in specs if s.nbytes}
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.pwrite(self._fd, prefix, 0)
         self.size = len(prefix) + sum(s.nbytes for s in specs)
@@ -257,6 +271,22 @@ class ShardWriter:
 TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
 
 
+def _open_source(source: Path, entry: TensorEntry, buffering: int = -1):
+    """``source`` opened to read ``entry``'s bytes: the same version of the file its header came from."""
+    f = open_regular(source, "a safetensors file", buffering=buffering)
+    try:
+        _check_source(f, entry, source)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _check_source(f, entry: TensorEntry, source: Path) -> None:
+    if entry.source is not None:
+        check_still(f, entry.source, source)
+
+
 def read_rows(source: Path, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
     """Read ``tensor[start:stop]`` (along dim 0) with ``pread`` into a private buffer.
 
@@ -269,13 +299,14 @@ def read_rows(source: Path, entry: TensorEntry, start: int, stop: int) -> torch.
     length = (stop - start) * row_bytes
     buffer = bytearray(length)
     view = memoryview(buffer)
-    with open(source, "rb", buffering=0) as f:
+    with _open_source(source, entry, buffering=0) as f:
         done = 0
         while done < length:
             n = os.preadv(f.fileno(), [view[done:]], entry.begin + start * row_bytes + done)
             if n <= 0:
                 raise FlashnextError(f"{source}: truncated inside tensor {entry.name}")
             done += n
+        _check_source(f, entry, source)
     if not length:
         return torch.empty((stop - start, *entry.shape[1:]), dtype=TORCH_DTYPES[entry.dtype])
     return torch.frombuffer(buffer, dtype=TORCH_DTYPES[entry.dtype]).view(stop - start, *entry.shape[1:])
@@ -284,7 +315,7 @@ def read_rows(source: Path, entry: TensorEntry, start: int, stop: int) -> torch.
 def copy_tensor_bytes(source: Path, entry: TensorEntry, writer: ShardWriter,
                       chunk: int = 64 << 20) -> None:
     """Copy one tensor's raw bytes from ``source`` into ``writer`` under the same name, unchanged."""
-    with open(source, "rb") as f:
+    with _open_source(source, entry) as f:
         done = 0
         while done < entry.nbytes:
             data = os.pread(f.fileno(), min(chunk, entry.nbytes - done), entry.begin + done)
@@ -292,3 +323,4 @@ def copy_tensor_bytes(source: Path, entry: TensorEntry, writer: ShardWriter,
                 raise FlashnextError(f"{source}: truncated inside tensor {entry.name}")
             writer.write_bytes(entry.name, data, done)
             done += len(data)
+        _check_source(f, entry, source)

@@ -28,8 +28,9 @@ from typing import ClassVar
 
 from flashnext.quant.checkpoint.fsutil import (atomic_directory, check_free_space, existing_ancestor, output_file,
                                                write_json)
-from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
-from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, copy_tensor_bytes, shard_size
+from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot, read_config, read_index
+from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, copy_tensor_bytes, read_header, shard_size
 from flashnext.quant.overlays.manifest import OverlayManifest
 
 BUILDERS: dict[str, type["OverlayBuilder"]] = {}
@@ -108,7 +109,9 @@ class OverlayBuilder(ABC):
         manifest = OverlayManifest.new(self.kind, self.tool, snap.origin)
         rewritten = self.rewritten()
         inputs = {"the source snapshot": snap.root, **self.inputs()}
-        with atomic_directory(out, force=force, inputs=inputs, made_by=self.tool) as tmp:
+        # Written through the partial directory's descriptor: a swap of it, or of its parent, for a
+        # link into the snapshot changes nothing.
+        with atomic_directory(out, force=force, inputs=inputs, made_by=self.tool, held=True) as tmp:
             writers = {f: ShardWriter(output_file(tmp, f), specs, metadata[f]) for f, specs in plans.items()}
             try:
                 for filename, writer in writers.items():
@@ -140,7 +143,25 @@ class OverlayBuilder(ABC):
             for name in files:
                 manifest.replace(tmp, name, snap.path(name))
             manifest.write(tmp)
+            check_readable(tmp, self.tool)
         return report
+
+
+def check_readable(overlay: Path, tool: str) -> None:
+    """Read the overlay about to be renamed into place with the readers its consumers use (``overlay
+    verify``, ``overlay apply`` and a snapshot opened over a view), so that an output any of them
+    would refuse fails the build, and nothing is written, instead of failing later."""
+    try:
+        for entry in OverlayManifest.load(overlay).files:
+            path = overlay / entry.path
+            if entry.path == CONFIG_FILE:
+                read_config(path)
+            elif entry.path == INDEX_FILE:
+                read_index(path)
+            elif entry.path.endswith(".safetensors"):
+                read_header(path)
+    except FlashnextError as e:
+        raise FlashnextError(f"{tool} wrote nothing: what it made would be refused when read back ({e})") from None
 
 
 def _total_size(snap: Snapshot, weight_map: dict[str, str], plans: dict[str, list[TensorSpec]]) -> int:

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Field, StringConstraints, field_validator
 
 from flashnext import __version__
 from flashnext.errors import FlashnextError
@@ -35,9 +35,30 @@ class BuilderInfo(StrictRecord):
     version: str
 
 
+def hub_repo_id_problem(repo_id: str) -> str | None:
+    """Why ``repo_id`` is not a Hugging Face repository id by huggingface_hub's own rules, or None."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        # huggingface_hub quotes the id as given: its line breaks must not break the message's one line.
+        return str(e).strip().replace("\r", "\\r").replace("\n", "\\n")
+    return None
+
+
 class BaseInfo(StrictRecord):
     repo_id: str | None
     revision: str | None
+
+    # The repo id goes into the model card's front matter and commands: only a real Hub id may.
+    @field_validator("repo_id")
+    @classmethod
+    def _hub_repo_id(cls, repo_id: str | None) -> str | None:
+        if repo_id is not None and (problem := hub_repo_id_problem(repo_id)):
+            raise ValueError(f"not a Hugging Face repository id ({problem})")
+        return repo_id
 
 
 class ReplacedFile(StrictRecord):
@@ -75,8 +96,10 @@ class OverlayManifest(StrictRecord):
 
     @classmethod
     def new(cls, kind: str, builder: str, base: SnapshotOrigin) -> "OverlayManifest":
+        # A cache folder name that does not spell a Hub repo id says nothing about the base's origin.
+        repo_id = base.repo_id if base.repo_id is not None and hub_repo_id_problem(base.repo_id) is None else None
         return cls(kind=kind, builder=BuilderInfo(name=builder, version=__version__),
-                   base=BaseInfo(repo_id=base.repo_id, revision=base.revision))
+                   base=BaseInfo(repo_id=repo_id, revision=base.revision))
 
     @classmethod
     def load(cls, overlay: Path) -> "OverlayManifest":

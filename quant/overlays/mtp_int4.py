@@ -281,8 +281,12 @@ class MtpInt4Builder(OverlayBuilder):
 
     def _load_calibration(self, path: Path) -> None:
         tc, where = self.snap.text_config, f"{self.snap.root / CONFIG_FILE}: text config"
-        calib = load_calibration(path, get_int(tc, "hidden_size", where, minimum=1))
         top_k = get_int(tc, "num_experts_per_tok", where, minimum=1)
+        experts = self.layers[0].num_experts
+        if top_k > experts:
+            raise FlashnextError(f"{where}: num_experts_per_tok {top_k} is more than num_experts {experts}; "
+                                 "--calib routes each token as the model does, to that many distinct experts")
+        calib = load_calibration(path, get_int(tc, "hidden_size", where, minimum=1))
         renormalize = bool(tc.get("norm_topk_prob", True))
         for layer in self.layers:
             router_name = f"{layer.prefix.removesuffix('.experts')}.gate.weight"
@@ -433,9 +437,10 @@ def check_report_path(report: Path, src: Path, out: Path) -> None:
                                  "choose another file")
 
 
-def write_report(report: Path, result: dict) -> None:
+def write_report(report: Path, result: dict, inputs: dict[str, Path | None] | None = None) -> None:
+    """Write ``--report``; it may not be, contain or lie inside ``inputs`` as opened when written."""
     make_parents(report)
-    write_text_atomic(report, json.dumps(result, indent=2) + "\n")
+    write_text_atomic(report, json.dumps(result, indent=2) + "\n", inputs=inputs)
 
 
 def usable_device(name: str) -> torch.device:

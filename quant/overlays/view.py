@@ -11,23 +11,26 @@ config.json's values (by JSON path). Two overlays that replace the same shard fi
 tensor, or the same config value differently are refused, because a safetensors shard cannot be
 merged without copying it.
 
-The view records its base and overlays in ``.flashnext-view.json`` so that ``overlay verify VIEW``
-can check it later.
+The view records in ``.flashnext-view.json`` its base, its overlays and what every entry must be (a
+link to a named base or overlay file, or a merged file with a sha256), so that ``overlay verify VIEW``
+checks every entry later in both directions: missing, extra, wrong kind, wrong target, wrong content.
+
+Only the files an overlay's manifest lists (and so pins by hash) are ever used: an overlay that
+ships an index or config.json its manifest does not list is refused rather than silently merged.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Iterable, Literal
 
 from flashnext import __version__
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, atomic_directory, confined, sha256_file
-from flashnext.quant.checkpoint.jsonfile import read_model
-from flashnext.quant.checkpoint.records import StrictRecord
+from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, atomic_directory, confined, sha256_file, write_json
+from flashnext.quant.checkpoint.jsonfile import read_json, validate
+from flashnext.quant.checkpoint.records import Count, Sha256, StrictRecord
 from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest, header_sha256
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot, read_config, read_index
 
@@ -35,13 +38,25 @@ VIEW_RECORD = ".flashnext-view.json"
 MERGED = (INDEX_FILE, CONFIG_FILE)
 
 
-class ViewRecord(StrictRecord):
-    """``VIEW/.flashnext-view.json``: what a view was made of."""
+VIEW_RECORD_VERSION = 2
 
-    flashnext_view: Literal[1]
+
+class MergedFile(StrictRecord):
+    sha256: Sha256
+    size: Count
+
+
+class ViewRecord(StrictRecord):
+    """``VIEW/.flashnext-view.json``: what a view was made of, and what each of its entries must be."""
+
+    flashnext_view: Literal[2]
     builder_version: str
     base: str
     overlays: list[str]
+    # entry name -> the absolute path it links to (the base's or an overlay's file of that name)
+    links: dict[str, str]
+    # entry name -> the merged file apply wrote there
+    files: dict[str, MergedFile]
 
 
 @dataclass(frozen=True)
@@ -53,11 +68,32 @@ class Mismatch:
         return f"{self.path}: {self.problem}"
 
 
+def unlisted_merged_files(manifest: OverlayManifest, present: Iterable[str]) -> list[str]:
+    """The index and config.json among ``present`` (an overlay's or a Hub repo's file names) that the
+    manifest does not list: unpinned, so nothing may use them."""
+    listed = {entry.path for entry in manifest.files}
+    present = set(present)
+    return [name for name in MERGED if name in present and name not in listed]
+
+
+def refuse_unlisted_merged_files(manifest: OverlayManifest, present: Iterable[str], where: str) -> None:
+    unlisted = unlisted_merged_files(manifest, present)
+    if unlisted:
+        raise FlashnextError(f"{where} ships {' and '.join(unlisted)}, which {MANIFEST_FILE} does not list "
+                             "(so nothing pins it); refusing an overlay with unpinned files")
+
+
+def _present_in(overlay: Path) -> list[str]:
+    return [name for name in MERGED if os.path.lexists(overlay / name)]
+
+
 def overlay_file_problems(overlay: Path, manifest: OverlayManifest | None = None) -> list[Mismatch]:
-    """The overlay's own files against its manifest, by size and content hash."""
+    """The overlay's own files against its manifest, by size and content hash; an index or
+    config.json it ships unlisted is a problem too."""
     overlay = Path(overlay)
     manifest = manifest or OverlayManifest.load(overlay)
-    problems = []
+    problems = [Mismatch(f"{overlay.name}/{name}", f"in the overlay but not listed in its {MANIFEST_FILE}")
+                for name in unlisted_merged_files(manifest, _present_in(overlay))]
     for entry in manifest.files:
         mine = confined(overlay, entry.path, str(overlay / MANIFEST_FILE))
         if not mine.is_file():
@@ -194,6 +230,8 @@ def apply_overlays(base: Path, overlays: list[Path], out: Path, verify: bool = T
     overlays = [Path(o).absolute() for o in overlays]
     snap = Snapshot.open(base)
     manifests = [OverlayManifest.load(o) for o in overlays]
+    for overlay, manifest in zip(overlays, manifests):
+        refuse_unlisted_merged_files(manifest, _present_in(overlay), str(overlay))
     if verify:
         for overlay in overlays:
             problems = verify_overlay(base, overlay)
@@ -216,10 +254,11 @@ def apply_overlays(base: Path, overlays: list[Path], out: Path, verify: bool = T
             provider[name] = overlay
 
     index_versions, config_versions, overlay_configs = [], [], []
-    for overlay in overlays:
-        if (overlay / INDEX_FILE).exists():
+    listed = [{entry.path for entry in manifest.files} for manifest in manifests]
+    for overlay, names in zip(overlays, listed):
+        if INDEX_FILE in names:
             index_versions.append((overlay.name, read_index(overlay / INDEX_FILE)["weight_map"]))
-        if (overlay / CONFIG_FILE).exists():
+        if CONFIG_FILE in names:
             overlay_config = read_config(overlay / CONFIG_FILE)
             overlay_configs.append(overlay_config)
             config_versions.append((overlay.name, _flatten(overlay_config)))
@@ -227,63 +266,119 @@ def apply_overlays(base: Path, overlays: list[Path], out: Path, verify: bool = T
     config = _unflatten(_merge_changes(_flatten(snap.config), config_versions, "config.json value"))
     _order_groups(config, snap.config, overlay_configs)
 
+    links: dict[str, str] = {}
+    for entry in sorted(base.iterdir()):
+        if entry.name not in MERGED and entry.name not in (VIEW_RECORD, OUTPUT_MARKER) and entry.name not in provider:
+            links[entry.name] = str(entry)
+    for name, overlay in provider.items():
+        links[name] = str(overlay / name)
+    merged: dict[str, object] = {}
+    for name, content in ((INDEX_FILE, dict(snap.index, weight_map=weight_map)), (CONFIG_FILE, config)):
+        if len(overlays) == 1 and name in listed[0]:
+            links[name] = str(overlays[0] / name)  # one overlay: its own file is the merge
+        else:
+            merged[name] = content
+
     inputs: dict[str, Path | None] = {"the base snapshot": base}
     inputs.update({f"the overlay {o}": o for o in overlays})
-    with atomic_directory(out, force=force, inputs=inputs, made_by="overlay apply") as tmp:
-        for entry in sorted(base.iterdir()):
-            if entry.name in MERGED or entry.name in (VIEW_RECORD, OUTPUT_MARKER) or entry.name in provider:
-                continue
-            os.symlink(entry, tmp / entry.name)
-        for name, overlay in provider.items():
-            os.symlink(overlay / name, tmp / name)
-        index = dict(snap.index, weight_map=weight_map)
-        if len(overlays) == 1 and (overlays[0] / INDEX_FILE).exists():
-            os.symlink(overlays[0] / INDEX_FILE, tmp / INDEX_FILE)
-        else:
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        if len(overlays) == 1 and (overlays[0] / CONFIG_FILE).exists():
-            os.symlink(overlays[0] / CONFIG_FILE, tmp / CONFIG_FILE)
-        else:
-            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        record = ViewRecord(flashnext_view=1, builder_version=__version__, base=str(base),
-                            overlays=[str(o) for o in overlays])
-        (tmp / VIEW_RECORD).write_text(json.dumps(record.model_dump(), indent=2) + "\n")
+    with atomic_directory(out, force=force, inputs=inputs, made_by="overlay apply", held=True) as tmp:
+        for name, target in links.items():
+            os.symlink(target, tmp / name)
+        files = {}
+        for name, content in merged.items():
+            write_json(tmp / name, content)
+            # The hash of what is on disk, so that verify compares like with like.
+            files[name] = MergedFile(sha256=sha256_file(tmp / name), size=(tmp / name).stat().st_size)
+        record = ViewRecord(flashnext_view=VIEW_RECORD_VERSION, builder_version=__version__, base=str(base),
+                            overlays=[str(o) for o in overlays], links=links, files=files)
+        write_json(tmp / VIEW_RECORD, record.model_dump())
     return {"view": str(Path(out).absolute()), "base": str(base), "overlays": [str(o) for o in overlays],
             "replaced_files": sorted(provider), "merged": [n for n in MERGED if len(overlays) > 1]}
 
 
 def read_view(view: Path) -> ViewRecord | None:
     """A view's record (None when ``view`` is no view); its base and overlays must be absolute
-    paths of directories outside the view."""
+    paths of directories outside the view, its entries top-level names, and each link's target the
+    base's or an overlay's file of the entry's own name."""
     path = Path(view) / VIEW_RECORD
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    record = read_model(path, ViewRecord, "a view record")
+    if path.is_symlink() or not path.is_file():
+        raise FlashnextError(f"{path}: the view record is not a regular file")
+    data = read_json(path, "a view record")
+    if data.get("flashnext_view") == 1:
+        raise FlashnextError(f"{path}: this view was made by an older flashnext that did not record what each "
+                             "entry must be; make it again with `flashnext overlay apply --force`")
+    record = validate(data, ViewRecord, str(path))
     for label, where in [("base", record.base)] + [(f"overlays.{i}", o) for i, o in enumerate(record.overlays)]:
         p = Path(where)
         if not p.is_absolute() or "\0" in where:
             raise FlashnextError(f"{path}: {label} {where!r} is not an absolute path")
         if p.resolve() == Path(view).resolve() or Path(view).resolve() in p.resolve().parents:
             raise FlashnextError(f"{path}: {label} {where!r} lies inside the view itself")
+    roots = [record.base, *record.overlays]
+    for name in [*record.links, *record.files]:
+        confined(Path(view), name, str(path))
+        if "/" in name or name in (VIEW_RECORD, OUTPUT_MARKER):
+            raise FlashnextError(f"{path}: {name!r} cannot be an entry of a view")
+    both = sorted(set(record.links) & set(record.files))
+    if both:
+        raise FlashnextError(f"{path}: {both[0]} is recorded both as a link and as a merged file")
+    for name, target in record.links.items():
+        if not any(target == str(Path(root) / name) for root in roots):
+            raise FlashnextError(f"{path}: links.{name} {target!r} is not the base's or an overlay's {name}")
     return record
 
 
+def _entry_problem(view: Path, name: str, record: ViewRecord) -> str | None:
+    """What is wrong with the view's entry ``name`` against its record, or None."""
+    entry = view / name
+    if name in record.links:
+        target = record.links[name]
+        if not os.path.lexists(entry):
+            return f"missing from the view (should link to {target})"
+        if not entry.is_symlink():
+            kind = "directory" if entry.is_dir() else "file"
+            return f"is a real {kind}, not the link to {target} the view was made with"
+        found = os.readlink(entry)
+        if found != target:
+            return f"links to {found}, not to {target} as the view was made"
+        if not entry.exists():
+            return f"dangling link to {target}"
+        return None
+    if name in record.files:
+        want = record.files[name]
+        if not os.path.lexists(entry):
+            return "missing from the view (a merged file overlay apply wrote)"
+        if entry.is_symlink() or not entry.is_file():
+            what = f"a link to {os.readlink(entry)}" if entry.is_symlink() else "not a regular file"
+            return f"is {what}, not the merged file overlay apply wrote"
+        if entry.stat().st_size != want.size or sha256_file(entry) != want.sha256:
+            return f"changed since the view was made (expected sha256 {want.sha256[:12]}…)"
+        return None
+    return "not part of the view (overlay apply did not make it)"
+
+
 def verify_view(view: Path, full: bool = False) -> list[Mismatch]:
-    """Verify every overlay of a view against the view's base, and that every link of the view
-    still points into the base or one of its overlays."""
+    """Verify every overlay of a view against the view's base, and every entry of the view against
+    its record, both ways: what the record names must be there as recorded, and nothing else may be."""
+    view = Path(view)
     record = read_view(view)
     if record is None:
         raise FlashnextError(f"{view}: not a flashnext view (no {VIEW_RECORD})")
     problems = []
     for overlay in record.overlays:
         problems += verify_overlay(Path(record.base), Path(overlay), full)
-    roots = [Path(record.base)] + [Path(o) for o in record.overlays]
-    for entry in sorted(Path(view).iterdir()):
-        if not entry.is_symlink():
-            continue
-        target = Path(os.readlink(entry))
-        if not entry.exists():
-            problems.append(Mismatch(entry.name, f"dangling link to {target}"))
-        elif not any(target == root / entry.name for root in roots):
-            problems.append(Mismatch(entry.name, f"links to {target}, outside the view's base and overlays"))
+        # A record whose links were rewritten to match a tampered view still cannot make a file the
+        # overlay replaces come from anywhere but the overlay.
+        for entry in OverlayManifest.load(Path(overlay)).files:
+            want = str(Path(overlay) / entry.path)
+            if entry.path not in MERGED and entry.path in record.links and record.links[entry.path] != want:
+                problems.append(Mismatch(entry.path, f"the view record links it to {record.links[entry.path]}, "
+                                                     f"but the overlay {overlay} replaces it"))
+    names = set(record.links) | set(record.files) | {e.name for e in os.scandir(view)}
+    for name in sorted(names - {VIEW_RECORD, OUTPUT_MARKER}):
+        problem = _entry_problem(view, name, record)
+        if problem:
+            problems.append(Mismatch(name, problem))
     return problems

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MASK64 = (1 << 64) - 1
+INT64_MAX = (1 << 63) - 1  # vLLM hashes token ids, EOS included, as int64
 SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
 SPLITMIX_M1 = 0xBF58476D1CE4E5B9
 SPLITMIX_M2 = 0x94D049BB133111EB
@@ -144,4 +145,4 @@ def ple_layout(text_config: dict, dense_layer_id: int = 0, where: str = "text_co
     padded = -(-total // divisor) * divisor
     return PleLayout(vocab, ngram_size, heads_per_ngram, embed_dim // num_heads, mult, sizes,
                      tuple(offsets), total, padded, get_int(c, "split_ngram_parts", where, minimum=1, default=512),
-                     get_int(c, "eos_token_id", where, minimum=0))
+                     get_int(c, "eos_token_id", where, minimum=0, maximum=INT64_MAX))

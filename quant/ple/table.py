@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import re
+import stat
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,12 +30,13 @@ from pydantic import Field, model_validator
 
 from flashnext import __version__
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.fsutil import (check_free_space, fsync_dir, make_parents, output_lock, refuse_overlap,
-                                    remove_empty, remove_leftovers, write_text_atomic)
-from flashnext.quant.checkpoint.jsonfile import get_int, read_json, validate
+from flashnext.quant.checkpoint.fsutil import (HeldDirectory, check_free_space, make_parents, output_lock,
+                                               refuse_overlap, refuse_overlap_open, remove_empty, remove_leftovers,
+                                               write_text_at)
+from flashnext.quant.checkpoint.jsonfile import get_int, parse_json, read_json, validate
 from flashnext.quant.checkpoint.records import Count, Sha256, StrictRecord
 from flashnext.quant.overlays.manifest import header_sha256
-from flashnext.quant.ple.layout import PleLayout, ple_layout
+from flashnext.quant.ple.layout import INT64_MAX, PleLayout, ple_layout
 from flashnext.quant.formats.safetensors_io import DTYPE_BYTES, TORCH_DTYPES, TensorEntry, read_rows
 from flashnext.quant.checkpoint.snapshot import Snapshot
 
@@ -159,16 +162,31 @@ def find_ple_source(snap: Snapshot, dense_layer_id: int = 0) -> PleSource:
         scale_name = f"{prefix}.ngram_embedding.weight_scale"
         if scale_name not in snap.weight_map:
             raise FlashnextError(f"FP8 PLE shards need their global scale {scale_name}, which is missing")
-        scale = _scalar(*snap.entry(scale_name))
+        scale = _global_scale(scale_name, *snap.entry(scale_name))
     return PleSource(layer, dense_layer_id, prefix, layout, dtype, layout.head_dim, shards, scale, differences)
 
 
-def _scalar(path: Path, entry: TensorEntry) -> float:
-    """The first element of a (usually 0-d or 1-element) tensor."""
+SCALE_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
+def _global_scale(name: str, path: Path, entry: TensorEntry) -> float:
+    """The FP8 table's global scale: one finite, positive floating-point value."""
+    if entry.dtype not in SCALE_DTYPES:
+        raise FlashnextError(f"{path}: {name} is {entry.dtype}; the FP8 PLE table's global scale is a "
+                             f"floating-point value ({', '.join(SCALE_DTYPES)})")
+    if math.prod(entry.shape) != 1:
+        raise FlashnextError(f"{path}: {name} has shape {list(entry.shape)}; the FP8 PLE table's global scale "
+                             "is one value")
     with open(path, "rb") as f:
         f.seek(entry.begin)
         data = bytearray(f.read(entry.nbytes))
-    return float(torch.frombuffer(data, dtype=TORCH_DTYPES[entry.dtype]).float()[0])
+    if len(data) != entry.nbytes:
+        raise FlashnextError(f"{path}: truncated inside tensor {name}")
+    value = float(torch.frombuffer(data, dtype=TORCH_DTYPES[entry.dtype]).float()[0])
+    if not value > 0 or not math.isfinite(value):
+        raise FlashnextError(f"{path}: {name} is {value!r}; the FP8 PLE table's global scale must be finite "
+                             "and positive")
+    return value
 
 
 class SidecarShard(StrictRecord):
@@ -190,7 +208,7 @@ class SidecarLayout(StrictRecord):
     rows: Count
     padded_rows: Count
     split_parts: Count
-    eos_token_id: int
+    eos_token_id: Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class Builder(StrictRecord):
@@ -221,7 +239,8 @@ class Sidecar(StrictRecord):
     layer: Count
     dense_layer_id: Count
     dtype: Literal["BF16", "F8_E4M3"]
-    scale: float | None
+    # What every FP8 row is multiplied by: -0, 0 or a negative value would serve nonsense.
+    scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None
     rows: Count
     row_elements: Annotated[int, Field(gt=0)]
     row_bytes: Annotated[int, Field(gt=0)]
@@ -234,6 +253,9 @@ class Sidecar(StrictRecord):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Sidecar":
+        if (self.dtype == "F8_E4M3") != (self.scale is not None):
+            raise ValueError("scale: an F8_E4M3 table needs its global scale" if self.scale is None
+                             else "scale: a BF16 table has no global scale (null)")
         if self.row_bytes != self.row_elements * DTYPE_BYTES[self.dtype]:
             raise ValueError(f"row_bytes {self.row_bytes} is not row_elements x {self.dtype}")
         if self.file_size != self.rows * self.row_bytes:
@@ -318,13 +340,6 @@ def _copy_shard(shard: TableShard, fd: int, row_bytes: int, progress) -> dict:
             "sha256": whole.hexdigest(), "block_sha256": blocks}
 
 
-def _allocated_bytes(path: Path) -> int:
-    try:
-        return os.stat(path).st_blocks * 512
-    except FileNotFoundError:
-        return 0
-
-
 def _flashnext_table(out: Path) -> bool:
     try:
         read_sidecar(out)
@@ -333,34 +348,74 @@ def _flashnext_table(out: Path) -> bool:
     return True
 
 
-def _resumable_shards(out: Path, identity: list, force: bool) -> dict[int, dict]:
-    """The shards an interrupted build of ``out`` already copied, if it was built from this very
-    source. A partial build from another source, or a damaged journal, is refused; ``force`` starts
-    over instead."""
+def _read_entry(parent: HeldDirectory, name: str) -> bytes:
+    """The bytes of the regular file ``name`` in ``parent``, never through a link."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent.fd)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FlashnextError(f"{parent.path / name} is not a regular file")
+        return f.read()
+
+
+def _file_identity(fd: int) -> dict:
+    st = os.fstat(fd)
+    return {"dev": st.st_dev, "inode": st.st_ino}
+
+
+def _start_over(parent: HeldDirectory, partial: Path) -> tuple[None, dict]:
+    """Discard an interrupted build: only the partial's name goes (what a link points at is untouched)."""
+    try:
+        os.unlink(partial.name, dir_fd=parent.fd)
+    except FileNotFoundError:
+        pass
+    return None, {}
+
+
+def _resume(parent: HeldDirectory, out: Path, identity: list, force: bool) -> tuple[int | None, dict[int, dict]]:
+    """The partial file an interrupted build of ``out`` left, opened for writing, and the shards it
+    already holds; (None, {}) to start over. It resumes only a build from this very source, into the
+    very file that build created (the journal has its device and inode; a regular file with one
+    link). A build from another source, a damaged journal, or a partial that is not the journal's
+    (a link to a source shard, a swapped file) is refused and never written; ``force`` starts over
+    instead."""
     partial, journal_path = _partial_path(out), _journal_path(out)
-    if not journal_path.exists():
-        if partial.exists():
+    if parent.lstat(journal_path.name) is None:
+        if parent.lstat(partial.name) is not None:
             raise FlashnextError(f"{partial} exists but is no interrupted flashnext build (no {journal_path.name}); "
                                  "remove it or choose another --out")
-        return {}
-    if not partial.exists():
-        return {}
+        return None, {}
+    if parent.lstat(partial.name) is None:
+        return None, {}
     try:
-        journal = read_json(journal_path, "a ple build journal")
-        if journal.get("format") != JOURNAL_FORMAT or not isinstance(journal.get("shards"), dict):
+        journal = parse_json(_read_entry(parent, journal_path.name), str(journal_path))
+        if (not isinstance(journal, dict) or journal.get("format") != JOURNAL_FORMAT
+                or not isinstance(journal.get("shards"), dict)):
             raise FlashnextError(f"{journal_path}: not a {JOURNAL_FORMAT} journal")
         shards = {int(k): validate(v, SidecarShard, str(journal_path)).model_dump()
                   for k, v in journal["shards"].items()}
-    except (FlashnextError, ValueError) as e:
+    except (FlashnextError, ValueError, OSError) as e:
         if force:
-            return {}
+            return _start_over(parent, partial)
         raise FlashnextError(f"{journal_path} is damaged ({e}); pass --force to start over") from None
     if journal.get("source") != identity:
         if force:
-            return {}
+            return _start_over(parent, partial)
         raise FlashnextError(f"{partial} is an interrupted build from a different source (the PLE shards changed "
                              "since); pass --force to start over")
-    return shards
+    recorded = journal.get("partial")
+    try:
+        fd = os.open(partial.name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent.fd)
+    except OSError:
+        fd = None  # a link (O_NOFOLLOW), or nothing this process may write
+    if fd is not None:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and recorded == _file_identity(fd):
+            return fd, shards
+        os.close(fd)
+    if force or (recorded is None and not shards):  # killed before the partial was recorded: none of it is ours
+        return _start_over(parent, partial)
+    raise FlashnextError(f"{partial} is not the partial file this build created (a link, or replaced since); "
+                         "flashnext will not write into it: remove it, or pass --force to start over")
 
 
 def build_table(src: Path, out: Path, dense_layer_id: int = 0, force: bool = False,
@@ -370,64 +425,100 @@ def build_table(src: Path, out: Path, dense_layer_id: int = 0, force: bool = Fal
     snap = Snapshot.open(src)
     source = find_ple_source(snap, dense_layer_id)
     out = Path(out).absolute()
+    # All of the sidecar but the hashes is known now: what ple verify would refuse costs nothing yet.
+    _checked_sidecar_text(_sidecar_document(snap, source, [], None), out)
     refuse_overlap(out, {"the source snapshot": snap.root})
     if out.is_dir():
         raise FlashnextError(f"{out} is a directory; --out names the table file to write")
     created = make_parents(out)
     try:
-        with output_lock(out):
-            return _build_locked(snap, source, out, force, progress)
+        with output_lock(out) as parent:
+            return _build_locked(snap, source, out, parent, force, progress)
     except BaseException:
         remove_empty(created)
         raise
 
 
-def _build_locked(snap: Snapshot, source: PleSource, out: Path, force: bool, progress: bool) -> dict:
+def _build_locked(snap: Snapshot, source: PleSource, out: Path, parent: HeldDirectory, force: bool,
+                  progress: bool) -> dict:
+    # Every name below is opened, created, renamed and removed through ``parent``, held since the
+    # lock: swapping the output's folder, or any name in it, for a link afterwards changes nothing.
+    inputs = {"the source snapshot": snap.root}
+    refuse_overlap_open(parent, out.name, inputs)
     for sibling in (out, sidecar_path(out), _journal_path(out)):
-        remove_leftovers(sibling)
-    if out.exists() and not force:
-        size = out.stat().st_size
+        remove_leftovers(sibling, parent)
+    table = parent.through(out.name)
+    if table.exists() and not force:
+        size = table.stat().st_size
         what = "has the right size" if size == source.file_size else \
             f"is {size} bytes, not the {source.file_size} this table needs"
         raise FlashnextError(f"{out} already exists and {what}; pass --force to rebuild it")
-    if (out.exists() or out.is_symlink()) and not _flashnext_table(out):
+    if (table.exists() or table.is_symlink()) and not _flashnext_table(table):
         raise FlashnextError(f"{out} exists and was not made by `flashnext ple build` (no valid {sidecar_path(out).name}); "
                              "--force only replaces flashnext's own table: remove it yourself or choose another --out")
-    if sidecar_path(out).exists() and not out.exists():
+    if sidecar_path(table).exists() and not table.exists():
         try:
-            read_sidecar(out)
+            read_sidecar(table)
         except FlashnextError:
             raise FlashnextError(f"{sidecar_path(out)} exists and is not a flashnext sidecar; remove it or "
                                  "choose another --out") from None
     partial, journal_path = _partial_path(out), _journal_path(out)
     identity = _source_identity(source)
-    done = _resumable_shards(out, identity, force)
-    if not done:
-        partial.unlink(missing_ok=True)
-    remaining = sum(s.entry.nbytes for s in source.shards if s.index not in done)
-    check_free_space(out.parent, max(0, source.file_size - _allocated_bytes(partial)), f"the PLE table {out}")
-    journal = {"format": JOURNAL_FORMAT, "source": identity, "shards": done}
-    write_text_atomic(journal_path, json.dumps(journal))  # first, so that a partial always has its journal
-
+    fd, done = _resume(parent, out, identity, force)
     bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=remaining, unit="B", unit_scale=True, desc="ple build", leave=False)
-    fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        allocated = 0 if fd is None else os.fstat(fd).st_blocks * 512
+        check_free_space(out.parent, max(0, source.file_size - allocated), f"the PLE table {out}")
+        journal = {"format": JOURNAL_FORMAT, "source": identity, "partial": None, "shards": done}
+        if fd is None:
+            # The journal first, so that a partial always has its journal; then the partial, created
+            # exclusively, whose device and inode a resume must find again.
+            write_text_at(parent, journal_path.name, json.dumps(journal))
+            fd = parent.create(partial.name, os.O_RDWR)
+        journal["partial"] = _file_identity(fd)
+        write_text_at(parent, journal_path.name, json.dumps(journal))
+        remaining = sum(s.entry.nbytes for s in source.shards if s.index not in done)
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=remaining, unit="B", unit_scale=True, desc="ple build", leave=False)
         os.ftruncate(fd, source.file_size)
         for shard in source.shards:
             if shard.index in done:
                 continue
             done[shard.index] = _copy_shard(shard, fd, source.row_bytes, bar.update if bar else lambda n: None)
-            write_text_atomic(journal_path, json.dumps(journal))
+            write_text_at(parent, journal_path.name, json.dumps(journal))
         os.fsync(fd)
         st = os.fstat(fd)
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         if bar is not None:
             bar.close()
-    sidecar = {
+    sidecar = _sidecar_document(snap, source, [done[s.index] for s in source.shards], st)
+    _still_the_partial(parent, partial, st)
+    refuse_overlap_open(parent, out.name, inputs)
+    # The sidecar goes first: a table file never exists without the sidecar that vouches for it.
+    write_text_at(parent, sidecar_path(out).name, _checked_sidecar_text(sidecar, out))
+    _still_the_partial(parent, partial, st)
+    parent.rename(partial.name, out.name)
+    os.fsync(parent.fd)
+    try:
+        os.unlink(journal_path.name, dir_fd=parent.fd)
+    except FileNotFoundError:
+        pass
+    return {k: sidecar[k] for k in ("dtype", "scale", "rows", "row_bytes", "file_size", "differences")} | {
+        "path": str(out), "sidecar": str(sidecar_path(out)), "shards": len(source.shards)}
+
+
+def _still_the_partial(parent: HeldDirectory, partial: Path, st: os.stat_result) -> None:
+    """The name about to be renamed is still the file this build wrote (not one swapped in)."""
+    if not parent.holds(partial.name, (st.st_dev, st.st_ino)):
+        raise FlashnextError(f"{partial} was replaced while the table was being written (is someone else writing "
+                             "in that folder?); nothing was written to the table: run again")
+
+
+def _sidecar_document(snap: Snapshot, source: PleSource, shards: list[dict], st: os.stat_result | None) -> dict:
+    return {
         "format": FORMAT,
         "builder": {"name": "flashnext ple build", "version": __version__},
         "source": {"path": str(snap.root.absolute()), "repo_id": snap.origin.repo_id,
@@ -444,23 +535,33 @@ def _build_locked(snap: Snapshot, source: PleSource, out: Path, force: bool, pro
                    "rows": source.layout.rows, "padded_rows": source.layout.padded_rows,
                    "split_parts": source.layout.split_parts, "eos_token_id": source.layout.eos_token_id},
         "differences": source.differences,
-        "shards": [done[s.index] for s in source.shards],
-        "table_stat": {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino},
+        "shards": shards,
+        "table_stat": None if st is None else {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                              "inode": st.st_ino},
     }
-    # The sidecar goes first: a table file never exists without the sidecar that vouches for it.
-    write_text_atomic(sidecar_path(out), json.dumps(sidecar, indent=1) + "\n")
-    os.replace(partial, out)
-    fsync_dir(out.parent)
-    journal_path.unlink(missing_ok=True)
-    return {k: sidecar[k] for k in ("dtype", "scale", "rows", "row_bytes", "file_size", "differences")} | {
-        "path": str(out), "sidecar": str(sidecar_path(out)), "shards": len(source.shards)}
+
+
+def _checked_sidecar_text(document: dict, out: Path) -> str:
+    """The sidecar of ``out`` as it will be written, once it reads back as ``ple verify`` reads it."""
+    text = json.dumps(document, indent=1) + "\n"
+    try:
+        check_sidecar(parse_json(text, str(sidecar_path(out))), sidecar_path(out))
+    except FlashnextError as e:
+        raise FlashnextError(f"ple build wrote nothing to {out}: its sidecar would be refused when read back "
+                             f"({e})") from None
+    return text
 
 
 def read_sidecar(table: Path) -> Sidecar:
     path = sidecar_path(Path(table))
     if not path.is_file():
         raise FlashnextError(f"{path} is missing: was {table} made by `flashnext ple build`?")
-    data = read_json(path, "a PLE table sidecar")
+    return check_sidecar(read_json(path, "a PLE table sidecar"), path)
+
+
+def check_sidecar(data: dict, path: Path) -> Sidecar:
+    """A sidecar document as ``ple verify`` and the preflight take it; ``ple build`` puts what it is
+    about to write through this too, so that it never writes a sidecar they refuse."""
     if data.get("format") != FORMAT:
         raise FlashnextError(f"{path}: not a {FORMAT} sidecar")
     return validate(data, Sidecar, str(path))

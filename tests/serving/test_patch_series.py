@@ -75,7 +75,7 @@ def test_the_probe_fails_on_an_unpatched_tree(tmp_path, monkeypatch):
 
 def test_apply_in_place_to_a_copy(tmp_path):
     fake = _copy_touched(tmp_path)
-    assert apply_series(fake) == SERIES
+    assert apply_series(fake).ids == SERIES
     assert "self.draft_tokens_handler.drop(finished_req_ids)" in (fake / "vllm/v1/worker/gpu/model_runner.py").read_text()
 
 
@@ -396,3 +396,204 @@ def test_vit_stream_runs_vllms_tower_from_two_slots(patched_tree, demo_snapshot)
     assert patched["bit_identical"] and patched["finite"]  # three runs of two images, as resident
     off = _run_scenario(str(patched_tree), {**env, "VLLM_VIT_STREAM": "0"}, script, (str(demo_snapshot), free_port()))
     assert off["streamed"] is False and off["device_storages"] == 60 and off["bit_identical"]
+
+
+# --- `patches apply`: all or nothing, recorded, revertible (issue 26) --------------------------------
+
+def _tree(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root``: content hashes, modes and link targets, for byte-identity."""
+    import hashlib
+    import stat
+
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                out[str(p.relative_to(root))] = ("link", os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                out[str(p.relative_to(root))] = ("dir", st.st_mode)
+            else:
+                out[str(p.relative_to(root))] = ("file", st.st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def _apply_cli(fake: Path, *extra: str):
+    from support.hostile import invoke_expecting_one_line
+
+    result = CliRunner().invoke(cli, ["patches", "apply", "--target", str(fake), *extra])
+    if result.exit_code != 0:
+        _, line = invoke_expecting_one_line(["patches", "apply", "--target", str(fake), *extra])
+        return result, line
+    return result, result.output
+
+
+@pytest.fixture
+def fake_site(tmp_path) -> Path:
+    fake = _copy_touched(tmp_path)
+    os.chmod(fake / "vllm/platforms/interface.py", 0o600)  # a mode apply and revert keep
+    return fake
+
+
+@pytest.mark.parametrize("k", range(1, len(SERIES)))
+def test_apply_interrupted_after_patch_k_leaves_the_target_unchanged(k, fake_site, monkeypatch):
+    import flashnext.serving.patch_series as ps
+
+    before = _tree(fake_site.parent)
+    real, calls = ps._apply, []
+
+    def interrupted(patch, root):
+        if len(calls) == k:
+            raise KeyboardInterrupt
+        calls.append(patch.id)
+        real(patch, root)
+
+    with monkeypatch.context() as m:
+        m.setattr(ps, "_apply", interrupted)
+        result = CliRunner().invoke(cli, ["patches", "apply", "--target", str(fake_site)])
+    assert result.exit_code == 130 and calls == SERIES[:k]
+    assert _tree(fake_site.parent) == before
+    result, out = _apply_cli(fake_site)
+    assert result.exit_code == 0 and out.splitlines() == [f"applied {p}" for p in SERIES], out
+
+
+@pytest.mark.parametrize("k", [0, 7, 15])
+def test_apply_stopped_during_its_swap_puts_every_file_back(k, fake_site, monkeypatch):
+    import flashnext.serving.patch_series as ps
+
+    before = _tree(fake_site.parent)
+    real, swapped = ps._swap_in, []
+
+    def stopped(target, rel, data, mode):
+        if len(swapped) == k:
+            raise KeyboardInterrupt
+        real(target, rel, data, mode)
+        swapped.append(rel)
+
+    with monkeypatch.context() as m:
+        m.setattr(ps, "_swap_in", stopped)
+        assert CliRunner().invoke(cli, ["patches", "apply", "--target", str(fake_site)]).exit_code == 130
+    assert len(swapped) == k and _tree(fake_site.parent) == before
+    assert _apply_cli(fake_site)[0].exit_code == 0
+
+
+KILLED_DURING_SWAP = textwrap.dedent('''
+    import os, signal, sys
+    from pathlib import Path
+    import flashnext.serving.patch_series as ps
+    real, swapped = ps._swap_in, []
+    def killed(target, rel, data, mode):
+        if len(swapped) == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGKILL)  # no handler, no rollback: as a power cut
+        real(target, rel, data, mode)
+        swapped.append(rel)
+    ps._swap_in = killed
+    ps.apply_series(Path(sys.argv[1]))
+''')
+
+
+@pytest.mark.parametrize("then", ["revert", "rerun"])
+def test_apply_killed_during_its_swap_is_reverted_or_finished(then, fake_site, tmp_path):
+    import subprocess
+
+    clean = _copy_touched(tmp_path / "clean")
+    os.chmod(clean / "vllm/platforms/interface.py", 0o600)
+    apply_series(clean)
+    before = _tree(fake_site.parent)
+    killed = subprocess.run([sys.executable, "-c", KILLED_DURING_SWAP, str(fake_site), "5"], capture_output=True)
+    assert killed.returncode == -9, killed.stderr
+    assert _tree(fake_site.parent) != before  # half patched, with its record
+    if then == "revert":
+        result, out = _apply_cli(fake_site, "--revert")
+        assert result.exit_code == 0 and "reverted" in out, out
+        assert _tree(fake_site.parent) == before
+    else:
+        result, out = _apply_cli(fake_site)
+        assert result.exit_code == 0 and out.splitlines()[-1] == "applied vit-stream", out
+        record = ".flashnext-vllm-patches/record.json"
+        without = lambda tree: {k: v for k, v in tree.items() if k != record}
+        assert without(_tree(fake_site)) == without(_tree(clean))  # the originals kept included
+        hashes = lambda site: {rel: (f["original_sha256"], f["patched_sha256"])
+                               for rel, f in json.loads((site / record).read_text())["files"].items()}
+        assert hashes(fake_site) == hashes(clean)
+        assert "already patched" in _apply_cli(fake_site)[1]
+
+
+def test_a_rerun_on_a_patched_tree_says_so_and_revert_restores_it_byte_for_byte(fake_site):
+    before = _tree(fake_site.parent)
+    mtimes = {rel: (fake_site / rel).stat().st_mtime_ns for p in load_series() for rel in p.touches}
+    assert _apply_cli(fake_site)[0].exit_code == 0
+    patched = _tree(fake_site.parent)
+    assert patched != before and (fake_site / ".flashnext-vllm-patches" / "record.json").is_file()
+    result, out = _apply_cli(fake_site)
+    assert result.exit_code == 0 and out.startswith("already patched:") and len(out.splitlines()) == 1, out
+    assert _tree(fake_site.parent) == patched
+    result, out = _apply_cli(fake_site, "--revert")
+    assert result.exit_code == 0, out
+    assert _tree(fake_site.parent) == before
+    assert {rel: (fake_site / rel).stat().st_mtime_ns for rel in mtimes} == mtimes  # cached bytecode valid again
+    result, line = _apply_cli(fake_site, "--revert")
+    assert result.exit_code == 1 and "nothing to revert" in line
+
+
+def test_a_file_changed_after_apply_is_refused_by_a_rerun_and_by_revert(fake_site):
+    assert _apply_cli(fake_site)[0].exit_code == 0
+    edited = fake_site / "vllm/v1/worker/gpu/model_runner.py"
+    edited.write_text(edited.read_text() + "# a local edit\n")
+    before = _tree(fake_site.parent)
+    for extra in ((), ("--revert",)):
+        result, line = _apply_cli(fake_site, *extra)
+        assert result.exit_code == 1 and "changed since `flashnext patches apply` patched it" in line, line
+        assert _tree(fake_site.parent) == before
+
+
+def test_a_touched_file_that_no_longer_compiles_is_one_line_and_changes_nothing(fake_site):
+    broken = fake_site / "vllm/v1/worker/gpu/spec_decode/utils.py"
+    broken.write_text(broken.read_text() + "\ndef broken(:\n    pass\n")
+    before = _tree(fake_site.parent)
+    result, line = _apply_cli(fake_site)
+    assert result.exit_code == 1 and "utils.py no longer compiles: SyntaxError" in line, line
+    assert _tree(fake_site.parent) == before
+
+
+def test_a_tree_patched_without_a_record_is_named(fake_site):
+    import flashnext.serving.patch_series as ps
+
+    for patch in load_series():  # as an older flashnext left it: patched in place, nothing kept
+        ps._apply(patch, fake_site)
+    before = _tree(fake_site.parent)
+    result, line = _apply_cli(fake_site)
+    assert result.exit_code == 1 and "has no record of flashnext's" in line, line
+    assert _tree(fake_site.parent) == before
+
+
+def test_apply_needs_a_vllm_under_its_target(tmp_path):
+    result, line = _apply_cli(tmp_path)
+    assert result.exit_code == 1 and "no vllm package there" in line
+
+
+KILLED_WHILE_STAGING = textwrap.dedent('''
+    import os, signal, sys
+    from pathlib import Path
+    import flashnext.serving.patch_series as ps
+    real, applied = ps._apply, []
+    def killed(patch, root):
+        if len(applied) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(patch, root)
+        applied.append(patch.id)
+    ps._apply = killed
+    ps.apply_series(Path(sys.argv[1]))
+''')
+
+
+def test_what_an_apply_killed_while_staging_left_is_removed_by_the_rerun(fake_site):
+    import subprocess
+
+    vllm_before = _tree(fake_site / "vllm")
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_STAGING, str(fake_site)], capture_output=True)
+    assert killed.returncode == -9, killed.stderr
+    assert _tree(fake_site / "vllm") == vllm_before and list(fake_site.glob(".flashnext-vllm-patches.stage-*"))
+    assert _apply_cli(fake_site)[0].exit_code == 0
+    assert sorted(p.name for p in fake_site.iterdir()) == [".flashnext-vllm-patches", "vllm"]

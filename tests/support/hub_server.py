@@ -6,7 +6,10 @@ LFS batch API with basic transfers, the NDJSON commit), ``repo_info``, ``list_re
 not something a test server can speak. Every request must carry the expected bearer token; every
 request is logged so tests can check exactly what was sent. Knobs: ``fail_lfs_puts`` breaks the
 next N LFS uploads midway (an interrupted upload); ``tamper(repo, path, data)`` changes a stored
-file behind the client's back.
+file behind the client's back; ``publish(repo, files)`` makes a repo holding exactly ``files``
+without an upload; ``commit_reply_overrides`` makes the commit answer hostile (``{token}``,
+``{commit}`` and ``{base}`` in a value become the caller's token, the new commit id and the
+server's own URL).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class HubState:
         self.log: list[tuple[str, str]] = []
         self.fail_lfs_puts = 0  # the next N uploads break midway
         self.fail_oids: set[str] = set()  # uploads of these objects always break midway
+        self.commit_reply_overrides: dict[str, str] = {}
         self.lock = threading.Lock()
         self._n = 0
 
@@ -51,6 +55,23 @@ class HubState:
     def new_commit_id(self) -> str:
         self._n += 1
         return hashlib.sha1(f"commit-{self._n}".encode()).hexdigest()
+
+    def publish(self, repo_id: str, files: dict[str, bytes], private: bool = False) -> str:
+        """A repo whose main branch holds exactly ``files``, large ones as LFS objects, as an upload
+        leaves it; returns the commit id."""
+        with self.lock:
+            repo = Repo(private=private)
+            commit = self.new_commit_id()
+            repo.commits[commit] = dict(files)
+            repo.lfs_paths[commit] = {}
+            for path, data in files.items():
+                if len(data) >= LFS_MIN_BYTES:
+                    oid = hashlib.sha256(data).hexdigest()
+                    self.lfs[oid] = data
+                    repo.lfs_paths[commit][path] = oid
+            repo.branches["main"] = commit
+            self.repos[repo_id] = repo
+        return commit
 
     def tamper(self, repo_id: str, path: str, data: bytes, branch: str = "main") -> None:
         repo = self.repos[repo_id]
@@ -219,8 +240,12 @@ class _Handler(BaseHTTPRequestHandler):
             repo.commits[commit] = tree
             repo.lfs_paths[commit] = lfs_paths
             repo.branches[rev] = commit
-        self._json(200, {"commitUrl": f"{self._base()}/{repo_id}/commit/{commit}", "commitOid": commit,
-                         "pullRequestUrl": None})
+        reply = {"commitUrl": f"{self._base()}/{repo_id}/commit/{commit}", "commitOid": commit,
+                 "pullRequestUrl": None}
+        for key, value in self.state.commit_reply_overrides.items():
+            reply[key] = (value.replace("{token}", self.state.token).replace("{commit}", commit)
+                          .replace("{base}", self._base()))
+        self._json(200, reply)
 
     def validate_yaml(self, _rest, _q):
         import yaml

@@ -1,0 +1,158 @@
+"""Cleanup by exact name (issue 26, class 2): a writer removes only its own temporary names for
+*this* output (``.OUT.partial-PID``, ``.OUT.old-PID``, ``.OUT.tmp-PID`` of a writer that is gone),
+not whatever starts the same way (another output's partial, a user's folder); and a ``--force``
+replace killed between its renames leaves the previous output recoverable, which the next run
+puts back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from click.testing import CliRunner
+
+from flashnext.tools.cli import main as cli
+from support.hostile import Work, mtp, tree_state
+
+MARKER = ".flashnext-output.json"
+
+
+def flashnext_folder(path: Path) -> Path:
+    """A directory flashnext could have made (its marker) holding a file of someone's."""
+    path.mkdir()
+    (path / MARKER).write_text(json.dumps({"made_by": "make-mtp-int4"}))
+    (path / "keep.txt").write_text("not a leftover of --out o")
+    return path
+
+
+def a_file(path: Path) -> Path:
+    path.write_text("not a leftover of --out o")
+    return path
+
+
+def o(w: Work) -> list[str]:
+    return ["make-mtp-int4", "--src", str(w.snap), "--out", str(w.root / "o"), "--no-progress"]
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    id: str
+    make: Callable[[Work], Path]
+
+
+NEIGHBOURS = [
+    # Another output's temporary names start with ".o.partial-" too.
+    Neighbour("partial-of-o.partial-1", lambda w: flashnext_folder(w.root / ".o.partial-1.partial-5")),
+    Neighbour("old-of-o.partial-1", lambda w: flashnext_folder(w.root / ".o.partial-1.old-5")),
+    Neighbour("tmp-of-o.partial-1", lambda w: a_file(w.root / ".o.partial-1.tmp-5")),
+    Neighbour("partial-1x", lambda w: flashnext_folder(w.root / ".o.partial-1x")),
+    Neighbour("old-2x", lambda w: flashnext_folder(w.root / ".o.old-2x")),
+    Neighbour("tmp-3x", lambda w: a_file(w.root / ".o.tmp-3x")),
+    # Named exactly like a partial of --out o, but by a process that is alive (PID 1): not a
+    # leftover of a dead writer, whatever it holds.
+    Neighbour("partial-of-a-live-process", lambda w: flashnext_folder(w.root / ".o.partial-1")),
+]
+
+
+@pytest.mark.parametrize("neighbour", NEIGHBOURS, ids=[n.id for n in NEIGHBOURS])
+def test_cleanup_removes_only_its_own_exact_names(neighbour: Neighbour, work: Work):
+    kept = neighbour.make(work)
+    before = tree_state(kept) if kept.is_dir() else kept.read_bytes()
+    result = CliRunner().invoke(cli, o(work))
+    assert result.exit_code == 0, result.output
+    assert (work.root / "o" / "overlay.json").is_file()
+    assert kept.exists(), f"{kept.name} was removed as if it were a leftover of --out o"
+    assert (tree_state(kept) if kept.is_dir() else kept.read_bytes()) == before
+
+
+def test_cleanup_still_removes_what_a_dead_writer_of_this_output_left(work: Work):
+    dead = [flashnext_folder(work.root / ".o.partial-999999999"), a_file(work.root / ".o.tmp-999999998"),
+            work.root / ".o.partial-999999997"]
+    os.symlink(work.snap, dead[-1])  # a link at a leftover's name goes; what it points at stays
+    snapshot = tree_state(work.snap)
+    result = CliRunner().invoke(cli, o(work))
+    assert result.exit_code == 0, result.output
+    assert not any(p.exists() or p.is_symlink() for p in dead)
+    assert tree_state(work.snap) == snapshot
+
+
+# --- a --force replace killed between its renames ------------------------------------------------
+
+def _kill_at_the_second_rename(monkeypatch) -> list[tuple[str, str]]:
+    """The replace is killed (SystemExit, as by a signal) just before the new output is renamed into
+    place, the old one already moved aside. The filesystem is taken to lack an atomic exchange, so
+    the two-rename path is the one taken."""
+    import flashnext.quant.checkpoint.fsutil as fsutil
+
+    monkeypatch.setattr(fsutil, "_renameat2", lambda *a, **k: False, raising=False)
+    real = os.rename
+    renames: list[tuple[str, str]] = []
+
+    def rename(src, dst, *a, **k):
+        if ".partial-" in os.path.basename(src) and os.path.basename(dst) == "out":
+            raise SystemExit(137)
+        renames.append((os.path.basename(src), os.path.basename(dst)))
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(fsutil.os, "rename", rename)
+    return renames
+
+
+def test_a_force_replace_killed_between_renames_leaves_the_old_output_recoverable(work: Work, monkeypatch):
+    out = work.root / "out"
+    assert CliRunner().invoke(cli, mtp(work)).exit_code == 0
+    (out / "mine.txt").write_text("the only complete copy")
+    previous = tree_state(out)
+
+    with monkeypatch.context() as m:
+        renames = _kill_at_the_second_rename(m)
+        result = CliRunner().invoke(cli, mtp(work, "--force"))
+    assert result.exit_code == 137 and any(dst.startswith(".out.old-") for _, dst in renames), result.output
+    assert not out.exists()
+    aside = [p for p in work.root.iterdir() if p.name.startswith(".out.old-")]
+    assert len(aside) == 1 and tree_state(aside[0]) == previous
+
+    # The next run (no --force) puts the previous output back and says so, in one line.
+    result = CliRunner().invoke(cli, mtp(work))
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1 and "put back from .out.old-" in lines[0], result.output
+    assert tree_state(out) == previous and not aside[0].exists()
+
+    # And a --force run then replaces it, leaving nothing beside it.
+    assert CliRunner().invoke(cli, mtp(work, "--force")).exit_code == 0
+    assert not (out / "mine.txt").exists() and (out / "overlay.json").is_file()
+    assert not [p for p in work.root.iterdir() if p.name.startswith(".out.")]
+
+
+def test_the_old_output_survives_a_second_interrupted_replace(work: Work, monkeypatch):
+    """After a replace killed between its renames, the next ``--force`` run fails before it is done
+    (as a full disk or Ctrl-C would make it): a complete copy of the previous output still exists."""
+    import flashnext.quant.overlays.builder as builder
+
+    out = work.root / "out"
+    assert CliRunner().invoke(cli, mtp(work)).exit_code == 0
+    (out / "mine.txt").write_text("the only complete copy")
+    previous = tree_state(out)
+    with monkeypatch.context() as m:
+        _kill_at_the_second_rename(m)
+        assert CliRunner().invoke(cli, mtp(work, "--force")).exit_code == 137
+
+    def killed(*a, **k):
+        raise SystemExit(137)
+
+    with monkeypatch.context() as m:
+        m.setattr(builder, "write_json", killed)
+        assert CliRunner().invoke(cli, mtp(work, "--force")).exit_code == 137
+    copies = [p for p in (out, *work.root.glob(".out.old-*")) if p.is_dir() and tree_state(p) == previous]
+    assert copies, "no complete copy of the previous output is left"
+    assert tree_state(out) == previous  # put back where it was
+
+    result = CliRunner().invoke(cli, mtp(work, "--force"))
+    assert result.exit_code == 0, result.output
+    assert (out / "overlay.json").is_file() and not (out / "mine.txt").exists()
+    assert not [p for p in work.root.iterdir() if p.name.startswith(".out.")]

@@ -1,0 +1,275 @@
+"""Issue 26, class 7 (and class 6's profile and wheel items): inputs that are not regular files, a
+catastrophic regular expression in the config, a source rewritten while it is read, a profile
+that is not JSON, a ``--vllm`` that is not a wheel. Each ends in one line and exit 1, quickly, and
+writes nothing. A case that would hang on a FIFO or a backtracking regex is stopped by a
+``SIGALRM`` guard (a :class:`Hung` escapes every handler, so the case fails rather than hangs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from click.testing import CliRunner
+
+from flashnext.errors import FlashnextError
+from flashnext.tools.cli import main as cli
+from support.hostile import INDEX, MTP_SHARD, Work, apply, invoke_expecting_one_line, mtp, repack
+
+GUARD_S = 20  # far beyond what a refusal takes; what a hang would exceed
+
+
+class Hung(BaseException):
+    """Raised by the guard's alarm: not an Exception, so no error handler turns it into an exit code."""
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: float = GUARD_S):
+    def expired(signum, frame):
+        raise Hung(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def state(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root`` (file hashes, link targets, FIFOs as such), never opening a FIFO."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            rel = str(p.relative_to(root))
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir",)
+            elif stat.S_ISFIFO(st.st_mode):
+                out[rel] = ("fifo",)
+            else:
+                out[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def fifo_at(path: Path) -> Path:
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    setup: Callable[[Work], list[str]]
+    message: str
+
+
+def fifo_case(file: Callable[[Work], Path], command: Callable[[Work], list[str]]) -> Callable[[Work], list[str]]:
+    def setup(w: Work) -> list[str]:
+        fifo_at(file(w))
+        return command(w)
+    return setup
+
+
+def fifo_wheel(w: Work) -> list[str]:
+    return ["patches", "check", "--vllm", str(fifo_at(w.root / "vllm-0.33.0-py3-none-any.whl"))]
+
+
+def not_a_wheel(w: Work) -> list[str]:
+    (w.root / "vllm-0.33.0-py3-none-any.whl").write_text("not a zip")
+    return ["patches", "check", "--vllm", str(w.root / "vllm-0.33.0-py3-none-any.whl")]
+
+
+def ignore_pattern(pattern: str) -> Callable[[Work], list[str]]:
+    def setup(w: Work) -> list[str]:
+        w.edit_json(w.snap / "config.json", lambda c: (c.get("quantization_config") or c["text_config"][
+            "quantization_config"])["ignore"].append(pattern))
+        return mtp(w)
+    return setup
+
+
+# A pattern whose backtracking on one MTP expert name (37 characters) takes longer than the universe.
+CATASTROPHIC = r"re:(?:[a-z._0-9]+)+!"
+
+CASES = [
+    # Non-regular inputs: each would block open() until a writer came.
+    Case("fifo-config", fifo_case(lambda w: w.snap / "config.json", mtp), "is a FIFO, not a regular file"),
+    Case("fifo-index", fifo_case(lambda w: w.snap / INDEX, mtp), "is a FIFO, not a regular file"),
+    Case("fifo-index-repack", fifo_case(lambda w: w.snap / INDEX, repack), "is a FIFO, not a regular file"),
+    Case("fifo-overlay-config", fifo_case(lambda w: w.ov / "config.json", lambda w: apply(w, "--no-verify")),
+         "is a FIFO, not a regular file"),
+    Case("fifo-vllm-wheel", fifo_wheel, "is a FIFO, not a regular file"),
+    # class 6: a --vllm file that is no wheel is bad input, not a flashnext bug
+    Case("vllm-not-a-wheel", not_a_wheel, "not a vllm wheel or directory"),
+    # A catastrophic regular expression in the config's ignore list.
+    Case("ignore-catastrophic-regex", ignore_pattern(CATASTROPHIC), "quantifier inside a repeated group"),
+    Case("ignore-alternation-in-repeat", ignore_pattern(r"re:(?:mtp|m|t|p|\.|[a-z_0-9])+!"),
+         "alternation inside a repeated group"),
+    Case("ignore-invalid-regex", ignore_pattern("re:("), "not a valid regular expression"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_hostile_misc_input(case: Case, work: Work):
+    argv = case.setup(work)
+    before = state(work.root)
+    started = time.monotonic()
+    with hang_guard():
+        result, line = invoke_expecting_one_line(argv)
+    assert result.exit_code == 1, line
+    assert line.startswith("Error: ") and case.message in line, line
+    assert time.monotonic() - started < GUARD_S / 2
+    assert state(work.root) == before, "the command wrote or removed something"
+
+
+# --- the readers themselves, for inputs that no command reaches through a FIFO today ---------------
+
+def _profile_dir(tmp_path: Path, content: Callable[[Path], None]) -> Path:
+    content(tmp_path / "3x3090.json")
+    return tmp_path
+
+
+PROFILE = Path(__file__).resolve().parents[2] / "serving" / "profiles" / "3x3090.json"
+
+
+def _profile_edit(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        data = json.loads(PROFILE.read_text())
+        edit(data)
+        path.write_text(json.dumps(data))
+    return write
+
+
+READER_CASES = [
+    ("profile-fifo", lambda p: os.mkfifo(p), "is a FIFO, not a regular file"),
+    ("profile-dev-null", lambda p: p.symlink_to("/dev/null"), "is a character device, not a regular file"),
+    ("profile-not-json", lambda p: p.write_text("name: 3x3090\n"), "not valid JSON"),
+    ("profile-nan", lambda p: p.write_text(PROFILE.read_text().replace('"gpus": 3', '"gpus": NaN')), "not valid JSON"),
+    ("profile-array", lambda p: p.write_text("[]"), "must be a JSON object"),
+    ("profile-container-int", _profile_edit(lambda d: d.update(container=5)), "container must be a JSON object"),
+    ("profile-gpus-string", _profile_edit(lambda d: d.update(gpus="3")), "gpus must be an integer"),
+    ("profile-args-not-strings", _profile_edit(lambda d: d.update(vllm_args=[1, 2])), "vllm_args must be a list"),
+    ("profile-env-not-strings", _profile_edit(lambda d: d["env"].update(X=1)), "env must be an object of strings"),
+    ("profile-port-bool", _profile_edit(lambda d: d["container"].update(port=True)), "port must be an integer"),
+]
+
+
+@pytest.mark.parametrize("make, message", [c[1:] for c in READER_CASES], ids=[c[0] for c in READER_CASES])
+def test_a_bad_profile_is_one_line(make, message, tmp_path):
+    from flashnext.serving.profiles import load_profile
+
+    directory = _profile_dir(tmp_path, make)
+    with hang_guard(), pytest.raises(FlashnextError, match=message):
+        load_profile("3x3090", directory)
+
+
+def _io():
+    import flashnext.quant.formats.safetensors_io as io
+
+    return io
+
+
+SHARD_READERS = {
+    "header": lambda path, header: _io().read_header(path),
+    "rows": lambda path, header: _io().read_rows(path, next(iter(header.entries.values())), 0, 1),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(SHARD_READERS))
+def test_a_fifo_shard_is_refused_by_the_shard_readers(reader, work):
+    path = work.snap / MTP_SHARD
+    header = _io().read_header(path)
+    fifo_at(path)
+    with hang_guard(), pytest.raises(FlashnextError, match="is a FIFO, not a regular file"):
+        SHARD_READERS[reader](path, header)
+
+
+# --- a bounded matcher: compressed-tensors' semantics for normal patterns --------------------------
+
+def test_the_ignore_matcher_is_bounded_and_keeps_compressed_tensors_semantics():
+    from compressed_tensors.utils.match import match_name
+
+    from flashnext.quant.formats.ct_config import MTP_EXPERT_TARGET, MTP_OTHER_IGNORE, _matches
+
+    names = ["mtp.layers.0.mlp.experts.0.gate_proj", "mtp.layers.48.mlp.shared_expert.down_proj", "lm_head",
+             "model.layers.3.mlp.gate", "model.visual.blocks.0.attn.qkv"]
+    normal = ["lm_head", "re:.*lm_head", r"re:.*mlp\.gate$", "re:model.visual.*", r"re:.*(gate|up)_proj",
+              MTP_EXPERT_TARGET, MTP_OTHER_IGNORE, "re:^mtp", r"re:(?:\d{2})+"]
+    for entry in normal:
+        for name in names:
+            assert _matches(entry, name) == match_name(name, entry), (entry, name)
+    started = time.monotonic()
+    with hang_guard(5):
+        for entry in (CATASTROPHIC, "re:(a+)+$", "re:(a?){30}a{30}", "re:" + ".*" * 8 + "!", "re:" + "a" * 600):
+            with pytest.raises(FlashnextError, match="exponential time"):
+                _matches(entry, names[0])
+    assert time.monotonic() - started < 1.0
+
+
+# --- a source rewritten while it is read ---------------------------------------------------------
+
+def rewrite_in_place(path: Path) -> None:
+    """Same inode, same size, other bytes (a later clock tick than the copy's preserved mtime)."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def replace_by_rename(path: Path) -> None:
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(path.read_bytes())
+    os.replace(tmp, path)
+
+
+def truncate_by_one(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 1)
+
+
+REWRITES = {"in-place": rewrite_in_place, "replaced": replace_by_rename, "truncated": truncate_by_one}
+READS = [  # the command, and the module whose reads of a source tensor the hook follows
+    ("mtp-rows", mtp, "flashnext.quant.overlays.mtp_int4", "read_rows"),
+    ("mtp-copy", mtp, "flashnext.quant.overlays.builder", "copy_tensor_bytes"),
+    ("repack-rows", repack, "flashnext.quant.overlays.int6_repack", "read_rows"),
+]
+
+
+@pytest.mark.parametrize("rewrite", sorted(REWRITES))
+@pytest.mark.parametrize("command, module, function", [r[1:] for r in READS], ids=[r[0] for r in READS])
+def test_a_source_rewritten_while_read_is_refused(command, module, function, rewrite, work, monkeypatch):
+    import importlib
+
+    mod = importlib.import_module(module)
+    real = getattr(mod, function)
+    rewritten: list[Path] = []
+
+    def read_then_rewrite(source, *args, **kwargs):
+        result = real(source, *args, **kwargs)
+        if not rewritten:  # someone rewrites the source just after flashnext's first read of it
+            REWRITES[rewrite](Path(source))
+            rewritten.append(Path(source))
+        return result
+
+    monkeypatch.setattr(mod, function, read_then_rewrite)
+    before = state(work.root)
+    result, line = invoke_expecting_one_line(command(work))
+    assert rewritten, "the hook never ran"
+    assert result.exit_code == 1 and "while flashnext was reading it; nothing was written" in line, line
+    changed = str(rewritten[0].relative_to(work.root))
+    after = state(work.root)
+    assert {k: v for k, v in after.items() if k != changed} == {k: v for k, v in before.items() if k != changed}
