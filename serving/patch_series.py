@@ -515,6 +515,16 @@ def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE) -> l
         return results
 
 
+def probe_tree(root: Path | None = None, series_file: Path = SERIES_FILE) -> dict[str, str]:
+    """Every probe of the series against the vLLM under ``root`` (default: the installed one, as the
+    serving image has it patched at build): the failed ones, by id, in series order. The same runner
+    as ``check_series``'s, so the selftest and the check cannot disagree on what a probe means."""
+    patches = load_series(series_file)
+    root = Path(root) if root is not None else installed_vllm_root()
+    with tempfile.TemporaryDirectory(prefix="flashnext-probes-") as tmp:
+        return _run_probes(patches, root.resolve(), Path(tmp))
+
+
 # Runs in the interpreter that imports the shadow tree: argv is the tree, a JSON file of
 # [[id, probe, touched files]], and the file it appends one JSON line to per event. Probes
 # share the interpreter (one vLLM import instead of one per patch) but not their namespaces.

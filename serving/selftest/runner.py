@@ -70,30 +70,18 @@ def check_series(patches) -> SeriesCheck:
                        patches=[r["id"] for r in results])
 
 
-_PROBES = """
-import json, sys
-probes = json.load(sys.stdin)
-for pid, code in probes:
-    try:
-        exec(compile(code, pid, "exec"), {"__name__": "__probe__"})
-    except BaseException as e:
-        print(json.dumps({"failed": pid, "why": f"{type(e).__name__}: {e}"[:200]}))
-        sys.exit(0)
-print(json.dumps({"failed": None}))
-"""
+def installed_vllm_is_patched() -> tuple[bool, str | None]:
+    """Whether every probe passes against the installed vLLM; else the first failing patch and why."""
+    from flashnext.serving import patch_series
 
-
-def installed_vllm_is_patched(patches) -> tuple[bool, str | None]:
-    """Every probe against the installed vLLM itself (the serving image's, patched at build)."""
-    done = subprocess.run([sys.executable, "-c", _PROBES], input=json.dumps([[p.id, p.probe] for p in patches]),
-                          capture_output=True, text=True, env=_cpu_env(), timeout=900)
     try:
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return False, f"the probes did not run: {(done.stderr.strip().splitlines() or ['no output'])[-1]}"
-    if result["failed"] is None:
+        failures = patch_series.probe_tree()
+    except FlashnextError as e:
+        return False, f"the probes did not run: {e}"
+    if not failures:
         return True, None
-    return False, f"{result['failed']} ({result['why']})"
+    (first, why), *others = failures.items()
+    return False, f"{first} ({why[:200]})" + (f" and {len(others)} more" if others else "")
 
 
 # -- the kernel fit ----------------------------------------------------------------------------
@@ -186,7 +174,7 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
 
     patched, unpatched = None, None
     if n_gpus:
-        patched, unpatched = installed_vllm_is_patched(patches)
+        patched, unpatched = installed_vllm_is_patched()
     if n_gpus < pp:
         gpu_status, gpu_detail = "could_not_run", (
             "--gpus 0: the CPU part only" if gpus == "0" else "no CUDA GPU here" if n_gpus == 0
