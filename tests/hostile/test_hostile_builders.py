@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from flashnext.tools.cli import main as cli
 from support.hostile import (
+    assert_refused,
     FIRST_SHARD,
     INDEX,
     MTP_SHARD,
@@ -188,12 +189,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_refused_in_one_line(case: Case, work: Work):
-    argv = case.setup(work)
-    before = tree_state(work.root)
-    result, line = invoke_expecting_one_line(argv)
-    assert result.exit_code == case.exit_code, line
-    assert line.startswith("Error: ") and case.message in line, line
-    assert tree_state(work.root) == before, "the command wrote or removed something"
+    assert_refused(case, work)
 
 
 # --- the builder side: what a builder is about to write is read back first ---------------------------

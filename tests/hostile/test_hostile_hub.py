@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from flashnext.quant.overlays.hub import render_model_card
 from flashnext.quant.overlays.manifest import OverlayManifest
 from flashnext.tools.cli import main as cli
-from support.hostile import INDEX, Case, Work, invoke_expecting_one_line, tree_state
+from support.hostile import INDEX, Case, Work, assert_refused, tree_state
 from support.hub_server import HubServer
 
 TOKEN = "hf_flashnext_hostile_token_0123456789"
@@ -195,12 +195,7 @@ CARD_REFUSALS = [
 
 @pytest.mark.parametrize("case", CARD_REFUSALS, ids=[c.id for c in CARD_REFUSALS])
 def test_a_repo_id_that_is_no_hub_id_is_refused(case: Case, work: Work):
-    argv = case.setup(work)
-    before = tree_state(work.root)
-    result, line = invoke_expecting_one_line(argv)
-    assert result.exit_code == case.exit_code, line
-    assert line.startswith("Error: ") and case.message in line, line
-    assert tree_state(work.root) == before
+    assert_refused(case, work)
 
 
 # Valid Hub ids that plain YAML would read as something else: a bool, null, numbers, a date.

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from flashnext.quant.checkpoint.fsutil import output_lock
 from flashnext.tools.cli import main as cli
 from support.hostile import (
+    assert_refused,
     Case,
     FIRST_SHARD,
     INDEX,
@@ -175,12 +176,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_hostile_input(case: Case, work: Work):
-    argv = case.setup(work)
-    before = tree_state(work.root)
-    result, line = invoke_expecting_one_line(argv)
-    assert result.exit_code == case.exit_code, line
-    assert line.startswith("Error: ") and case.message in line, line
-    assert tree_state(work.root) == before, "the command wrote or removed something"
+    assert_refused(case, work)
 
 
 def test_a_second_writer_is_refused(work):

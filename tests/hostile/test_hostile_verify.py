@@ -21,14 +21,13 @@ from flashnext.quant.checkpoint.snapshot import Snapshot
 from flashnext.quant.overlays.manifest import OverlayManifest
 from flashnext.tools.cli import main as cli
 from support.hostile import (
+    assert_refused,
     FIRST_SHARD,
     INDEX,
     MTP_SHARD,
     Case,
     Work,
     apply,
-    invoke_expecting_one_line,
-    tree_state,
 )
 
 CONFIG = "config.json"
@@ -146,12 +145,7 @@ MISMATCHES = [
 
 @pytest.mark.parametrize("case", MISMATCHES, ids=[c.id for c in MISMATCHES])
 def test_verify_finds_the_mismatch(case: Case, work: Work):
-    argv = case.setup(work)
-    before = tree_state(work.root)
-    result, line = invoke_expecting_one_line(argv)
-    assert result.exit_code == case.exit_code, line
-    assert line.startswith("mismatch: ") and case.message in line, line
-    assert tree_state(work.root) == before, "verify wrote or removed something"
+    assert_refused(case, work, first="mismatch: ")
 
 
 def unlist(name: str) -> Callable[[Work], None]:
@@ -194,12 +188,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("case", REFUSALS, ids=[c.id for c in REFUSALS])
 def test_refused_in_one_line(case: Case, work: Work):
-    argv = case.setup(work)
-    before = tree_state(work.root)
-    result, line = invoke_expecting_one_line(argv)
-    assert result.exit_code == case.exit_code, line
-    assert line.startswith("Error: ") and case.message in line, line
-    assert tree_state(work.root) == before, "the command wrote or removed something"
+    assert_refused(case, work)
 
 
 def test_every_tampering_is_reported_one_line_each(work: Work):

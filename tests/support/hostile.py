@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,3 +257,14 @@ def invoke_expecting_one_line(argv: list[str]):
     return result, lines[0]
 
 
+
+
+def assert_refused(case: Case, work: Work, first: str = "Error: ") -> None:
+    """Run ``case``: one line starting ``first`` that names ``case.message``, ``case.exit_code``, and
+    the whole work tree (source snapshot included) byte-for-byte as it was."""
+    argv = case.setup(work)
+    before = tree_state(work.root)
+    result, line = invoke_expecting_one_line(argv)
+    assert result.exit_code == case.exit_code, line
+    assert line.startswith(first) and case.message in line, line
+    assert tree_state(work.root) == before, "the command wrote or removed something"
