@@ -42,7 +42,10 @@ from flashnext.quant.checkpoint.jsonfile import parse_json, read_json
 PATCH_DIR = Path(__file__).resolve().parent / "patches"
 SERIES_FILE = PATCH_DIR / "series.json"
 _FIELDS = ("order", "id", "file", "fixes", "details", "seed_effect", "env_switch", "touches", "hook", "probe",
-           "upstream", "test")
+           "upstream", "test", "coverage")
+# What the tests of a patch run as vLLM's own code, what ran on a GPU, what a stand-in replaces and
+# why, and what a real serve meets that no test drives: the README's second table.
+COVERAGE_FIELDS = ("vllm_cpu", "gpu", "stand_in", "gap")
 README_FILE = PATCH_DIR / "README.md"
 TABLE_BEGIN = "<!-- the table is generated from series.json: flashnext patches readme --write -->"
 TABLE_END = "<!-- end of the generated table -->"
@@ -62,6 +65,7 @@ class Patch:
     probe: str
     upstream: str
     test: str
+    coverage: dict[str, str]
 
     @property
     def path(self) -> Path:
@@ -77,11 +81,15 @@ def load_series(series_file: Path = SERIES_FILE) -> list[Patch]:
         unknown, missing = set(entry) - set(_FIELDS), set(_FIELDS) - set(entry)
         if unknown or missing:
             raise FlashnextError(f"{series_file}: patch {entry.get('id')}: unknown {sorted(unknown)}, missing {sorted(missing)}")
+        coverage = entry["coverage"]
         if (type(entry["order"]) is not int or not isinstance(entry["touches"], list)
-                or not all(isinstance(entry[k], str) for k in _FIELDS if k not in ("order", "touches"))
+                or not isinstance(coverage, dict) or sorted(coverage) != sorted(COVERAGE_FIELDS)
+                or not all(isinstance(v, str) and v.strip() for v in coverage.values())
+                or not all(isinstance(entry[k], str) for k in _FIELDS if k not in ("order", "touches", "coverage"))
                 or not all(isinstance(t, str) for t in entry["touches"])):
             raise FlashnextError(f"{series_file}: patch {entry.get('id')!r}: order must be an integer, touches a "
-                                 "list of strings and every other field a string")
+                                 f"list of strings, coverage an object of {', '.join(COVERAGE_FIELDS)} (text) "
+                                 "and every other field a string")
         confined(PATCH_DIR, entry["file"], str(series_file))
         patches.append(Patch(**{**entry, "touches": tuple(entry["touches"])}))
     patches.sort(key=lambda p: p.order)
@@ -103,13 +111,32 @@ def readme_table(patches: list[Patch]) -> str:
     return "\n".join(rows)
 
 
-def readme_with_table(readme: str, patches: list[Patch]) -> str:
-    """``readme`` with the text between its table markers replaced by :func:`readme_table`."""
-    head, sep, rest = readme.partition(TABLE_BEGIN + "\n")
+def coverage_table(patches: list[Patch]) -> str:
+    """The patches README's second table: what each patch's tests really drive."""
+    rows = ["| id | vLLM's own code, run on the CPU | on a GPU | stand-ins, and why | what no test drives |",
+            "|---|---|---|---|---|"]
+    for p in patches:
+        cells = [p.id, *(p.coverage[k] for k in COVERAGE_FIELDS)]
+        rows.append("| " + " | ".join(cell.replace("\n", " ").replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows)
+
+
+COVERAGE_BEGIN = "<!-- the coverage table is generated from series.json: flashnext patches readme --write -->"
+
+
+def _replace_between(text: str, begin: str, body: str) -> str:
+    head, sep, rest = text.partition(begin + "\n")
     _, sep2, tail = rest.partition(TABLE_END)
     if not sep or not sep2:
-        raise FlashnextError(f"{README_FILE}: the table markers are missing")
-    return head + TABLE_BEGIN + "\n" + readme_table(patches) + "\n" + TABLE_END + tail
+        raise FlashnextError(f"{README_FILE}: the markers of a generated table are missing ({begin})")
+    return head + begin + "\n" + body + "\n" + TABLE_END + tail
+
+
+def readme_with_table(readme: str, patches: list[Patch]) -> str:
+    """``readme`` with the text between each table's markers replaced by :func:`readme_table` and
+    :func:`coverage_table`."""
+    readme = _replace_between(readme, TABLE_BEGIN, readme_table(patches))
+    return _replace_between(readme, COVERAGE_BEGIN, coverage_table(patches))
 
 
 def installed_vllm_root() -> Path:

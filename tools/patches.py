@@ -35,13 +35,13 @@ def list_cmd(as_json: bool) -> None:
 
 
 @main.command("readme")
-@click.option("--write", is_flag=True, help="Rewrite serving/patches/README.md's table (in a source checkout).")
+@click.option("--write", is_flag=True, help="Rewrite serving/patches/README.md's tables (in a source checkout).")
 @user_errors
 def readme_cmd(write: bool) -> None:
-    """Print the patches README's table, generated from series.json, or --write it into the README.
-    Exits 1 without --write when the README's table is out of date."""
+    """Print the patches README's tables (the series, and what each patch's tests drive), generated
+    from series.json, or --write them into the README. Exits 1 without --write when they are out of date."""
     from flashnext.errors import FlashnextError
-    from flashnext.serving.patch_series import README_FILE, load_series, readme_table, readme_with_table
+    from flashnext.serving.patch_series import README_FILE, coverage_table, load_series, readme_table, readme_with_table
 
     series = load_series()
     current = README_FILE.read_text()
@@ -53,7 +53,7 @@ def readme_cmd(write: bool) -> None:
             README_FILE.write_text(wanted)
         click.echo(f"wrote {README_FILE}")
         return
-    click.echo(readme_table(series))
+    click.echo(readme_table(series) + "\n\n" + coverage_table(series))
     if wanted != current:
         raise FlashnextError(f"{README_FILE} is out of date: run `flashnext patches readme --write`")
 

@@ -256,8 +256,10 @@ def test_the_readme_table_is_generated_from_the_series():
     assert readme_with_table(text, series) == text, "run `flashnext patches readme --write`"
     for p in series:
         assert f"| {p.order} | {p.id} | {p.details} |" in text
+        assert f"| {p.id} | {p.coverage['vllm_cpu']} |" in text
     result = CliRunner().invoke(cli, ["patches", "readme"])
-    assert result.exit_code == 0 and result.output.count("\n") == len(series) + 2
+    # Two tables: a header and a rule each, one row a patch, one blank line between them.
+    assert result.exit_code == 0 and result.output.count("\n") == 2 * (len(series) + 2) + 1
 
 
 # --- int6-bitplane: the bit-plane overlay served ---------------------------------------------------
