@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 
 import click
@@ -27,14 +27,29 @@ class _ListOf(click.ParamType):
         try:
             out = [self.kind(float(x[:-1]) * 1024) if x.lower().endswith("k") and self.kind is int else self.kind(x)
                    for x in _items(value)]
-        except ValueError:
+        except (ValueError, OverflowError):
             self.fail(f"{value!r} is not a comma-separated list of {self.kind.__name__}s", param, ctx)
+        if not all(math.isfinite(x) for x in out):  # report.json holds no NaN or Infinity
+            self.fail(f"{value!r}: give finite numbers", param, ctx)
         if not out:
             self.fail("give at least one value", param, ctx)
         bad = [x for x in out if x < self.low or (self.high is not None and x > self.high)]
         if bad:
             self.fail(f"{bad[0]} is out of range [{self.low}, {self.high if self.high is not None else '∞'}]", param, ctx)
         return out
+
+
+class _Seconds(click.FloatRange):
+    """Seconds, more than zero and finite (report.json holds no Infinity, and no NaN)."""
+
+    def __init__(self):
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value, param, ctx):
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return seconds
 
 
 def _phases(value: str) -> list[str]:
@@ -92,9 +107,9 @@ def _phases(value: str) -> list[str]:
 @click.option("--top-logprobs", type=click.IntRange(0, 20), default=5, show_default=True,
               help="Top-k logprobs per decode token, for A/B agreement and KL (0: none).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed and prompt seed.")
-@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=1800.0, show_default=True,
+@click.option("--request-timeout", type=_Seconds(), default=1800.0, show_default=True,
               help="Seconds a request may take in all.")
-@click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+@click.option("--stall-timeout", type=_Seconds(), default=120.0, show_default=True,
               help="Seconds a stream may stay silent before it counts as stalled.")
 @click.option("--extra-body", default="{}", show_default=True,
               help='JSON merged into every request, e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\'.')
@@ -135,11 +150,12 @@ def main(url, against, baseline, model, against_model, out, force, phases, promp
     if missing:
         raise FlashnextError(f"flashnext bench needs {', '.join(missing)}: pip install 'flashnext[bench]'")
     from flashnext.serving.bench import Bench, Settings, load_report, write_outputs
+    from flashnext.serving.bench.client import Malformed, parse_strict
 
     try:
-        extra = json.loads(extra_body)
-    except json.JSONDecodeError as e:
-        raise FlashnextError(f"--extra-body is not JSON: {e.msg} at character {e.pos}")
+        extra = parse_strict(extra_body, "--extra-body")
+    except Malformed as e:
+        raise FlashnextError(f"--extra-body is not JSON a request can carry ({str(e).removeprefix('--extra-body: ')})") from None
     if not isinstance(extra, dict):
         raise FlashnextError("--extra-body must be a JSON object")
     if against and baseline:

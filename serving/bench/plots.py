@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-from pathlib import Path
 
 from flashnext.serving.bench.report import BenchReport
 
@@ -135,8 +134,8 @@ def _ms(s) -> float | None:
     return None if s is None else s * 1000
 
 
-def write_html(report: BenchReport, pngs: dict[str, bytes], path: Path) -> None:
-    """One file, images inline: it can be mailed or attached to an issue as it is."""
+def html_page(report: BenchReport, pngs: dict[str, bytes]) -> str:
+    """One page, images inline: it can be mailed or attached to an issue as it is."""
     parts = [f"<h1>flashnext bench</h1><p>flashnext {html.escape(report.flashnext_version)}, "
              f"{html.escape(report.started_at)} to {html.escape(report.finished_at)}</p>"]
     for e in report.endpoints:
@@ -196,5 +195,5 @@ def write_html(report: BenchReport, pngs: dict[str, bytes], path: Path) -> None:
     style = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto}table{border-collapse:collapse;"
              "margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}.bad{color:#a00}"
              "img{max-width:100%}")
-    path.write_text(f"<!doctype html><html><head><meta charset=utf-8><title>flashnext bench</title>"
-                    f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
+    return (f"<!doctype html><html><head><meta charset=utf-8><title>flashnext bench</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")

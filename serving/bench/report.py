@@ -1,24 +1,30 @@
 """``report.json``: what ``flashnext bench`` measured (schema: ``manifests/bench-report.schema.json``).
 
 Every model rejects unknown keys, so a report from another version fails loudly instead of being
-half read (``--baseline`` reads one back). Times are seconds; rates are tokens per second.
+half read (``--baseline`` reads one back), and every float is finite, so no report can hold what
+JSON cannot (NaN, Infinity). Times are seconds; rates are tokens per second.
 """
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.inputs import open_regular
+from flashnext.quant.checkpoint.jsonfile import validation_message
+from flashnext.serving.bench.client import LOGPROB_FLOOR, LOGPROB_SLACK, Malformed, parse_strict, redact_url
 
 SCHEMA_VERSION = 1
+# A report of a long run with every ITL sample is tens of MiB; far past that is not one.
+_REPORT_LIMIT = 512 << 20
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Summary(_Model):
@@ -131,6 +137,19 @@ class GreedyAnswer(_Model):
     logprobs: list[float] | None
     top_logprobs: list[dict[str, float]] | None
 
+    @model_validator(mode="after")
+    def _one_entry_per_token(self):
+        # The A/B walks the three side by side and takes exp() of the logprobs.
+        given = [x is not None for x in (self.tokens, self.logprobs, self.top_logprobs)]
+        if any(given) and not all(given):
+            raise ValueError("tokens, logprobs and top_logprobs must be given together")
+        if all(given) and not len(self.tokens) == len(self.logprobs) == len(self.top_logprobs):
+            raise ValueError("tokens, logprobs and top_logprobs must have one entry per token")
+        values = [*(self.logprobs or ()), *(v for top in self.top_logprobs or () for v in top.values())]
+        if not all(LOGPROB_FLOOR <= v <= LOGPROB_SLACK for v in values):  # what the client accepts
+            raise ValueError(f"a logprob is above 0 or below {LOGPROB_FLOOR}")
+        return self
+
 
 class EndpointReport(_Model):
     label: str
@@ -187,18 +206,42 @@ class BenchReport(_Model):
 
 
 def load_report(path: Path) -> BenchReport:
-    """A saved ``report.json`` (``--baseline``), or one line saying why it cannot be used."""
+    """A saved ``report.json`` (``--baseline``), or one line saying why it cannot be used: read
+    before the run, so that a bad one costs no measuring. Its URLs are shown redacted."""
+    path = Path(path)
+    raw = _read_regular(path)
     try:
-        return BenchReport.model_validate(json.loads(Path(path).read_text()))
-    except FileNotFoundError:
-        raise FlashnextError(f"{path}: no such report: pass the report.json of an earlier flashnext bench run")
-    except json.JSONDecodeError as e:
-        raise FlashnextError(f"{path}: not JSON ({e.msg} at line {e.lineno})")
+        doc = parse_strict(raw, str(path))
+    except Malformed as e:
+        raise FlashnextError(f"{e} (not a report.json of flashnext bench)") from None
+    try:
+        report = BenchReport.model_validate(doc)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the top level"
-        raise FlashnextError(f"{path}: not a flashnext bench report (schema {SCHEMA_VERSION}): "
-                             f"{first['msg']} at {where}")
+        raise FlashnextError(validation_message(e, f"{path}: not a flashnext bench report "
+                                                   f"(schema {SCHEMA_VERSION})")) from None
+    if not report.endpoints:
+        raise FlashnextError(f"{path}: the report has no endpoint to compare with")
+    for e in report.endpoints:
+        e.url = redact_url(e.url)
+    return report
+
+
+def _read_regular(path: Path) -> bytes:
+    """``path``'s bytes if it is a regular file (a FIFO would hang the read) of a report's size."""
+    try:
+        f = open_regular(path, "a report.json of flashnext bench")
+    except FileNotFoundError:
+        raise FlashnextError(f"{path}: no such report: pass the report.json of an earlier flashnext bench run") from None
+    except IsADirectoryError:
+        raise FlashnextError(f"{path}: is a directory; pass the report.json in it") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size > _REPORT_LIMIT:
+            raise FlashnextError(f"{path}: {size} bytes is larger than any report.json of flashnext bench")
+        raw = f.read(_REPORT_LIMIT + 1)
+    if not raw.strip():
+        raise FlashnextError(f"{path}: empty, not a report.json of flashnext bench")
+    return raw
 
 
 def json_schema() -> dict:

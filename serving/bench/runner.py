@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ import httpx
 from flashnext import __version__
 from flashnext.errors import FlashnextError
 from flashnext.serving.bench import metrics, workloads
-from flashnext.serving.bench.client import Completion, TopLogprobs, stream_chat
+from flashnext.serving.bench.client import (
+    Completion, TopLogprobs, check_text, check_url, redact_url, scrub, served_model, stream_chat, url_secrets,
+)
 from flashnext.serving.bench.report import (
     ABReport, AgreementSummary, BenchReport, Capabilities, DecodePoint, Delta, EndpointReport,
     ErrorSample, GreedyAnswer, LatencyPoint, NeedleResult, Scale, Settings, StructuredResult, Summary,
@@ -32,11 +35,18 @@ _PROBE_CHARS = 2000
 
 
 def chat_url(base: str) -> str:
-    """``http://host:port``, ``.../v1`` or the full ``.../v1/chat/completions``: the chat endpoint."""
-    base = base.rstrip("/")
-    if base.endswith("/chat/completions"):
-        return base
-    return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
+    """``http://host:port``, ``.../v1`` or the full ``.../v1/chat/completions``: the chat endpoint
+    (a query, such as ``?api_key=``, stays on it)."""
+    url = httpx.URL(base)
+    path = url.path.rstrip("/")
+    if not path.endswith("/chat/completions"):
+        path = f"{path}/chat/completions" if path.endswith("/v1") else f"{path}/v1/chat/completions"
+    return str(url.copy_with(path=path))
+
+
+def models_url(base: str) -> str:
+    url = httpx.URL(chat_url(base))
+    return str(url.copy_with(path=url.path.removesuffix("/chat/completions") + "/models"))
 
 
 def _summary(values: list[float]) -> Summary | None:
@@ -47,7 +57,7 @@ def _summary(values: list[float]) -> Summary | None:
 @dataclass
 class Endpoint:
     label: str
-    url: str
+    url: str                   # as given, credentials and all: only requests see it
     model: str | None
     client: httpx.AsyncClient | None = None
     caps: Capabilities | None = None
@@ -63,12 +73,16 @@ class Endpoint:
     greedy: list[GreedyAnswer] = field(default_factory=list)
 
     @property
+    def shown_url(self) -> str:
+        return redact_url(self.url)
+
+    @property
     def text_scale(self) -> workloads.TextScale:
         return workloads.TextScale(self.scale.chars_per_token, self.scale.template_tokens)
 
     def report(self) -> EndpointReport:
         return EndpointReport(
-            label=self.label, url=self.url, model=self.model, capabilities=self.caps, scale=self.scale,
+            label=self.label, url=self.shown_url, model=self.model, capabilities=self.caps, scale=self.scale,
             latency=self.latency, itl_samples_s=self.itl_samples, decode=self.decode, needle=self.needle,
             structured=self.structured, greedy_answers=self.greedy, requests=self.requests,
             errors=self.errors, error_samples=self.error_samples)
@@ -87,6 +101,11 @@ class Bench:
                  baseline: BenchReport | None = None, progress: Callable[[int], None] | None = None):
         if not 1 <= len(urls) <= 2:
             raise FlashnextError("flashnext bench compares at most two endpoints (URL and --against URL)")
+        for url in urls:
+            check_url(url)
+        for model in models:
+            if model is not None:
+                check_text(model, "--model")
         self.settings = settings
         self.endpoints = [Endpoint(label, url, model) for label, url, model in zip("AB", urls, models)]
         self.baseline = baseline
@@ -109,13 +128,22 @@ class Bench:
             n += s.structured_requests
         return n * len(self.endpoints)
 
+    @property
+    def secrets(self) -> set[str]:
+        """What of the URLs must appear nowhere: not in the report, a message or a page."""
+        return set().union(*(url_secrets(e.url) for e in self.endpoints))
+
     def run(self) -> BenchReport:
+        """The report, with every secret of the URLs scrubbed out, even where a server echoed one."""
         started = _now()
-        asyncio.run(self._run())
+        try:
+            asyncio.run(self._run())
+        except FlashnextError as e:
+            raise FlashnextError(scrub(str(e), self.secrets)) from None
         report = BenchReport(flashnext_version=__version__, started_at=started, finished_at=_now(),
                              settings=self.settings, endpoints=[e.report() for e in self.endpoints],
                              ab=self._ab(), notes=self.notes)
-        return report
+        return scrub_report(report, self.secrets)
 
     async def _run(self) -> None:
         s = self.settings
@@ -187,7 +215,7 @@ class Bench:
 
         first = await ask({})
         if not answered(first):
-            raise FlashnextError(f"{ep.url}: a minimal streamed chat completion failed ({first.error}: "
+            raise FlashnextError(f"{ep.shown_url}: a minimal streamed chat completion failed ({first.error}: "
                                  f"{first.error_detail}); is it an OpenAI-compatible server serving {ep.model!r}?")
         usage = await ask({"stream_options": {"include_usage": True}})
         has_usage = answered(usage) and usage.prompt_tokens is not None
@@ -213,16 +241,7 @@ class Bench:
                               "4 characters per token")
 
     async def _model_name(self, ep: Endpoint) -> str:
-        base = chat_url(ep.url).removesuffix("/chat/completions")
-        try:
-            r = await ep.client.get(f"{base}/models")
-            r.raise_for_status()
-            return r.json()["data"][0]["id"]
-        except httpx.ConnectError as e:
-            raise FlashnextError(f"cannot reach {ep.url} ({e}): is the server up?")
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-            raise FlashnextError(f"{ep.url}: could not read the served model from {base}/models "
-                                 f"({type(e).__name__}); pass --model NAME")
+        return await served_model(ep.client, models_url(ep.url), ep.shown_url)
 
     # -- phases -----------------------------------------------------------------------------
 
@@ -424,9 +443,40 @@ def headline_metrics(e: EndpointReport) -> dict[str, float]:
 
 
 def deltas(a: EndpointReport, b: EndpointReport) -> list[Delta]:
+    """B against A in percent. What a float cannot hold (a percentile of an edited baseline's
+    1e308s, a change over a tiny A) is left out: report.json holds finite numbers only."""
     ma, mb = headline_metrics(a), headline_metrics(b)
-    return [Delta(metric=k, a=ma[k], b=mb[k], change_pct=(mb[k] - ma[k]) / ma[k] * 100)
-            for k in ma if k in mb and ma[k] > 0]
+    out = []
+    for k in ma:
+        if k not in mb or not ma[k] > 0 or not math.isfinite(ma[k]) or not math.isfinite(mb[k]):
+            continue
+        if math.isfinite(change := (mb[k] - ma[k]) / ma[k] * 100):
+            out.append(Delta(metric=k, a=ma[k], b=mb[k], change_pct=change))
+    return out
+
+
+# The report's fields that carry text a server sent (or a URL): where an echoed secret can land.
+# The others hold flashnext's own words (kinds, labels, Literal choices) and must stay as they are.
+_SERVER_TEXT = frozenset({"url", "model", "detail", "answer", "error", "invalid", "text", "tokens",
+                          "top_logprobs", "a", "b", "notes"})
+
+
+def scrub_report(report: BenchReport, secrets: set[str]) -> BenchReport:
+    """``report`` with each of ``secrets`` replaced wherever a server's text is kept (keys included)."""
+    if not secrets:
+        return report
+
+    def walk(value, text: bool):
+        if isinstance(value, str):
+            return scrub(value, secrets) if text else value
+        if isinstance(value, dict):
+            return {(scrub(k, secrets) if text else k): walk(v, text or k in _SERVER_TEXT)
+                    for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, text) for v in value]
+        return value
+
+    return BenchReport.model_validate(walk(report.model_dump(), False))
 
 
 def _now() -> str:

@@ -7,12 +7,13 @@ measurement needs text the server has never read, so the cold rounds draw a fres
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass
 
 import jsonschema
+
+from flashnext.serving.bench.client import Malformed, parse_strict
 
 # Filler vocabulary: plain English words, so that any tokenizer spends a few characters per token.
 _WORDS = (
@@ -130,9 +131,9 @@ def structured_response_format(kind: str = "json_schema") -> dict:
 def validate_structured(answer: str) -> str | None:
     """None if ``answer`` is JSON that follows :data:`STRUCTURED_SCHEMA`, else why not (one line)."""
     try:
-        value = json.loads(answer)
-    except json.JSONDecodeError as e:
-        return f"not JSON: {e.msg} at character {e.pos}"
+        value = parse_strict(answer, "the answer")
+    except Malformed as e:  # a hostile answer nested 10^5 deep must not cost the run
+        return f"not JSON: {e}"
     try:
         jsonschema.validate(value, STRUCTURED_SCHEMA)
     except jsonschema.ValidationError as e:

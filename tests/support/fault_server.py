@@ -1,17 +1,22 @@
 """A stand-in OpenAI-compatible server on loopback, only for what a real server will not do on
-demand: stall, drop a stream, send a chunk that is not JSON, fail with a 500 or mid-stream.
+demand: stall, drop a stream, send a chunk that is not JSON, fail with a 500 or mid-stream, and the
+hostile answers of ``HOSTILE`` (lone surrogates, NaN logprobs, usage of the wrong type or size,
+non-object choices, JSON nested 10^5 deep, a line or an answer that never ends, an error page that
+echoes the request's credentials); ``models`` breaks ``/v1/models`` the same way.
 
 It speaks raw HTTP/1.1 over asyncio streams (chunked server-sent events), so that a dropped stream
 is a connection closed before the terminating chunk, as a crashed server leaves it. Requests for
 at most two tokens (``flashnext bench``'s probe) always succeed; every other request takes the next
 behaviour of ``schedule`` in turn. ``served`` counts what each behaviour answered; ``sent_at``
 keeps, for each answer, the ``time.perf_counter()`` of every token chunk it wrote (a benchmark
-compares a client's timings with them). ``interval_s`` paces the tokens.
+compares a client's timings with them). ``interval_s`` paces the tokens. ``requests`` keeps the
+method, target and ``Authorization`` header of every request, the probe's and ``/v1/models`` too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import threading
 import time
@@ -21,12 +26,51 @@ from itertools import cycle
 BEHAVIOURS = ("ok", "stall", "drop", "invalid_json", "http_500", "error_event", "no_finish")
 
 
+def _raw_chunk(delta: str, logprobs: str = "") -> str:
+    """A chunk written by hand: JSON that ``json.dumps`` would never write (NaN, a lone surrogate)."""
+    lp = f', "logprobs": {{"content": [{logprobs}]}}' if logprobs else ""
+    return f'{{"id": "c", "choices": [{{"index": 0, "delta": {delta}{lp}, "finish_reason": null}}]}}'
+
+
+def _raw_logprob(value: str) -> str:
+    return f'{{"token": "a", "logprob": {value}, "top_logprobs": [{{"token": "a", "logprob": {value}}}]}}'
+
+
+# The token chunk at position 1 of the answer, replaced by one of these.
+RAW_EVENTS = {
+    "lone_surrogate": _raw_chunk('{"content": "\\ud800"}'),
+    "nan_logprob": _raw_chunk('{"content": "a"}', _raw_logprob("NaN")),
+    "inf_logprob": _raw_chunk('{"content": "a"}', _raw_logprob("-Infinity")),
+    "overflow_logprob": _raw_chunk('{"content": "a"}', _raw_logprob("-1e999")),
+    "positive_logprob": _raw_chunk('{"content": "a"}', _raw_logprob("1000.0")),
+    "token_not_string": _raw_chunk('{"content": "a"}', '{"token": 7, "logprob": -0.5, "top_logprobs": []}'),
+    "choices_object": '{"id": "c", "choices": {"0": {"index": 0, "delta": {"content": "a"}}}}',
+    "choice_not_object": '{"id": "c", "choices": [5]}',
+    "content_not_string": _raw_chunk('{"content": {"text": "a"}}'),
+    "deep_json": '{"choices": ' + '[' * 100_000 + ']' * 100_000 + '}',
+}
+# The last chunk's usage, replaced by one of these.
+USAGE = {
+    "usage_wrong_type": {"prompt_tokens": "12", "completion_tokens": "8", "total_tokens": "20"},
+    "usage_not_object": [12, 8],
+    "usage_absurd": {"prompt_tokens": 12, "completion_tokens": 10 ** 33, "total_tokens": 10 ** 33 + 12},
+    "usage_negative": {"prompt_tokens": -5, "completion_tokens": 8, "total_tokens": 3},
+}
+# Answers that never end: a line, or the lines of a stream (bounded here only by the client leaving).
+ENDLESS = ("endless_line", "endless_answer")
+HOSTILE = (*RAW_EVENTS, *USAGE, *ENDLESS, "echo_secret")
+MODELS = ("ok", "int_id", "surrogate_id", "deep", "endless")
+
+
 class FaultServer:
-    def __init__(self, schedule: tuple[str, ...] = BEHAVIOURS, tokens: int = 8, interval_s: float = 0.002):
-        unknown = set(schedule) - set(BEHAVIOURS)
-        if unknown:
-            raise ValueError(f"unknown behaviours {unknown}")
+    def __init__(self, schedule: tuple[str, ...] = BEHAVIOURS, tokens: int = 8, interval_s: float = 0.002,
+                 models: str = "ok"):
+        unknown = set(schedule) - set(BEHAVIOURS) - set(HOSTILE)
+        if unknown or models not in MODELS:
+            raise ValueError(f"unknown behaviours {unknown or models}")
         self._schedule = cycle(schedule)
+        self.models = models
+        self.requests: list[tuple[str, str, str | None]] = []
         self.tokens = tokens
         self.interval_s = interval_s
         self.served: Counter[str] = Counter()
@@ -80,7 +124,9 @@ class FaultServer:
                 method, path, _ = lines[0].split(" ", 2)
                 headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
                 body = await reader.readexactly(int(headers.get("content-length", 0)))
-                keep = await self._respond(method, path, json.loads(body) if body else {}, writer)
+                self.requests.append((method, path, headers.get("authorization")))
+                keep = await self._respond(method, path, json.loads(body) if body else {}, writer,
+                                           headers.get("authorization"))
                 if not keep:
                     break
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
@@ -88,10 +134,11 @@ class FaultServer:
         finally:
             writer.close()
 
-    async def _respond(self, method: str, path: str, body: dict, w: asyncio.StreamWriter) -> bool:
+    async def _respond(self, method: str, target: str, body: dict, w: asyncio.StreamWriter,
+                       auth: str | None = None) -> bool:
+        path = target.split("?", 1)[0]
         if method == "GET" and path.endswith("/models"):
-            self._json(w, 200, {"object": "list", "data": [{"id": "fault-model", "object": "model"}]})
-            return True
+            return await self._models(w)
         if not path.endswith("/chat/completions"):
             self._json(w, 404, {"error": {"message": f"no route {path}"}})
             return True
@@ -101,7 +148,14 @@ class FaultServer:
         if behaviour == "http_500":
             self._json(w, 500, {"error": {"message": "injected failure"}})
             return True
+        if behaviour == "echo_secret":  # as an error page that shows the request does
+            who = base64.b64decode(auth.split(" ", 1)[1]).decode() if auth and " " in auth else ""
+            self._json(w, 500, {"error": {"message": f"injected failure for {who} at {target}"}})
+            return True
         w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        if behaviour in ENDLESS:
+            await self._endless(w, behaviour)
+            return False
         n = int(body.get("max_tokens") or 16) if probe else self.tokens
         with_logprobs = bool(body.get("logprobs"))
         sent: list[float] = []
@@ -117,6 +171,9 @@ class FaultServer:
             if behaviour == "invalid_json" and i == 1:
                 self._event(w, "{not json")
                 continue
+            if behaviour in RAW_EVENTS and i == 1:
+                self._event(w, RAW_EVENTS[behaviour])
+                continue
             if behaviour == "error_event" and i == 2:
                 self._event(w, json.dumps({"error": {"message": "injected engine error", "code": 500}}))
                 break
@@ -127,13 +184,56 @@ class FaultServer:
         if behaviour != "no_finish":
             last = self._chunk("", False, finish="length")
             if body.get("stream_options", {}).get("include_usage"):
-                last["usage"] = {"prompt_tokens": 4 + len(json.dumps(body.get("messages"))) // 4,
-                                 "completion_tokens": n, "total_tokens": n + 4}
+                last["usage"] = USAGE.get(behaviour) or {
+                    "prompt_tokens": 4 + len(json.dumps(body.get("messages"))) // 4,
+                    "completion_tokens": n, "total_tokens": n + 4}
             self._event(w, json.dumps(last))
             self._event(w, "[DONE]")
         w.write(b"0\r\n\r\n")
         await w.drain()
         return True
+
+    async def _endless(self, w: asyncio.StreamWriter, behaviour: str) -> None:
+        """Write until the client goes: one line that never ends, or token chunks that never do."""
+        if behaviour == "endless_line":
+            self._write_chunk(w, b'data: {"choices": [{"delta": {"content": "')
+        piece = "x" * 4096
+        try:
+            while True:
+                if behaviour == "endless_line":
+                    self._write_chunk(w, piece.encode() * 16)
+                else:
+                    self._event(w, json.dumps(self._chunk(piece, False)))
+                await w.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            w.transport.abort()
+
+    async def _models(self, w: asyncio.StreamWriter) -> bool:
+        ids = {"ok": '"fault-model"', "int_id": "7", "surrogate_id": '"fault-\\udc80-model"'}
+        if self.models in ids:
+            payload = f'{{"object": "list", "data": [{{"id": {ids[self.models]}, "object": "model"}}]}}'.encode()
+        elif self.models == "deep":
+            payload = b'{"data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        else:  # endless: a body that never ends, throttled so a client that keeps reading it grows slowly
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+            self._write_chunk(w, b'{"data": [{"id": "')
+            try:
+                while True:
+                    self._write_chunk(w, b"m" * 65536)
+                    await w.drain()
+                    await asyncio.sleep(0.01)
+            except (ConnectionError, asyncio.CancelledError):
+                w.transport.abort()
+                return False
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(payload), payload))
+        return True
+
+    @staticmethod
+    def _write_chunk(w: asyncio.StreamWriter, payload: bytes) -> None:
+        w.write(b"%x\r\n%s\r\n" % (len(payload), payload))
 
     @staticmethod
     def _chunk(text: str, with_logprobs: bool, finish: str | None = None) -> dict:
@@ -146,8 +246,7 @@ class FaultServer:
 
     @staticmethod
     def _event(w: asyncio.StreamWriter, data: str) -> None:
-        payload = f"data: {data}\n\n".encode()
-        w.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+        FaultServer._write_chunk(w, f"data: {data}\n\n".encode())
 
     @staticmethod
     def _json(w: asyncio.StreamWriter, status: int, obj: dict) -> None:
