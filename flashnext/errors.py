@@ -17,10 +17,22 @@ class FlashnextError(Exception):
     printed = False
 
 
-class VerificationMismatch(FlashnextError):
-    """``overlay verify`` found files that differ from what the manifest pins (each was printed)."""
+class UsageError(FlashnextError):
+    """The command line is wrong, not its input: options that cannot go together, or one that another
+    needs is missing. The same exit status as click's own usage errors (an unknown option, a missing
+    required one)."""
 
-    printed = True
+
+class VerificationMismatch(FlashnextError):
+    """A verification found data that differs from what was recorded, whichever command verified:
+    ``overlay verify`` prints every file that differs from its manifest's hash and then gives this
+    verdict (``printed``); ``ple verify`` stops at a table's first block that differs from its
+    sidecar and gives the finding as the message (``printed=False``). Input that cannot be read
+    at all (no sidecar, a malformed one) is a plain :class:`FlashnextError`, not a verdict."""
+
+    def __init__(self, message: str, printed: bool = True):
+        super().__init__(message)
+        self.printed = printed
 
 
 class SlowDrive(FlashnextError):
@@ -39,9 +51,11 @@ class NoGo(FlashnextError):
         self.exit_code = exit_code
 
 
-# Exit codes of the command lines (0: success; 2 is also click's own, a usage error).
+# Exit codes of the command lines (0: success). README.md's "Exit codes" section says the same
+# (tests/test_cli_consistency.py holds them together).
 EXIT_CODES: dict[type[FlashnextError], int] = {
     FlashnextError: 1,
+    UsageError: 2,  # click's own exit status for its usage errors
     SlowDrive: 2,
     VerificationMismatch: 3,
     # NoGo: 10 GPUs, 11 memory, 12 ptrace, 13 PLE table or drive, 14 overlay, 15 image

@@ -22,17 +22,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from flashnext import __version__
 from flashnext.quant.checkpoint.fsutil import atomic_directory, output_file, write_json, write_new
-from flashnext.quant.quantizers.mse_rtn import quantize_absmax_rtn
-from flashnext.quant.formats.packing import pack_int32
 from flashnext.quant.ple.layout import SPLITMIX_GAMMA, SPLITMIX_M1, SPLITMIX_M2, ple_layout
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, spec_of
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE
+
+if TYPE_CHECKING:
+    import torch
 
 TEXT = "model.language_model"
 
@@ -172,6 +173,8 @@ def heavy_tailed(stream: int, shape: tuple[int, ...], std: float = 0.02) -> torc
     if len(shape) >= 2:
         w = w.reshape(-1, rows, shape[-1]) * row_scale[None, :, None]
     w = (w * std).astype(np.float32).reshape(shape)
+    import torch
+
     return torch.from_numpy(w).to(torch.bfloat16)
 
 
@@ -342,6 +345,11 @@ def plan_shards(config: dict) -> dict[str, list[PlannedTensor]]:
 
 def _materialise(t: PlannedTensor, stream: int) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one planned weight."""
+    import torch
+
+    from flashnext.quant.formats.packing import pack_int32
+    from flashnext.quant.quantizers.mse_rtn import quantize_absmax_rtn
+
     if t.fmt == "int64":
         return {t.name: torch.tensor(t.values, dtype=torch.int64)}
     if t.name.endswith(("norm.weight", "A_log", "dt_bias")):

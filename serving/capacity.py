@@ -41,11 +41,17 @@ from pathlib import Path
 from flashnext.manifests import manifest_path
 from flashnext import envs
 from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.jsonfile import read_json
 
 ATTENTION_BLOCK_ALIGNMENT = 16
 QSA_STATE_POSITION_BYTES = 8
 KV_DTYPE_BYTES = 2  # bf16 K/V and keys
 MANIFEST = manifest_path("qwen3.8-flash-next.json")
+
+
+def base_manifest() -> dict:
+    """The base checkpoint's pinned facts (:data:`MANIFEST`), read as every JSON input is."""
+    return read_json(MANIFEST, "the base checkpoint's manifest")
 # Transformers 5.18 renamed `qwen_sparse_attention` to `indexed_attention`; some releases say
 # `full_attention` (vLLM 0.33.0 accepts all three).
 QSA_LAYER_TYPES = ("full_attention", "qwen_sparse_attention", "indexed_attention")
@@ -121,14 +127,12 @@ class TextConfig:
 def load_text_config(path: Path | None = None) -> TextConfig:
     """The base checkpoint's text config (pinned in ``manifests/``), or a snapshot's ``config.json``."""
     if path is None:
-        where, data = str(MANIFEST), json.loads(MANIFEST.read_text())["text_config"]
+        where, data = str(MANIFEST), base_manifest()["text_config"]
     else:
         path = Path(path)
         config = path / "config.json" if path.is_dir() else path
-        if not config.is_file():
+        if not config.exists():  # a FIFO or a device exists: read_json refuses it as what it is
             raise FlashnextError(f"{config}: no such config.json")
-        from flashnext.quant.checkpoint.jsonfile import read_json
-
         where, data = str(config), read_json(config, "the model config")
     return TextConfig.from_dict(data, where)
 
@@ -202,12 +206,10 @@ class VisionConfig:
 def load_vision_config(path: Path | None = None) -> VisionConfig | None:
     """The base checkpoint's vision config, or a snapshot's; None for a text-only config."""
     if path is None:
-        where, data = str(MANIFEST), json.loads(MANIFEST.read_text()).get("vision_config")
+        where, data = str(MANIFEST), base_manifest().get("vision_config")
     else:
         path = Path(path)
         config = path / "config.json" if path.is_dir() else path
-        from flashnext.quant.checkpoint.jsonfile import read_json
-
         where, data = str(config), read_json(config, "the model config").get("vision_config")
     return VisionConfig.from_dict(data, where) if data else None
 

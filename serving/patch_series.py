@@ -29,10 +29,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import confined, fsync_dir, output_lock, read_output_marker, write_marker
@@ -508,9 +510,11 @@ def _extract_wheel(wheel: Path, dest: Path) -> None:
             raise FlashnextError(f"--vllm {wheel}: not a vllm wheel or directory (not a readable zip: {e})") from None
 
 
-def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE) -> list[dict]:
+def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE,
+                 progress: Callable[[str], None] = lambda line: None) -> list[dict]:
     """Apply the series to a shadow copy of ``vllm`` (installed, a directory, or a wheel), compile
-    and probe it. Returns one result per patch; a drifted hunk raises with its name."""
+    and probe it. Returns one result per patch; a drifted hunk raises with its name. ``progress``
+    gets one line per step as it happens (the probes take minutes: vLLM is imported once for all)."""
     patches = load_series(series_file)
     with tempfile.TemporaryDirectory(prefix="flashnext-patches-") as tmp:
         tmp = Path(tmp)
@@ -526,12 +530,14 @@ def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE) -> l
         root = tmp / "tree"
         _shadow_tree(source, {t for p in patches for t in p.touches}, root)
         results = []
-        for patch in patches:
+        for i, patch in enumerate(patches, 1):
             _apply(patch, root)
             for rel in patch.touches:
                 _compile(patch, root, rel, tmp / "pyc" / (rel + "c"))
             results.append({"id": patch.id, "applied": True, "compiled": list(patch.touches)})
-        failures = _run_probes(patches, root, tmp)
+            progress(f"[{i}/{len(patches)}] {patch.id}: applied with zero fuzz, compiled")
+        progress(f"probing the {len(patches)} patches in one interpreter (it imports vLLM first) ...")
+        failures = _run_probes(patches, root, tmp, progress)
         for patch, result in zip(patches, results):
             if patch.id not in failures:
                 result["probe"] = "passed"
@@ -601,18 +607,47 @@ def _probe_env(root: Path) -> dict[str, str]:
                 CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
 
 
-def _run_probes(patches: list[Patch], root: Path, tmp: Path) -> dict[str, str]:
+PROBE_TIMEOUT_S = 600
+
+
+def _finished_events(events_file: Path, seen: int, progress: Callable[[str], None]) -> int:
+    """Report each probe that finished since the first ``seen`` event lines (only whole lines:
+    the runner may be writing the next); returns how many lines are seen now."""
+    lines = events_file.read_text().split("\n")[:-1]
+    for line in lines[seen:]:
+        e = json.loads(line)
+        if "id" in e:
+            progress(f"probe {e['id']}: {'passed' if e['error'] is None else 'FAILED: ' + e['error']}")
+    return len(lines)
+
+
+def _run_probes(patches: list[Patch], root: Path, tmp: Path,
+                progress: Callable[[str], None] = lambda line: None) -> dict[str, str]:
     """Every patch's probe in one interpreter that imports ``root``; the failed ones, by id, with
-    their last error line (in series order)."""
+    their last error line (in series order). ``progress`` hears of each probe as it finishes."""
     probes_file, events_file = tmp / "probes.json", tmp / "probe-events.jsonl"
     probes_file.write_text(json.dumps([[p.id, p.probe, list(p.touches)] for p in patches]))
     events_file.write_text("")
-    try:
-        run = subprocess.run([sys.executable, "-c", _PROBE_RUNNER, str(root), str(probes_file), str(events_file)],
-                             capture_output=True, text=True, env=_probe_env(root), cwd=tmp, timeout=600)
-        crashed = (run.stderr.strip().splitlines() or [f"the probe interpreter exited with {run.returncode}"])[-1]
-    except subprocess.TimeoutExpired:
-        crashed = "the probe interpreter ran for more than 600 s"
+    seen = 0
+    # stderr to a file, not a pipe: nothing reads a pipe while the events are followed
+    with open(tmp / "probe-stderr.txt", "w+") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", _PROBE_RUNNER, str(root), str(probes_file), str(events_file)],
+                                stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=_probe_env(root), cwd=tmp)
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                seen = _finished_events(events_file, seen, progress)
+                time.sleep(0.25)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        _finished_events(events_file, seen, progress)
+        stderr.seek(0)
+        if time.monotonic() >= deadline and proc.returncode < 0:
+            crashed = f"the probe interpreter ran for more than {PROBE_TIMEOUT_S} s"
+        else:
+            crashed = (stderr.read().strip().splitlines() or [f"the probe interpreter exited with {proc.returncode}"])[-1]
     events = [json.loads(line) for line in events_file.read_text().splitlines() if line.strip()]
     failures: dict[str, str] = {}
     for e in events:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from flashnext.serving.host_memory import CGROUP_MEMORY_MAX, MEMINFO, read_host_memory
 from flashnext.serving.profiles import Profile
+from flashnext.sizes import format_size
 
 
 class Exit(enum.IntEnum):
@@ -75,10 +76,6 @@ def nvml_devices() -> list[GpuInfo]:
         pynvml.nvmlShutdown()
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def check_gpus(profile: Profile, devices: list[GpuInfo]) -> Finding:
     if len(devices) < profile.gpus:
         return Finding("gpus", False, f"{len(devices)} GPU(s) visible, the profile needs {profile.gpus}",
@@ -91,7 +88,7 @@ def check_gpus(profile: Profile, devices: list[GpuInfo]) -> Finding:
     if busy:
         d = busy[0]
         return Finding("gpus", False,
-                       f"GPU {d.index} ({d.name}) has {_gib(d.free_bytes)} free of {_gib(d.total_bytes)}; "
+                       f"GPU {d.index} ({d.name}) has {format_size(d.free_bytes)} free of {format_size(d.total_bytes)}; "
                        f"the profile takes {util:.0%}", f"stop what holds GPU {d.index}'s memory (see nvidia-smi)",
                        Exit.GPU)
     return Finding("gpus", True, f"{profile.gpus} x {models}, free VRAM ≥ {util:.0%} on each")
@@ -122,24 +119,24 @@ def check_shm(profile: Profile, path: str = "/dev/shm") -> Finding:
                        Exit.MEMORY)
     size = st.f_frsize * st.f_blocks
     if size < need:
-        return Finding("shm", False, f"{path} is {_gib(size)}; the profile wants {_gib(need)}",
+        return Finding("shm", False, f"{path} is {format_size(size)}; the profile wants {format_size(need)}",
                        f"compose: `shm_size: {profile.container.shm_size}` (serve writes it) or `ipc: host`",
                        Exit.MEMORY)
-    return Finding("shm", True, f"{path}: {_gib(size)}")
+    return Finding("shm", True, f"{path}: {format_size(size)}")
 
 
 def check_cgroup(memory_max: Path = CGROUP_MEMORY_MAX, meminfo: Path = MEMINFO) -> Finding:
     memory = read_host_memory(meminfo, memory_max)
     total, limit = memory.total, memory.cgroup_limit
     if not memory_max.exists():
-        return Finding("cgroup", True, f"no cgroup v2 memory limit; host RAM {_gib(total)}")
+        return Finding("cgroup", True, f"no cgroup v2 memory limit; host RAM {format_size(total)}")
     if limit is None:
-        return Finding("cgroup", True, f"cgroup memory.max: unlimited; host RAM {_gib(total)}")
+        return Finding("cgroup", True, f"cgroup memory.max: unlimited; host RAM {format_size(total)}")
     if limit < 0.9 * total:
-        return Finding("cgroup", False, f"cgroup memory.max is {_gib(limit)} of {_gib(total)} RAM; pinned pools "
+        return Finding("cgroup", False, f"cgroup memory.max is {format_size(limit)} of {format_size(total)} RAM; pinned pools "
                                         "and the PLE page cache need the host's memory",
                        "raise the container's memory limit (compose `mem_limit`, podman `--memory`)", Exit.MEMORY)
-    return Finding("cgroup", True, f"cgroup memory.max {_gib(limit)} of {_gib(total)}")
+    return Finding("cgroup", True, f"cgroup memory.max {format_size(limit)} of {format_size(total)}")
 
 
 HOST_RAM_HEADROOM = 4 * 2**30  # the engine's own processes, CUDA contexts and the PLE prefetcher's buffers
@@ -175,12 +172,10 @@ def _allocated(nbytes: int, exact_pool: bool) -> int:
 
 
 def _text_config(model: Path | None) -> tuple[dict, str]:
-    import json
-
-    from flashnext.serving.capacity import MANIFEST
+    from flashnext.serving.capacity import MANIFEST, base_manifest
 
     if model is None:
-        return json.loads(MANIFEST.read_text())["text_config"], MANIFEST.name
+        return base_manifest()["text_config"], MANIFEST.name
     from flashnext.quant.checkpoint.snapshot import Snapshot
 
     return Snapshot.open(model).text_config, str(model)
@@ -188,12 +183,10 @@ def _text_config(model: Path | None) -> tuple[dict, str]:
 
 def ple_table_bytes(model: Path | None) -> int:
     """The PLE tables' bytes: from the snapshot's table shards and config, else the pinned manifest."""
-    import json
-
-    from flashnext.serving.capacity import MANIFEST
+    from flashnext.serving.capacity import base_manifest
 
     if model is None:
-        table = json.loads(MANIFEST.read_text())["ple_table"]
+        table = base_manifest()["ple_table"]
         return int(table["padded_rows"]) * int(table["row_elements"]) * BF16_BYTES
     from flashnext.quant.checkpoint.snapshot import Snapshot
     from flashnext.quant.ple.table import find_ple_source
@@ -277,10 +270,10 @@ def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path =
     available = read_host_memory(meminfo, memory_max).allowance
     need = sum(t.bytes for t in terms)
     rounding = "" if shape.exact_host_pool else (f" (PyTorch rounds each pool to a power of two: QSA K/V "
-                                                 f"{_gib(plan.pinned_host_bytes)} exact)")
-    listed = " + ".join(f"{t.name} {_gib(t.bytes)}" for t in terms)
-    detail = (f"pinned host memory: {listed} = {_gib(need)}{rounding} + {_gib(HOST_RAM_HEADROOM)} headroom; "
-              f"{_gib(available)} available")
+                                                 f"{format_size(plan.pinned_host_bytes)} exact)")
+    listed = " + ".join(f"{t.name} {format_size(t.bytes)}" for t in terms)
+    detail = (f"pinned host memory: {listed} = {format_size(need)}{rounding} + {format_size(HOST_RAM_HEADROOM)} headroom; "
+              f"{format_size(available)} available")
     finding = Finding("host-ram", True, detail)
     finding.terms = {t.name: t.bytes for t in terms}
     if need + HOST_RAM_HEADROOM <= available:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
 import time
@@ -16,6 +17,16 @@ import urllib.request
 from pathlib import Path
 
 from flashnext.errors import FlashnextError
+from flashnext.sizes import format_size
+
+# The Compose implementations, in the order they are tried, by the engine whose images they run.
+COMPOSE_IMPLEMENTATIONS = {"docker": (("docker", "compose"), ("docker-compose",)), "podman": (("podman", "compose"),)}
+COMPOSE_INSTALL = {
+    "docker": "Docker's Compose plugin (the docker-compose-plugin package; https://docs.docker.com/compose/install/)",
+    "podman": "a Compose provider for podman (podman-compose, or docker-compose)",
+}
+# Written only once `compose up` has succeeded: `serve down` and `serve logs` read it.
+STATE_FILE = "compose.yaml"
 
 
 def state_dir(profile: str) -> Path:
@@ -23,8 +34,101 @@ def state_dir(profile: str) -> Path:
     return root
 
 
-def compose_command(engine: str, compose_file: Path, *args: str) -> list[str]:
-    return [engine, "compose", "-f", str(compose_file), *args]
+def find_compose(engine: str | None = None, path: str | None = None) -> list[str]:
+    """The argv prefix of the first Compose implementation that answers ``version``: ``docker
+    compose``, ``docker-compose``, ``podman compose`` (only ``engine``'s with one), looked up on
+    ``path`` (default: PATH). Raises, saying what to install, when there is none."""
+    engines = [engine] if engine else list(COMPOSE_IMPLEMENTATIONS)
+    tried = []
+    for name in engines:
+        for argv in COMPOSE_IMPLEMENTATIONS[name]:
+            tried.append(" ".join(argv))
+            program = shutil.which(argv[0], path=path)
+            if program is None:
+                continue
+            try:
+                answered = subprocess.run([program, *argv[1:], "version"], capture_output=True, timeout=60,
+                                          env=None if path is None else {**os.environ, "PATH": path})
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if answered.returncode == 0:
+                return [program, *argv[1:]]
+    install = " or ".join(COMPOSE_INSTALL[name] for name in engines)
+    instead = " or ".join(f"--engine {e}" for e in (*(e for e in COMPOSE_IMPLEMENTATIONS if e not in engines), "native"))
+    raise FlashnextError(f"no Compose found (tried {', '.join(f'`{t} version`' for t in tried)}): install {install}, "
+                         f"or use {instead}")
+
+
+def compose_engine(compose: list[str]) -> str:
+    """The engine whose images and containers ``compose`` (from :func:`find_compose`) works with."""
+    return "podman" if Path(compose[0]).name == "podman" else "docker"
+
+
+def engine_found() -> str:
+    """The engine `serve` would start with by default, for the preflight's image check; docker where
+    no Compose is found (the check then says what is missing)."""
+    try:
+        return compose_engine(find_compose())
+    except FlashnextError:
+        return "docker"
+
+
+def compose_command(compose: list[str], compose_file: Path, *args: str) -> list[str]:
+    return [*compose, "-f", str(compose_file), *args]
+
+
+def image_present(compose: list[str], image: str) -> bool:
+    """Whether the engine behind ``compose`` has ``image``; False too where its CLI is missing (a
+    standalone docker-compose), so that Compose's own build runs: it reuses what is cached."""
+    program = compose[0] if len(compose) > 1 else shutil.which(compose_engine(compose))
+    if program is None:
+        return False
+    return subprocess.run([program, "image", "inspect", image], capture_output=True).returncode == 0
+
+
+def start_compose(compose: list[str], profile: str, text: str, build: bool) -> Path:
+    """Build (``build``) and start the Compose project ``text`` for ``profile``; returns the state file.
+
+    The compose file is written to a temporary name in the state folder, created exclusively and
+    never through a link, and started from there (its folder and ``name:`` make the project, the
+    same as the final name's); it is renamed into place only once ``up`` has succeeded, so that a
+    failed start records nothing for `serve down` and `serve logs` to find."""
+    from flashnext.quant.checkpoint.fsutil import make_parents, output_lock, remove_empty, remove_leftovers
+
+    state = state_dir(profile) / STATE_FILE
+    created = make_parents(state)
+    try:
+        with output_lock(state) as folder:
+            remove_leftovers(state, folder)
+            tmp = f".{STATE_FILE}.tmp-{os.getpid()}"
+            fd = folder.create(tmp)
+            written = os.fstat(fd)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if build:
+                    run_command(compose_command(compose, folder.path / tmp, "build"))
+                run_command(compose_command(compose, folder.path / tmp, "up", "-d"))
+                folder.rename(tmp, STATE_FILE)
+                os.fsync(folder.fd)
+            finally:
+                if folder.holds(tmp, (written.st_dev, written.st_ino)):
+                    os.unlink(tmp, dir_fd=folder.fd)
+    except BaseException:
+        remove_empty(created)
+        raise
+    return state
+
+
+def recorded_compose_file(profile: str) -> Path:
+    """The compose file a successful ``serve`` recorded for ``profile``."""
+    path = state_dir(profile) / STATE_FILE
+    if not path.is_file() or path.is_symlink():
+        raise FlashnextError(f"nothing is running for profile {profile!r}: no `serve --profile {profile}` "
+                             f"started from here ({path} is missing)")
+    return path
 
 
 def run_command(cmd: list[str]) -> None:
@@ -79,11 +183,7 @@ def summary_line(profile) -> str | None:
     except FlashnextError:
         return None
     return (f"plan: {p.blocks} blocks per rank, {p.blocks_per_request} per {p.max_model_len:,}-token request: "
-            f"{p.capacity_tokens:,} tokens ({p.concurrency:.2f}x); pinned host K/V {_gib(p.pinned_host_bytes_needed)}")
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+            f"{p.capacity_tokens:,} tokens ({p.concurrency:.2f}x); pinned host K/V {format_size(p.pinned_host_bytes_needed)}")
 
 
 def native_command(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | None, listen: str,

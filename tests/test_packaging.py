@@ -87,6 +87,43 @@ def test_wheel_contents(wheel):
     assert "Requires-Dist: matplotlib>=3.8; extra == \"bench\"" in metadata
 
 
+# Hub failures in a base install (issue 32): no extra brings an HTTP client of its own, so the mapping
+# of huggingface_hub's errors meets only what huggingface_hub itself depends on.
+# (id, command after `flashnext`, HF_TOKEN or None, the hint the line must end with)
+HUB_TOKEN = "hf_packaging_test_token_0123"
+HUB_FAILURES = [
+    ("upload-wrong-token", "overlay upload demo/mtp-int4 --repo me/ov --endpoint {hub}", "hf_wrong",
+     "log in again with `hf auth login`, or set HF_TOKEN"),
+    ("upload-no-token", "overlay upload demo/mtp-int4 --repo me/ov --endpoint {hub}", None,
+     "pass a token: `hf auth login`, or set HF_TOKEN"),
+    ("upload-refused-port", "overlay upload demo/mtp-int4 --repo me/ov --endpoint {refused}", HUB_TOKEN,
+     "check the network, and HF_ENDPOINT or --endpoint"),
+    ("fetch-missing-repo", "overlay fetch me/missing --base demo/snapshot --out view --endpoint {hub} --cache-dir c",
+     HUB_TOKEN, "check the repository id; if it is private or gated, pass a token: `hf auth login`, or set HF_TOKEN"),
+    ("fetch-refused-port", "overlay fetch me/ov --base demo/snapshot --out view --endpoint {refused} --cache-dir c",
+     HUB_TOKEN, "check the network, and HF_ENDPOINT or --endpoint"),
+]
+
+
+def hub_failures_are_one_line_with_what_to_do(env: dict, cwd: Path) -> None:
+    """Against the Hub stand-in and a port nobody listens on: exit 1, one line ending in the hint."""
+    from support.hub_server import HubServer
+
+    hub_settings = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE")
+    base_env = {k: v for k, v in env.items() if k not in hub_settings}
+    base_env |= {"HF_HUB_DISABLE_XET": "1", "HF_HOME": str(cwd / "hf-home")}
+    with HubServer(HUB_TOKEN) as hub:
+        for case, command, token, hint in HUB_FAILURES:
+            done = subprocess.run("flashnext " + command.format(hub=hub.endpoint, refused="http://127.0.0.1:9"),
+                                  shell=True, cwd=cwd, capture_output=True, text=True,
+                                  env=base_env | ({"HF_TOKEN": token} if token else {}))
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 1, f"{case}: exit {done.returncode}\n{done.stderr}"
+            assert len(lines) == 1 and lines[0].startswith("Error: "), f"{case}: {done.stderr}"
+            assert lines[0].endswith(hint), f"{case}: {lines[0]}"
+            assert not (cwd / "view").exists() and not (cwd / "demo" / "mtp-int4" / "overlay.published.json").exists()
+
+
 def _constraints(path: Path) -> Path:
     """This environment's versions, so that the fresh venv resolves to wheels pip has cached."""
     versions: dict[str, str] = {}
@@ -129,6 +166,7 @@ def test_wheel_in_a_fresh_venv_runs_the_main_job(wheel, tmp_path):
                               capture_output=True, text=True)
     assert no_extra.returncode == 1 and "pip install 'flashnext[bench]'" in no_extra.stderr, no_extra.stderr
     assert not (tmp_path / "b").exists()
+    hub_failures_are_one_line_with_what_to_do(env, tmp_path)
     profiles = run("serve --profile 3x3090 --model demo/snapshot --ple-table demo/ple.bin --dry-run").stdout
     assert "vllm serve" in profiles or "services:" in profiles
     # Commands that need no torch start without importing it.

@@ -1,14 +1,23 @@
-"""What every command shares: one-line errors, JSON output."""
+"""What every command shares: one-line errors, JSON output, ``-h``, a quiet vLLM."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import sys
+import tempfile
 
 import click
 
 from flashnext.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, FlashnextError, exit_code
+
+
+# -h as well as --help. Click hands help_option_names down from the root context, so this is set on
+# each root only: the flashnext group, and the commands that are also console scripts of their own
+# (make-mtp-int4, serve).
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
 
 class InternalError(click.ClickException):
@@ -65,6 +74,40 @@ def user_errors(fn):
     return wrapper
 
 
+@contextlib.contextmanager
+def held_back_output():
+    """Hold back what vLLM and torch print while they import and plan (deprecations, "no CUDA
+    runtime", vLLM's platform notes; from Python loggers and from C, on stdout and stderr), so that
+    a command's answer is its first line. With ``FLASHNEXT_DEBUG=1`` a failure replays it first."""
+    from flashnext.envs import FLASHNEXT_DEBUG
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        saved = os.dup(1), os.dup(2)
+    except OSError:  # stdout or stderr closed: nothing to keep clean
+        yield
+        return
+    failed = False
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+            if failed and FLASHNEXT_DEBUG.enabled():
+                sink.seek(0)
+                os.write(2, sink.read())
+
+
 def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False))
 
@@ -82,7 +125,9 @@ def preflight_report(profile_name: str, model, overlays, ple_table, engine: str,
     from flashnext.serving.preflight import preflight, verdict
     from flashnext.serving.profiles import load_profile
 
-    findings = preflight(load_profile(profile_name), model, list(overlays), ple_table, engine)
+    profile = load_profile(profile_name)
+    with held_back_output():
+        findings = preflight(profile, model, list(overlays), ple_table, engine)
     code = verdict(findings)
     if as_json:
         emit_json({"go": code == 0, "exit_code": code, "findings": [f.to_json() for f in findings]})

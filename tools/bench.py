@@ -65,9 +65,11 @@ def _phases(value: str) -> list[str]:
 @click.command("bench")
 @click.argument("url")
 @click.option("--against", "against", default=None, metavar="URL",
-              help="A second endpoint (B), measured side by side with URL (A), round by round.")
+              help='A second endpoint ("against"), measured side by side with URL ("this run"), round by round.')
 @click.option("--baseline", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="A report.json of an earlier run (e.g. with a patch switch off) to A/B this run against.")
+@click.option("--allow-different-settings", is_flag=True,
+              help="Compare with a --baseline measured with other settings (the report lists them).")
 @click.option("--model", default=None, help="Served model name; default: the first of the server's /v1/models.")
 @click.option("--against-model", default=None, help="The --against server's model name, if not the same as --model.")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), required=True,
@@ -114,12 +116,12 @@ def _phases(value: str) -> list[str]:
 @click.option("--extra-body", default="{}", show_default=True,
               help='JSON merged into every request, e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\'.')
 @click.option("--fail-on-errors", is_flag=True,
-              help="Exit 1 when any request failed, a needle was missed or a structured answer did not validate.")
+              help="Exit 1 when any request failed, an answer missed its needle or a structured answer is invalid.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr.")
 @json_option
 @user_errors
-def main(url, against, baseline, model, against_model, out, force, phases, prompt_tokens, concurrency,
-         decode_concurrency, decode_tokens, ttft_max_tokens, warmup, repeats, needle_tokens, needle_depths, needle_concurrency,
+def main(url, against, baseline, allow_different_settings, model, against_model, out, force, phases, prompt_tokens,
+         concurrency, decode_concurrency, decode_tokens, ttft_max_tokens, warmup, repeats, needle_tokens, needle_depths, needle_concurrency,
          needle_max_tokens, structured_requests, structured_concurrency, structured_max_tokens, structured_format,
          top_logprobs, seed, request_timeout, stall_timeout, extra_body, fail_on_errors, progress, as_json):
     """Measure the OpenAI-compatible server at URL as seed 000 does, and write OUT/report.json,
@@ -143,7 +145,7 @@ def main(url, against, baseline, model, against_model, out, force, phases, promp
     """
     import importlib.util
 
-    from flashnext.errors import FlashnextError
+    from flashnext.errors import FlashnextError, UsageError
 
     # Checked before a run, not when the plots are drawn after an hour of measuring.
     missing = [m for m in ("httpx", "matplotlib", "jsonschema") if importlib.util.find_spec(m) is None]
@@ -159,7 +161,7 @@ def main(url, against, baseline, model, against_model, out, force, phases, promp
     if not isinstance(extra, dict):
         raise FlashnextError("--extra-body must be a JSON object")
     if against and baseline:
-        raise FlashnextError("give --against or --baseline, not both")
+        raise UsageError("give --against or --baseline, not both")
     base = load_report(baseline) if baseline else None
     settings = Settings(
         prompt_tokens=prompt_tokens, concurrency=concurrency, decode_concurrency=decode_concurrency,
@@ -171,9 +173,9 @@ def main(url, against, baseline, model, against_model, out, force, phases, promp
         request_timeout_s=request_timeout, stall_timeout_s=stall_timeout,
         phases=_phases(phases), extra_body=extra)
     if against_model and not against:
-        raise FlashnextError("--against-model needs --against URL")
+        raise UsageError("--against-model needs --against URL")
     bench = Bench(settings, [url, against] if against else [url], models=[model, against_model or model],
-                  baseline=base)
+                  baseline=base, allow_different_settings=allow_different_settings)
     _check_out(out, force)
     if progress:
         from tqdm import tqdm
@@ -184,14 +186,19 @@ def main(url, against, baseline, model, against_model, out, force, phases, promp
     else:
         report = bench.run()
     files = write_outputs(report, out, force=force)
-    problems = _problems(report)
+    from flashnext.serving.bench import summary
+
+    problems, advice = summary.problems(report), summary.advice(report)
     if as_json:
-        emit_json({"out": str(out), "files": files, "summary": _summary(report), "problems": problems})
+        emit_json({"out": str(out), "files": files, "summary": summary.summary(report), "problems": problems,
+                   "advice": advice})
     else:
-        for line in _summary_lines(report):
+        for line in summary.summary_lines(report):
             click.echo(line)
         for line in problems:
             click.echo(f"problem: {line}")
+        for line in advice:
+            click.echo(f"what to change: {line}")
         click.echo(f"wrote {out}/report.html ({', '.join(files)})")
     if fail_on_errors and problems:
         raise FlashnextError(f"{len(problems)} problem(s): {problems[0]}")
@@ -206,58 +213,3 @@ def _check_out(out: Path, force: bool) -> None:
         if not force:
             raise FlashnextError(f"{out} already exists: choose another --out or pass --force")
         require_flashnext_output(out)
-
-
-def _problems(report) -> list[str]:
-    out = []
-    for e in report.endpoints:
-        if e.errors:
-            out.append(f"{e.label}: {sum(e.errors.values())} of {e.requests} requests failed "
-                       f"({', '.join(f'{k} {v}' for k, v in e.errors.items())})")
-        missed = [n for n in e.needle if not n.found]
-        if missed:
-            out.append(f"{e.label}: needle missed {len(missed)} of {len(e.needle)}")
-        if e.structured and e.structured.invalid:
-            out.append(f"{e.label}: {len(e.structured.invalid)} of {e.structured.requests} structured answers "
-                       f"do not validate ({e.structured.invalid[0]})")
-    return out
-
-
-def _summary(report) -> dict:
-    from flashnext.serving.bench.runner import headline_metrics
-
-    out = {e.label: {"url": e.url, **headline_metrics(e),
-                     "needle_found": sum(n.found for n in e.needle), "needle_total": len(e.needle),
-                     "structured_valid": e.structured.valid if e.structured else None}
-           for e in report.endpoints}
-    if report.ab and report.ab.agreement:
-        out["ab"] = report.ab.agreement.model_dump()
-    return out
-
-
-def _summary_lines(report) -> list[str]:
-    lines = []
-    for e in report.endpoints:
-        lines.append(f"{e.label} {e.url} ({e.model}): {e.requests} requests")
-        for p in e.latency:
-            warm = f"warm p50 {p.warm_ttft_s.p50 * 1000:.1f} ms" if p.warm_ttft_s else "warm -"
-            cold = f"cold {p.cold_ttft_s.mean * 1000:.1f} ms" if p.cold_ttft_s else "cold -"
-            itl = (f", ITL p50/p90/p99 {p.itl_s.p50 * 1000:.2f}/{p.itl_s.p90 * 1000:.2f}/{p.itl_s.p99 * 1000:.2f} ms"
-                   if p.itl_s else "")
-            lines.append(f"  TTFT {p.prompt_tokens:>7} tokens x{p.concurrency}: {cold}, {warm}{itl}")
-        for d in e.decode:
-            if d.aggregate_tok_s:
-                per = f" (per request p50 {d.per_request_tok_s.p50:.1f})" if d.per_request_tok_s else ""
-                lines.append(f"  decode x{d.concurrency}: {d.aggregate_tok_s.p50:.1f} tok/s in all{per}")
-        if e.needle:
-            lines.append(f"  needle: {sum(n.found for n in e.needle)}/{len(e.needle)}")
-        if e.structured:
-            lines.append(f"  structured: {e.structured.valid}/{e.structured.requests} valid")
-    ab = report.ab
-    if ab and ab.agreement:
-        g = ab.agreement
-        kl = f", mean KL {g.mean_kl_nats:.4g} nats" if g.mean_kl_nats is not None else ""
-        noise = (f" (A against A: {ab.noise_floor.matching_fraction:.3f})" if ab.noise_floor else "")
-        lines.append(f"A/B: {g.identical}/{g.answers} identical answers, {g.matching_fraction:.3f} of {g.by} "
-                     f"match{noise}{kl}")
-    return lines

@@ -18,6 +18,9 @@ def main(out: Path, force: bool, as_json: bool) -> None:
     """Write a miniature Qwen3.8-Flash-Next snapshot (about 10 MB): real tensor names, config
     keys and INT4/INT6/INT8 compressed-tensors layout, random heavy-tailed weights, the same
     bytes on every run."""
+    from flashnext.quant.checkpoint.fsutil import refuse_existing_output
+
+    refuse_existing_output(out, force)  # before the config's compressed-tensors import brings in torch
     from flashnext.quant.demo import write_demo_checkpoint
 
     summary = write_demo_checkpoint(out, force=force)

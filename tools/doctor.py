@@ -12,10 +12,12 @@ from flashnext.tools._common import json_option, preflight_report, user_errors
 @click.command("doctor")
 @click.option("--profile", required=True, help="Serving profile to check for.")
 @click.option("--model", type=click.Path(path_type=Path), default=None, help="The base snapshot (to verify overlays).")
-@click.option("--overlay", "overlays", multiple=True, type=click.Path(path_type=Path))
+@click.option("--overlay", "overlays", multiple=True, type=click.Path(path_type=Path),
+              help="An overlay serve would apply, in order (repeatable): checked against --model.")
 @click.option("--ple-table", type=click.Path(path_type=Path), default=None,
               help="The PLE table file (checked, and its drive); without it the table counts as pinned host memory.")
-@click.option("--engine", type=click.Choice(["docker", "podman", "native"]), default="docker", show_default=True)
+@click.option("--engine", type=click.Choice(["docker", "podman", "native"]), default="docker", show_default=True,
+              help="How serve would run it: the image is checked for docker and podman, not for native.")
 @json_option
 @user_errors
 def main(profile: str, model: Path | None, overlays: tuple[Path, ...], ple_table: Path | None, engine: str,

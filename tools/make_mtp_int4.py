@@ -6,10 +6,11 @@ from pathlib import Path
 
 import click
 
-from flashnext.tools._common import emit_json, json_option, user_errors
+from flashnext.sizes import format_size
+from flashnext.tools._common import CONTEXT_SETTINGS, emit_json, json_option, user_errors
 
 
-@click.command("make-mtp-int4")
+@click.command("make-mtp-int4", context_settings=CONTEXT_SETTINGS)
 @click.option("--src", type=click.Path(path_type=Path), required=True,
               help="The downloaded snapshot (config.json, model.safetensors.index.json, shards). Never modified.")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
@@ -54,21 +55,24 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_sea
     Example:
       make-mtp-int4 --src ~/models/Qwen3.8-Flash-Next --out ~/overlays/mtp-int4
     """
+    from flashnext.quant.checkpoint.fsutil import refuse_existing_output
     from flashnext.quant.overlays.mtp_int4 import MtpInt4Options, check_report_path, make_mtp_int4, write_report
 
-    if report is not None:
-        check_report_path(report, src, out)
+    # The options and the outputs are checked before the work imports torch (seconds).
     options = MtpInt4Options(group_size=int(group_size), positive_scales=positive_scales,
                              device=device, experts_per_batch=experts_per_batch,
                              scale_search=scale_search, calib=calib, calib_min_tokens=calib_min_tokens,
                              rounding=rounding, gptq_prior_tokens=gptq_prior_tokens)
+    refuse_existing_output(out, force, {"the source snapshot": src, "--calib": calib})
+    if report is not None:
+        check_report_path(report, src, out)
     result = make_mtp_int4(src, out, options, force=force, progress=progress)
     if report is not None:
         write_report(report, result, {"the source snapshot": src, "--out": out})
     if as_json:
         emit_json(result)
         return
-    click.echo(f"wrote {out} ({result['bytes_written'] / 2**20:.1f} MiB) in {result['seconds']:.1f} s, "
+    click.echo(f"wrote {out} ({format_size(result['bytes_written'])}) in {result['seconds']:.1f} s, "
                f"{result['mode']}")
     for proj, s in result["projections"].items():
         ratio = s["ratio_to_absmax_rtn"]

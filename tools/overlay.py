@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import click
@@ -9,6 +10,39 @@ import click
 from flashnext.errors import FlashnextError, VerificationMismatch
 from flashnext.tools._common import emit_json, json_option, user_errors
 
+LOGIN = "pass a token: `hf auth login`, or set HF_TOKEN"
+# What to do about each reason a Hub request fails (flashnext.quant.overlays.hub.HubError.reason).
+HUB_HINTS = {
+    "invalid-id": "a repository id is NAMESPACE/NAME (check --repo)",
+    "no-token": LOGIN,
+    "unauthorized": "the token is wrong or expired: log in again with `hf auth login`, or set HF_TOKEN",
+    "forbidden": "use a token with write access to the repository's namespace (`hf auth login`)",
+    "repo-not-found": f"check the repository id; if it is private or gated, {LOGIN}",
+    "gated": "ask for access on the repository's page, then log in with `hf auth login`",
+    "revision-not-found": "check --revision (a branch, tag or commit of the repository)",
+    "entry-not-found": "the repository changed while it was read: run the same command again",
+    "offline": "unset HF_HUB_OFFLINE to reach the Hub",
+    "unreachable": "check the network, and HF_ENDPOINT or --endpoint",
+    "interrupted": "run the same command again (an upload does not send again what the Hub already has)",
+    "server-error": "try again later",
+    "refused": "",
+}
+
+
+def hub_hints(fn):
+    """A Hub failure's one line, with what to do about it added."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from flashnext.quant.overlays.hub import HubError
+
+        try:
+            return fn(*args, **kwargs)
+        except HubError as e:
+            hint = HUB_HINTS[e.reason]
+            raise FlashnextError(f"{e}; {hint}" if hint else str(e)) from None
+
+    return wrapper
 
 
 @click.group("overlay")
@@ -21,9 +55,11 @@ def main() -> None:
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="The base snapshot (not needed when TARGET is a view made by `overlay apply`).")
 @click.option("--full", is_flag=True, help="Hash base files' whole content, not only their safetensors headers.")
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="With --full: show a progress bar of the bytes hashed on stderr.")
 @json_option
 @user_errors
-def verify(target: Path, base: Path | None, full: bool, as_json: bool) -> None:
+def verify(target: Path, base: Path | None, full: bool, progress: bool, as_json: bool) -> None:
     """Check an OVERLAY against --base, or a VIEW: every overlay of it against its base, and every
     entry of it against what `overlay apply` made (missing, extra, a link replaced or redirected,
     an edited merged file).
@@ -37,9 +73,9 @@ def verify(target: Path, base: Path | None, full: bool, as_json: bool) -> None:
     if base is None:
         if read_view(target) is None:
             raise FlashnextError(f"{target} is not a view: pass --base SNAPSHOT to verify an overlay")
-        problems = verify_view(target, full)
+        problems = verify_view(target, full, progress)
     else:
-        problems = verify_overlay(base, target, full)
+        problems = verify_overlay(base, target, full, progress)
     if as_json:
         emit_json({"ok": not problems, "mismatches": [{"path": p.path, "problem": p.problem} for p in problems]})
     else:
@@ -81,6 +117,7 @@ def apply(overlays: tuple[Path, ...], base: Path, out: Path, force: bool, verify
 @click.option("--endpoint", default=None, help="Hub endpoint (default: huggingface_hub's, i.e. HF_ENDPOINT).")
 @json_option
 @user_errors
+@hub_hints
 def upload(overlay: Path, repo_id: str, private: bool, revision: str | None, dry_run: bool,
            endpoint: str | None, as_json: bool) -> None:
     """Publish OVERLAY: its manifest's files, overlay.json and a generated model card, in one commit.
@@ -111,6 +148,7 @@ def upload(overlay: Path, repo_id: str, private: bool, revision: str | None, dry
 @click.option("--force", is_flag=True, help="Replace an existing view.")
 @json_option
 @user_errors
+@hub_hints
 def fetch(repo_id: str, base: Path, out: Path, revision: str | None, endpoint: str | None,
           cache_dir: Path | None, force: bool, as_json: bool) -> None:
     """Download overlay REPO_ID (only the files its overlay.json lists), verify it against --base,
@@ -123,3 +161,4 @@ def fetch(repo_id: str, base: Path, out: Path, revision: str | None, endpoint: s
         emit_json(result)
     else:
         click.echo(f"fetched {repo_id} and wrote view {result['view']}")
+        click.echo(f"overlay files: {result['downloaded_to']} (serve's --overlay)")

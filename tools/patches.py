@@ -61,13 +61,15 @@ def readme_cmd(write: bool) -> None:
 @main.command("check")
 @click.option("--vllm", type=click.Path(path_type=Path), default=None,
               help="A vllm install directory or wheel (default: the installed vllm, never modified).")
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Print each step on stderr as it happens (the probes take minutes).")
 @json_option
 @user_errors
-def check(vllm: Path | None, as_json: bool) -> None:
+def check(vllm: Path | None, progress: bool, as_json: bool) -> None:
     """Apply the series with zero fuzz to a shadow copy of vllm, byte-compile, run the probes."""
     from flashnext.serving.patch_series import check_series
 
-    results = check_series(vllm)
+    results = check_series(vllm, progress=(lambda line: click.echo(line, err=True)) if progress else lambda line: None)
     if as_json:
         emit_json(results)
     else:

@@ -6,15 +6,8 @@ from pathlib import Path
 
 import click
 
-from flashnext.tools._common import emit_json, json_option, user_errors
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+from flashnext.sizes import format_size
+from flashnext.tools._common import emit_json, held_back_output, json_option, user_errors
 
 
 def _print(profile: str, p) -> None:
@@ -34,21 +27,21 @@ def _print(profile: str, p) -> None:
     click.echo(f"  VRAM per rank        {', '.join(f'{v:,}' for v in p.vram_bytes)} B")
     if p.qsa_arena_rows:
         shares = ", ".join(f"{n} x {rows:,}" for n, rows in zip(p.qsa_layers_per_rank, p.qsa_row_cache_rows))
-        arena = ", ".join(_mib(b) for b in p.qsa_arena_bytes)
+        arena = ", ".join(format_size(b) for b in p.qsa_arena_bytes)
         click.echo(f"  QSA arena            {p.qsa_arena_rows:,} rows per rank, {arena} "
                    f"(row cache: {shares} rows), allocated at model load")
     if p.vision is not None:
         v = p.vision
-        weights = (f"{_mib(v.streamed_weight_bytes)} streamed (vit-stream; {_mib(v.resident_weight_bytes)} resident)"
-                   if v.streamed else f"{_mib(v.resident_weight_bytes)} resident")
-        click.echo(f"  vision tower         rank 0 only: {weights} + ~{_mib(v.activation_bytes)} activations "
+        weights = (f"{format_size(v.streamed_weight_bytes)} streamed (vit-stream; {format_size(v.resident_weight_bytes)} resident)"
+                   if v.streamed else f"{format_size(v.resident_weight_bytes)} resident")
+        click.echo(f"  vision tower         rank 0 only: {weights} + ~{format_size(v.activation_bytes)} activations "
                    f"for a {v.max_pixels:,}-pixel image")
         click.echo(f"  VRAM with images     {', '.join(f'{b:,}' for b in p.vram_bytes_with_images)} B")
     else:
         click.echo("  vision tower         none (text only)")
     click.echo(f"  VRAM in all          {', '.join(f'{b:,}' for b in p.vram_bytes_total)} B (KV pool + arena"
                f"{' + tower' if p.vision is not None else ''})")
-    click.echo(f"  pinned host K/V      {_gib(p.pinned_host_bytes)} exact-size; {_gib(p.pinned_host_bytes_pow2)} "
+    click.echo(f"  pinned host K/V      {format_size(p.pinned_host_bytes)} exact-size; {format_size(p.pinned_host_bytes_pow2)} "
                "with PyTorch's power-of-two rounding")
     click.echo(f"  marginal             {p.tokens_per_mib_vram:,.0f} tokens per MiB of VRAM, "
                f"{p.tokens_per_gib_host:,.0f} per GiB of host RAM")
@@ -74,7 +67,9 @@ def main(profile: str, kv_cache_memory_bytes: int | None, prefix_caching: bool |
     from flashnext.serving.capacity import plan_profile
     from flashnext.serving.profiles import load_profile
 
-    result = plan_profile(load_profile(profile), kv_cache_memory_bytes, prefix_caching, model)
+    loaded = load_profile(profile)
+    with held_back_output():  # vLLM's and torch's import-time notes: the plan is the first line
+        result = plan_profile(loaded, kv_cache_memory_bytes, prefix_caching, model)
     if as_json:
         emit_json({"profile": profile, **result.to_json()})
     else:

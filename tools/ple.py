@@ -7,8 +7,15 @@ from pathlib import Path
 
 import click
 
-from flashnext.errors import FlashnextError, SlowDrive
+from flashnext.errors import FlashnextError, SlowDrive, UsageError
+from flashnext.sizes import format_size
 from flashnext.tools._common import emit_json, json_option, user_errors
+
+
+# One PLE layer's table: vLLM hashes each PLE layer (0, 1, ... in ple_layer_ids order) with its own
+# multipliers and head sizes.
+layer_option = click.option("--layer", "dense_layer_id", type=int, default=0, show_default=True,
+                            help="The PLE layer: its index in the config's ple_layer_ids.")
 
 
 @click.group("ple")
@@ -22,7 +29,7 @@ def _int_list(text: str | None, what: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise FlashnextError(f"{what} must be comma-separated integers, got {text!r}") from None
+        raise UsageError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
 def _text_config(path: Path) -> dict:
@@ -37,7 +44,7 @@ def _text_config(path: Path) -> dict:
               help="config.json of the model (text_config is used when present).")
 @click.option("--tokens", required=True, help="Token ids, comma-separated.")
 @click.option("--context", default=None, help="The ngram_size-1 tokens before them, oldest first (default: EOS).")
-@click.option("--layer", "dense_layer_id", type=int, default=0, show_default=True, help="Dense PLE layer id.")
+@layer_option
 @user_errors
 def ids(config_path: Path, tokens: str, context: str | None, dense_layer_id: int) -> None:
     """Print the [T, heads] row ids of TOKENS as a JSON list of lists (bit-identical to vLLM)."""
@@ -48,7 +55,7 @@ def ids(config_path: Path, tokens: str, context: str | None, dense_layer_id: int
     layout = ple_layout(_text_config(config_path), dense_layer_id, f"{config_path}: text config")
     toks = _int_list(tokens, "--tokens")
     if not toks:
-        raise FlashnextError("--tokens is empty")
+        raise UsageError("--tokens is empty")
     ctx = _int_list(context, "--context")
     if ctx and len(ctx) != layout.ngram_size - 1:
         raise FlashnextError(f"--context needs exactly {layout.ngram_size - 1} tokens")
@@ -61,7 +68,7 @@ def ids(config_path: Path, tokens: str, context: str | None, dense_layer_id: int
 
 @main.command("layout")
 @click.option("--src", type=click.Path(path_type=Path), required=True, help="The model snapshot.")
-@click.option("--layer", "dense_layer_id", type=int, default=0, show_default=True)
+@layer_option
 @json_option
 @user_errors
 def layout_cmd(src: Path, dense_layer_id: int, as_json: bool) -> None:
@@ -86,9 +93,10 @@ def layout_cmd(src: Path, dense_layer_id: int, as_json: bool) -> None:
 @main.command("build")
 @click.option("--src", type=click.Path(path_type=Path), required=True, help="The model snapshot (read only).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="The table file to write.")
-@click.option("--layer", "dense_layer_id", type=int, default=0, show_default=True)
+@layer_option
 @click.option("--force", is_flag=True, help="Rebuild an existing table file.")
-@click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Show a progress bar of the bytes copied on stderr.")
 @json_option
 @user_errors
 def build(src: Path, out: Path, dense_layer_id: int, force: bool, progress: bool, as_json: bool) -> None:
@@ -102,7 +110,7 @@ def build(src: Path, out: Path, dense_layer_id: int, force: bool, progress: bool
         emit_json(result)
     else:
         click.echo(f"wrote {result['path']}: {result['rows']} rows x {result['row_bytes']} B "
-                   f"({result['dtype']}, {result['file_size'] / 2**30:.2f} GiB)")
+                   f"({result['dtype']}, {format_size(result['file_size'])})")
         for line in result["differences"]:
             click.echo(f"note: {line}")
 
@@ -110,17 +118,19 @@ def build(src: Path, out: Path, dense_layer_id: int, force: bool, progress: bool
 @main.command("verify")
 @click.argument("table", type=click.Path(path_type=Path))
 @click.option("--full", is_flag=True, help="Hash every byte (default: 16 random 16 MiB blocks and both ends).")
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="With --full: show a progress bar of the bytes hashed on stderr.")
 @json_option
 @user_errors
-def verify(table: Path, full: bool, as_json: bool) -> None:
+def verify(table: Path, full: bool, progress: bool, as_json: bool) -> None:
     """Check TABLE's size and hashes against its sidecar."""
     from flashnext.quant.ple.table import verify_table
 
-    result = verify_table(table, full=full)
+    result = verify_table(table, full=full, progress=progress)
     if as_json:
         emit_json(result)
     else:
-        click.echo(f"ok: {table} ({result['mode']}, {result['bytes_checked'] / 2**20:.1f} MiB hashed)")
+        click.echo(f"ok: {table} ({result['mode']}, {format_size(result['bytes_checked'])} hashed)")
 
 
 @main.command("residency")
@@ -144,12 +154,13 @@ def residency(table: Path, as_json: bool) -> None:
         emit_json(result)
     else:
         click.echo(f"{table}: {result['fraction'] * 100:.1f}% resident "
-                   f"({resident * PAGE_SIZE / 2**30:.2f} of {pages * PAGE_SIZE / 2**30:.2f} GiB)")
+                   f"({format_size(resident * PAGE_SIZE)} of {format_size(pages * PAGE_SIZE)})")
 
 
 @main.command("drive-check")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--seconds", type=click.FloatRange(min=0.5), default=10.0, show_default=True)
+@click.option("--seconds", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+              help="How long to measure, split between the QD1 latency half and the throughput half.")
 @click.option("--depth", type=click.IntRange(2, 256), default=32, show_default=True,
               help="Reads outstanding in the throughput half.")
 @json_option

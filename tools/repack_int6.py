@@ -19,17 +19,22 @@ from flashnext.tools._common import emit_json, json_option, user_errors
 @click.option("--to", "to", type=click.Choice(["int8"]), default=None,
               help="Widen losslessly to INT8 (q+128) instead, for stock vLLM's 8-bit path (+33% bytes).")
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr.")
 @json_option
 @user_errors
-def main(src: Path, out: Path, targets: str, reverse: bool, to: str | None, force: bool, as_json: bool) -> None:
+def main(src: Path, out: Path, targets: str, reverse: bool, to: str | None, force: bool, progress: bool,
+         as_json: bool) -> None:
     """Repack compressed-tensors dense INT6 modules into the bit-plane layout the serving kernel reads
     (a 4-bit and a 2-bit plane, same bytes), or widen them to INT8, or reverse the bit-plane overlay."""
     if reverse and to:
         raise click.UsageError("--reverse and --to are exclusive")
+    from flashnext.quant.checkpoint.fsutil import refuse_existing_output
+
+    refuse_existing_output(out, force, {"the source snapshot": src})  # before the repack imports torch
     from flashnext.quant.overlays.int6_repack import repack_int6
 
     mode = "reverse" if reverse else ("int8" if to == "int8" else "bitplane")
-    report = repack_int6(src, out, targets, mode, force=force)
+    report = repack_int6(src, out, targets, mode, force=force, progress=progress)
     if as_json:
         emit_json(report)
     else:

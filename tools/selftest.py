@@ -34,14 +34,10 @@ def main(profile_name: str, out: Path, force: bool, gpus: str, keep: bool, as_js
     rerun. Writes OUT/report.json and OUT/report.html; exits 0 only if everything that ran passed
     or agreed (1 otherwise). Without GPUs it runs the CPU part and says, per patch, what it could not run.
     """
-    from flashnext.errors import FlashnextError
-    from flashnext.quant.checkpoint.fsutil import require_flashnext_output
+    from flashnext.quant.checkpoint.fsutil import refuse_existing_output
     from flashnext.serving.selftest import SelftestFailed, selftest
 
-    if out.exists() or out.is_symlink():  # before minutes of checks, not after
-        if not force:
-            raise FlashnextError(f"{out} already exists: choose another --out or pass --force")
-        require_flashnext_output(out)
+    refuse_existing_output(out, force)  # before minutes of checks, not after
     report, kept = selftest(profile_name, out, gpus=gpus, keep=keep, force=force,
                             progress=lambda line: click.echo(line, err=True))
     s = report.summary

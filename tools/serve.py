@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import click
 
-from flashnext.errors import FlashnextError
-from flashnext.serving.run import (compose_command, exec_native, native_command, require_ple_table, run_command,
-                                   state_dir, summary_line, wait_ready)
-from flashnext.tools._common import preflight_report, user_errors
+from flashnext.errors import FlashnextError, UsageError
+from flashnext.serving.run import (compose_command, compose_engine, engine_found, exec_native, find_compose,
+                                   image_present, native_command, recorded_compose_file, require_ple_table,
+                                   run_command, start_compose, summary_line, wait_ready)
+from flashnext.tools._common import CONTEXT_SETTINGS, preflight_report, user_errors
 
 ENGINES = ("docker", "podman", "native")
 
@@ -28,14 +27,16 @@ def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | 
     exec_native(cmd, env)
 
 
-@click.group("serve", invoke_without_command=True)
+@click.group("serve", invoke_without_command=True, context_settings=CONTEXT_SETTINGS)
 @click.option("--profile", help="Serving profile (serving/profiles/NAME.json).")
 @click.option("--model", type=click.Path(path_type=Path), help="The base model snapshot.")
 @click.option("--overlay", "overlays", multiple=True, type=click.Path(path_type=Path),
               help="An overlay to apply, in order (repeatable).")
 @click.option("--ple-table", type=click.Path(path_type=Path), default=None,
               help="The PLE table file from `flashnext ple build`.")
-@click.option("--engine", type=click.Choice(ENGINES), default="docker", show_default=True)
+@click.option("--engine", type=click.Choice(ENGINES), default=None,
+              help="docker or podman: that engine's Compose; native: `vllm serve` here. Default: the first "
+                   "Compose found of `docker compose`, `docker-compose`, `podman compose`.")
 @click.option("--dry-run", is_flag=True,
               help="Print the compose YAML (native: the command and env) and do nothing else: no preflight, "
                    "so it works on a machine without GPUs (e.g. to render a file for another host).")
@@ -67,38 +68,38 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     from flashnext.serving.profiles import load_profile
 
     if not profile or model is None:
-        raise FlashnextError("serve needs --profile and --model (see `serve --help`)")
+        raise UsageError("serve needs --profile and --model (see `serve --help`)")
     prof = load_profile(profile)
     if check and no_check:
-        raise FlashnextError("--check and --no-check contradict each other: pass one")
+        raise UsageError("--check and --no-check contradict each other: pass one")
     require_ple_table(prof, model, ple_table)
     if check:
-        return preflight_report(profile, model, overlays, ple_table, engine, False)
+        return preflight_report(profile, model, overlays, ple_table, engine or engine_found(), False)
     req = ServeRequest(prof, model, tuple(overlays), ple_table, bind, port)
     # rendered first: a path or address no Compose file can carry is refused before the preflight
     document = render_compose(req) if engine != "native" else None
-    if not dry_run and not no_check:  # a NO-GO raises here, before anything is written or started
-        preflight_report(profile, model, overlays, ple_table, engine, False, err=True)
-    if engine == "native":
-        return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
     if dry_run:
+        if engine == "native":
+            return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
         click.echo(to_yaml(document), nl=False)
         return
-    if shutil.which(engine) is None:
-        raise FlashnextError(f"{engine} is not installed or not on PATH: install it, or use --engine native")
+    # A missing Compose is refused before the preflight: its GO would be for a start that cannot happen.
+    compose = find_compose(engine) if engine != "native" else None
+    if not no_check:  # a NO-GO raises here, before anything is written or started
+        preflight_report(profile, model, overlays, ple_table, compose_engine(compose) if compose else "native",
+                         False, err=True)
+    if engine == "native":
+        return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
     for path in (model, *overlays, *([ple_table] if ple_table else [])):
         if not Path(path).exists():
             raise FlashnextError(f"{path} does not exist on this host")
-    folder = state_dir(prof.name)
-    folder.mkdir(parents=True, exist_ok=True)
-    compose_file = folder / "compose.yaml"
-    compose_file.write_text(to_yaml(document))
-    if subprocess.run([engine, "image", "inspect", IMAGE], capture_output=True).returncode != 0:
+    build = not image_present(compose, IMAGE)
+    if build:
         click.echo(f"building {IMAGE} (vLLM 0.33.0 with the patch series) ...", err=True)
-        run_command(compose_command(engine, compose_file, "build"))
     if line := summary_line(prof):
         click.echo(line, err=True)
-    run_command(compose_command(engine, compose_file, "up", "-d"))
+    start_compose(compose, prof.name, to_yaml(document), build)
+    engine = compose_engine(compose)
     url = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{req.host_port}"
     models = wait_ready(url, prof.healthcheck.start_period_s,
                         lambda line: click.echo("\r" + line, nl=False, err=True))
@@ -109,30 +110,31 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     click.echo(f"logs:  serve logs --profile {prof.name} --engine {engine}")
 
 
-def _compose_file(profile: str) -> Path:
-    path = state_dir(profile) / "compose.yaml"
-    if not path.is_file():
-        raise FlashnextError(f"no running profile {profile!r} was started from here ({path} is missing)")
-    return path
+ENGINE_OF_A_START = click.option("--engine", type=click.Choice(ENGINES[:2]), default=None,
+                                 help="The engine `serve` started it with (default: the first Compose found, "
+                                      "as `serve` looks).")
 
 
 @main.command("down")
-@click.option("--profile", required=True)
-@click.option("--engine", type=click.Choice(ENGINES[:2]), default="docker", show_default=True)
+@click.option("--profile", required=True, help="The profile `serve` started.")
+@ENGINE_OF_A_START
 @user_errors
-def down(profile: str, engine: str) -> None:
+def down(profile: str, engine: str | None) -> None:
     """Stop and remove a profile's containers."""
-    run_command(compose_command(engine, _compose_file(profile), "down"))
+    compose_file = recorded_compose_file(profile)
+    run_command(compose_command(find_compose(engine), compose_file, "down"))
 
 
 @main.command("logs")
-@click.option("--profile", required=True)
-@click.option("--engine", type=click.Choice(ENGINES[:2]), default="docker", show_default=True)
-@click.option("--follow/--no-follow", default=True)
+@click.option("--profile", required=True, help="The profile `serve` started.")
+@ENGINE_OF_A_START
+@click.option("--follow/--no-follow", default=True, show_default=True,
+              help="Keep printing new lines until interrupted.")
 @user_errors
-def logs(profile: str, engine: str, follow: bool) -> None:
+def logs(profile: str, engine: str | None, follow: bool) -> None:
     """Show a profile's server logs."""
-    run_command(compose_command(engine, _compose_file(profile), "logs", *(["-f"] if follow else [])))
+    compose_file = recorded_compose_file(profile)
+    run_command(compose_command(find_compose(engine), compose_file, "logs", *(["-f"] if follow else [])))
 
 
 if __name__ == "__main__":

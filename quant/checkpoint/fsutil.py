@@ -34,9 +34,12 @@ from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
 from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.inputs import open_regular
+from flashnext.sizes import format_size
 
 HASH_CHUNK = 16 << 20
 OUTPUT_MARKER = ".flashnext-output.json"
+MARKER_LIMIT = 1 << 16  # a marker is a few lines; what is longer is read only this far (and is no marker)
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 # Only looked up through (ancestors may be unreadable): O_PATH where the platform has it.
@@ -44,10 +47,11 @@ _LOOKUP = getattr(os, "O_PATH", os.O_RDONLY) | os.O_CLOEXEC
 _CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def sha256_file(path: Path, progress=None) -> str:
-    """Hex sha256 of a file's content; ``progress(n)`` is called with each chunk's byte count."""
+def sha256_file(path: Path, progress=None, what: str = "a file to hash") -> str:
+    """Hex sha256 of a regular file's content (``what`` it is, for the refusal of anything else);
+    ``progress(n)`` is called with each chunk's byte count."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, what) as f:
         while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
             if progress is not None:
@@ -269,11 +273,12 @@ def _parse_marker(text: str) -> dict | None:
 def read_output_marker(directory: Path) -> dict | None:
     """The marker of a directory flashnext made, or None."""
     marker = Path(directory) / OUTPUT_MARKER
-    if marker.is_symlink() or not marker.is_file():
-        return None
     try:
-        return _parse_marker(marker.read_text())
-    except (OSError, ValueError):
+        # Opened once, never through a link, and refused unless regular: a marker swapped for a
+        # FIFO after a check would block the read.
+        with open_regular(marker, "flashnext's output marker", follow_symlinks=False) as f:
+            return _parse_marker(f.read(MARKER_LIMIT).decode())
+    except (FlashnextError, OSError, ValueError):
         return None
 
 
@@ -294,7 +299,7 @@ def _marker_at(parent: HeldDirectory, name: str) -> dict | None:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             return None
         try:
-            return _parse_marker(f.read(1 << 16).decode())
+            return _parse_marker(f.read(MARKER_LIMIT).decode())
         except (OSError, ValueError):
             return None
 
@@ -303,6 +308,22 @@ def require_flashnext_output(out: Path) -> None:
     """``--force`` may replace ``out`` only when it is a directory flashnext made."""
     if out.is_symlink() or not out.is_dir() or read_output_marker(out) is None:
         _not_flashnexts(out)
+
+
+def refuse_existing_output(out: Path, force: bool, inputs: dict[str, Path | None] | None = None) -> None:
+    """:func:`atomic_directory`'s refusals of ``out`` (one that overlaps ``inputs``, an existing one),
+    made up front: a command calls it before its slow part (importing torch, minutes of checks), so
+    that a wrong ``--out`` costs nothing. ``atomic_directory`` checks again, under its lock."""
+    out = Path(out)
+    refuse_overlap(out, inputs or {})
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise _already_exists(out.absolute())
+        require_flashnext_output(out)
+
+
+def _already_exists(out: Path, how: str = "") -> FlashnextError:
+    return FlashnextError(f"{out} already exists{how}: choose another --out or pass --force")
 
 
 def _not_flashnexts(out: Path):
@@ -352,8 +373,8 @@ def check_free_space(directory: Path, needed: int, what: str) -> None:
     free = shutil.disk_usage(directory).free
     if free < needed:
         raise FlashnextError(
-            f"not enough disk space for {what}: need {needed / 2**30:.2f} GiB in {directory}, "
-            f"{free / 2**30:.2f} GiB free")
+            f"not enough disk space for {what}: need {format_size(needed)} in {directory}, "
+            f"{format_size(free)} free")
 
 
 def fsync_dir(path: Path) -> None:
@@ -596,7 +617,7 @@ def atomic_directory(out: Path, force: bool = False, inputs: dict[str, Path | No
                 if not force:
                     how = f" (put back from {restored.name}, left by a --force replace that was interrupted)" \
                         if restored else ""
-                    raise FlashnextError(f"{out} already exists{how}: choose another --out or pass --force")
+                    raise _already_exists(out, how)
                 if not stat.S_ISDIR(existing.st_mode) or _marker_at(parent, out.name) is None:
                     _not_flashnexts(out)
             name = f".{out.name}.partial-{os.getpid()}"

@@ -83,11 +83,17 @@ def open_regular(path: Path, what: str, follow_symlinks: bool = True, buffering:
 
 def read_regular_bytes(path: Path, what: str, follow_symlinks: bool = True) -> bytes:
     """The whole content of the regular file ``path``, refused if it changed while it was read."""
+    return read_regular_version(path, what, follow_symlinks)[0]
+
+
+def read_regular_version(path: Path, what: str, follow_symlinks: bool = True) -> tuple[bytes, FileIdentity]:
+    """:func:`read_regular_bytes`, and the version of the file that was read: what a writer passes
+    to :func:`check_unchanged` before renaming an output made from it."""
     with open_regular(path, what, follow_symlinks) as f:
         opened = FileIdentity.of_open(f)
         data = f.read()
         check_still(f, opened, path)
-    return data
+    return data, opened
 
 
 def check_still(f: BinaryIO | int, expected: FileIdentity, path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.inputs import read_regular_bytes
+from flashnext.quant.checkpoint.inputs import FileIdentity, read_regular_version
 
 M = TypeVar("M")
 
@@ -79,9 +79,15 @@ def parse_json(text: str | bytes, where: str) -> Any:
 
 def read_json(path: Path, what: str, expect: type = dict) -> Any:
     """The JSON document at ``path`` (``what`` it is, for the message), of type ``expect``."""
+    return read_json_version(path, what, expect)[0]
+
+
+def read_json_version(path: Path, what: str, expect: type = dict) -> tuple[Any, FileIdentity]:
+    """:func:`read_json`, and the version of the file it was read from (for
+    :func:`~flashnext.quant.checkpoint.inputs.check_unchanged` before an output made from it commits)."""
     path = Path(path)
     try:
-        text = read_regular_bytes(path, what)
+        text, version = read_regular_version(path, what)
     except FileNotFoundError:
         raise FlashnextError(f"{path}: missing ({what})") from None
     except IsADirectoryError:
@@ -90,7 +96,7 @@ def read_json(path: Path, what: str, expect: type = dict) -> Any:
     if not isinstance(data, expect):
         raise FlashnextError(f"{path}: {what} must be a JSON {_json_type(expect)}, "
                              f"got {_json_type(type(data))}")
-    return data
+    return data, version
 
 
 def _json_type(t: type) -> str:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import confined
-from flashnext.quant.checkpoint.jsonfile import get_dict, read_json
+from flashnext.quant.checkpoint.inputs import FileIdentity, check_unchanged, open_regular
+from flashnext.quant.checkpoint.jsonfile import get_dict, read_json_version
 from flashnext.quant.formats.safetensors_io import ShardHeader, TensorEntry, read_header
 
 CONFIG_FILE = "config.json"
@@ -26,18 +27,26 @@ class SnapshotOrigin:
 def read_config(path: Path) -> dict:
     """A model's config.json: a JSON object whose ``text_config`` and ``quantization_config``, where
     present, are objects too."""
-    config = read_json(path, "the model config")
+    return _read_config(path)[0]
+
+
+def _read_config(path: Path) -> tuple[dict, FileIdentity]:
+    config, version = read_json_version(path, "the model config")
     get_dict(config, "text_config", str(path), required=False)
     holder = config.get("text_config") or config
     for where, obj in ((str(path), config), (f"{path}: text_config", holder)):
         get_dict(obj, "quantization_config", where, required=False)
-    return config
+    return config, version
 
 
 def read_index(path: Path) -> dict:
     """A safetensors index: ``weight_map`` maps tensor names to ``.safetensors`` files that stay
     inside the snapshot (a shard name is a path read from a file, so it is untrusted)."""
-    index = read_json(path, "the safetensors index")
+    return _read_index(path)[0]
+
+
+def _read_index(path: Path) -> tuple[dict, FileIdentity]:
+    index, version = read_json_version(path, "the safetensors index")
     weight_map = get_dict(index, "weight_map", str(path))
     if not weight_map:
         raise FlashnextError(f"{path}: weight_map is empty")
@@ -51,7 +60,7 @@ def read_index(path: Path) -> dict:
             raise FlashnextError(f"{where}: {filename!r} is not a .safetensors file name")
         confined(path.parent, filename, where)
         checked.add(filename)
-    return index
+    return index, version
 
 
 @dataclass
@@ -60,20 +69,43 @@ class Snapshot:
     config: dict
     index: dict
     _headers: dict[str, ShardHeader] = field(default_factory=dict, repr=False)
+    # The version of config.json and of the index that ``config`` and ``index`` were read from.
+    _versions: dict[str, FileIdentity] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, root: Path) -> "Snapshot":
-        """Open a snapshot directory and check that every shard its index names exists."""
+        """Open a snapshot directory and check that every shard its index names is a file."""
         root = Path(root)
         if not root.is_dir():
             raise FlashnextError(f"{root}: not a directory")
-        snap = cls(root, read_config(root / CONFIG_FILE), read_index(root / INDEX_FILE))
-        missing = [f for f in snap.shard_files if not (root / f).is_file()]
+        config, config_version = _read_config(root / CONFIG_FILE)
+        index, index_version = _read_index(root / INDEX_FILE)
+        snap = cls(root, config, index, _versions={CONFIG_FILE: config_version, INDEX_FILE: index_version})
+        missing = [f for f in snap.shard_files if not snap._is_shard_file(f)]
         if missing:
             raise FlashnextError(
                 f"{root}: shard {missing[0]} named by {INDEX_FILE} is missing"
                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         return snap
+
+    def _is_shard_file(self, filename: str) -> bool:
+        """False for a missing shard (or a directory of its name); one that is not a regular file (a
+        FIFO, a device) is refused as what it is. Opened, not stat'ed: that is what reading it does."""
+        try:
+            open_regular(self.path(filename), "a safetensors shard").close()
+        except (FileNotFoundError, IsADirectoryError):
+            return False
+        return True
+
+    def check_unchanged(self) -> None:
+        """Every file of the snapshot read so far (config.json, the index, each shard whose header
+        was read) is still the version it was read from: a builder calls this just before renaming
+        its output into place, so that a source rewritten after its last read makes no output. A
+        rewrite in the same clock tick that keeps inode and size is not seen (see ``inputs.py``)."""
+        for name, version in self._versions.items():
+            check_unchanged(self.root / name, version)
+        for header in self._headers.values():
+            header.check_unchanged()
 
     @property
     def weight_map(self) -> dict[str, str]:

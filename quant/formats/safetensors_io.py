@@ -11,26 +11,22 @@ batch of tensors is in memory.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.inputs import FileIdentity, check_still, check_unchanged, open_regular
 from flashnext.quant.checkpoint.jsonfile import parse_json
 
-HEADER_LIMIT = 100 * 1024 * 1024
+if TYPE_CHECKING:
+    import torch
 
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
+HEADER_LIMIT = 100 * 1024 * 1024
 DTYPE_BYTES: dict[str, int] = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8,
@@ -167,8 +163,24 @@ class TensorSpec:
         return n
 
 
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Safetensors dtype name -> torch dtype, for the dtypes torch can hold. Built on first use:
+    reading headers, all that a command that only inspects a checkpoint does, needs no torch."""
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+            "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in torch_dtypes().items()}
+
+
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
-    return TensorSpec(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
+    return TensorSpec(name, _dtype_names()[tensor.dtype], tuple(tensor.shape))
 
 
 def _encode_header(specs: list[TensorSpec], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
@@ -223,6 +235,8 @@ class ShardWriter:
         if got.dtype != spec.dtype or got.shape != spec.shape:
             raise ValueError(f"{name}: header says {spec.dtype}{list(spec.shape)}, "
                              f"got {got.dtype}{list(got.shape)}")
+        import torch
+
         data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()
         self.write_bytes(name, memoryview(data))
 
@@ -268,9 +282,6 @@ class ShardWriter:
             self.abort()
 
 
-TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
-
-
 def _open_source(source: Path, entry: TensorEntry, buffering: int = -1):
     """``source`` opened to read ``entry``'s bytes: the same version of the file its header came from."""
     f = open_regular(source, "a safetensors file", buffering=buffering)
@@ -293,7 +304,10 @@ def read_rows(source: Path, entry: TensorEntry, start: int, stop: int) -> torch.
     Unlike a memory map, nothing stays resident after the caller drops the tensor, so a stream of
     such reads keeps the resident set bounded by what is in flight.
     """
-    if entry.dtype not in TORCH_DTYPES:
+    import torch
+
+    dtypes = torch_dtypes()
+    if entry.dtype not in dtypes:
         raise FlashnextError(f"{source}: {entry.name} has unsupported dtype {entry.dtype}")
     row_bytes = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
     length = (stop - start) * row_bytes
@@ -308,8 +322,8 @@ def read_rows(source: Path, entry: TensorEntry, start: int, stop: int) -> torch.
             done += n
         _check_source(f, entry, source)
     if not length:
-        return torch.empty((stop - start, *entry.shape[1:]), dtype=TORCH_DTYPES[entry.dtype])
-    return torch.frombuffer(buffer, dtype=TORCH_DTYPES[entry.dtype]).view(stop - start, *entry.shape[1:])
+        return torch.empty((stop - start, *entry.shape[1:]), dtype=dtypes[entry.dtype])
+    return torch.frombuffer(buffer, dtype=dtypes[entry.dtype]).view(stop - start, *entry.shape[1:])
 
 
 def copy_tensor_bytes(source: Path, entry: TensorEntry, writer: ShardWriter,

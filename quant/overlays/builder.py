@@ -144,6 +144,9 @@ class OverlayBuilder(ABC):
                 manifest.replace(tmp, name, snap.path(name))
             manifest.write(tmp)
             check_readable(tmp, self.tool)
+            # Last, so that every read of the snapshot (the copies, fill's, the hashes just pinned)
+            # is covered: a source rewritten after it was read makes no overlay.
+            snap.check_unchanged()
         return report
 
 

@@ -13,11 +13,15 @@ Fetch reads the repo's listing, downloads ``overlay.json``, then exactly the fil
 the one commit the listing named; a repo that ships an index or config.json its manifest does not
 list is refused. It verifies the files against the manifest and the base, and applies the overlay
 as a view.
+
+A failed request is a :class:`HubError`: what was being done, the repository, the reason, the HTTP
+status; the command line adds what to do. huggingface_hub's own error classes are mapped, and its
+HTTP client's (httpx2, httpx or requests, by version) only through the base class huggingface_hub
+gives them, since no HTTP client is a dependency of flashnext's own.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import tempfile
 from pathlib import Path
@@ -38,6 +42,8 @@ PUBLISHED_FILE = "overlay.published.json"
 CARD_FILE = "README.md"
 
 _TAGS = {"mtp-int4": ["int4", "w4a16", "compressed-tensors", "mtp", "speculative-decoding"]}
+# The speculative method (a profile's --speculative-config "method") that loads a draft head's overlay.
+_DRAFT_METHOD = {"mtp-int4": "mtp"}
 
 
 def overlay_files(overlay: Path) -> list[tuple[str, Path]]:
@@ -103,15 +109,90 @@ def render_model_card(manifest: OverlayManifest, repo_id: str) -> str:
     section = builder.card_section(manifest.report) if builder else []
     if section:
         lines += [""] + section
-    lines += ["", "## Use", "", "```bash", "pip install flashnext",
-              f"flashnext overlay fetch {repo_id} --base /path/to/base/snapshot --out ./view",
-              "vllm serve ./view"
-              + (" --speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'"
-                 if kind == "mtp-int4" else ""),
-              "```", "",
-              "`flashnext overlay verify ./view` checks later that the base and overlay files are still "
-              "the ones this overlay was built from.", ""]
+    lines += ["", "## Use", ""] + _use_section(kind, repo_id) + [""]
     return "\n".join(lines)
+
+
+# Placeholders of the card's commands: the reader's own paths.
+BASE_PLACEHOLDER = "/path/to/base/snapshot"
+OVERLAY_PLACEHOLDER = "/path/to/overlay"
+PLE_TABLE_PLACEHOLDER = "/path/to/ple-table.bin"
+
+
+def serving_profiles_for(kind: str) -> list:
+    """The serving profiles (``serving/profiles/*.json``) an overlay of ``kind`` is for: those that
+    serve the base model's vLLM family (``manifests/qwen3.8-flash-next.json``) and load what the
+    kind replaces; a draft head's overlay only where the profile speculates with that head."""
+    from flashnext.manifests import manifest_path
+    from flashnext.quant.checkpoint.jsonfile import read_json
+    from flashnext.serving.preflight import _json_flag
+    from flashnext.serving.profiles import available, load_profile
+
+    family = read_json(manifest_path("qwen3.8-flash-next.json"), "the base model manifest")["vllm_model_family"]
+    method = _DRAFT_METHOD.get(kind)
+    profiles = [load_profile(name) for name in available()]
+    return [p for p in profiles if p.model_family == family
+            and (method is None or _json_flag(p, "--speculative-config").get("method") == method)]
+
+
+def repository_url() -> str | None:
+    """flashnext's repository, as pyproject.toml's ``[project.urls]`` names it (read from the
+    installed metadata), or None where it names none."""
+    from importlib import metadata
+
+    try:
+        urls = metadata.metadata("flashnext").get_all("Project-URL") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for entry in urls:
+        label, _, url = entry.partition(",")
+        if label.strip().lower() in ("repository", "source", "source code", "homepage") and url.strip():
+            return url.strip()
+    return None
+
+
+def _use_section(kind: str, repo_id: str) -> list[str]:
+    """How to get flashnext, fetch the overlay and serve it: commands of flashnext's own CLI that a
+    reader can run as written after putting in their paths (tests/quant/overlays/test_hub.py parses
+    each with the CLI)."""
+    from flashnext.serving.compose import IMAGE
+
+    url = repository_url()
+    where = f"its repository, {url}" if url else "a clone of its repository"
+    lines = [f"flashnext is not on PyPI: install it from {where}, editable, so that `flashnext serve` can "
+             f"build its serving image `{IMAGE}` (vLLM 0.33.0 with flashnext's patch series, "
+             "`serving/Dockerfile`) from the clone on first use.", "", "```bash"]
+    if url:
+        lines.append(f"git clone {url} flashnext")
+    lines += ["pip install -e ./flashnext",
+              f"flashnext overlay fetch {repo_id} --base {BASE_PLACEHOLDER} --out ./view"]
+    profiles = serving_profiles_for(kind)
+    if profiles:
+        profile = profiles[0]
+        serve = f"flashnext serve --profile {profile.name} --model {BASE_PLACEHOLDER} --overlay {OVERLAY_PLACEHOLDER}"
+        if profile.uses_ple_table:
+            lines.append(f"flashnext ple build --src {BASE_PLACEHOLDER} --out {PLE_TABLE_PLACEHOLDER}")
+            serve += f" --ple-table {PLE_TABLE_PLACEHOLDER}"
+        lines.append(serve)
+    lines += ["```", "",
+              "`overlay fetch` downloads exactly the files this overlay's `overlay.json` lists, checks them and "
+              "your snapshot of the base by hash, makes `./view` (a view of symlinks) and prints the folder "
+              f"the overlay's files are in: that folder is `serve`'s `--overlay` ({OVERLAY_PLACEHOLDER} above)."]
+    if profiles:
+        names = ", ".join(f"`{p.name}`" for p in profiles)
+        lines += ["", f"This overlay is for the serving profile{'s' if len(profiles) > 1 else ''} {names} "
+                  f"(`flashnext plan --profile {profiles[0].name}` shows what it fits in memory). `serve` runs the "
+                  "go/no-go preflight first (GPUs, host memory, the overlay against the base) and starts nothing "
+                  "on a NO-GO."]
+        if profiles[0].uses_ple_table:
+            lines += ["", f"`{profiles[0].name}` maps the PLE table from a file: `flashnext ple build` makes it "
+                      "once from the base snapshot."]
+    else:
+        lines += ["", f"No serving profile of flashnext {__version__} loads a {kind} overlay; "
+                  "`flashnext overlay apply` makes a view of it over the base for your own server."]
+    lines += ["", "`flashnext overlay verify ./view` checks later that the base and overlay files are still "
+              "the ones this overlay was built from."]
+    return lines
 
 
 def _first_line(e: BaseException) -> str:
@@ -125,35 +206,55 @@ def _first_line(e: BaseException) -> str:
     return line.replace(token, "<token>") if token else line
 
 
-def _http_libraries() -> list:
-    """The HTTP clients huggingface_hub raises from: httpx2 (2.x) or httpx (1.x)."""
-    found = []
-    for name in ("httpx2", "httpx"):
-        try:
-            found.append(importlib.import_module(name))
-        except ImportError:
-            pass
-    return found
+# Why a Hub request failed, as HubError.reason: the command line turns each into what to do.
+HUB_FAILURE_REASONS = ("invalid-id", "no-token", "unauthorized", "forbidden", "repo-not-found", "gated",
+                       "revision-not-found", "entry-not-found", "offline", "unreachable", "interrupted", "server-error",
+                       "refused")
 
 
-def _hub_error(e: Exception, action: str, repo_id: str) -> FlashnextError:
-    """One line that says what went wrong with the Hub and what to do."""
+class HubError(FlashnextError):
+    """A Hub request that failed, as data: what flashnext was doing (``action``), the repository,
+    why (one of :data:`HUB_FAILURE_REASONS`), the HTTP status the Hub answered (None when no answer
+    came), the endpoint asked and the failure's own first line (token masked). The message says
+    what happened; what to do about it is the command line's to add."""
+
+    def __init__(self, action: str, repo_id: str, reason: str, endpoint: str, status: int | None = None,
+                 detail: str = ""):
+        assert reason in HUB_FAILURE_REASONS, reason
+        self.action, self.repo_id, self.reason, self.endpoint = action, repo_id, reason, endpoint
+        self.status, self.detail = status, detail
+        super().__init__(f"{action} failed: {self._what()}")
+
+    def _what(self) -> str:
+        http = f"HTTP {self.status}" if self.status is not None else "no HTTP status"
+        return {
+            "invalid-id": f"{self.repo_id!r} is not a valid repository id ({self.detail})",
+            "no-token": f"the Hub at {self.endpoint} wants a token, and none is set ({http})",
+            "unauthorized": f"the Hub at {self.endpoint} refused the token ({http})",
+            "forbidden": f"the token may not do this to {self.repo_id} ({http})",
+            "repo-not-found": f"{self.repo_id} does not exist at {self.endpoint}, or this token cannot see it ({http})",
+            "gated": f"{self.repo_id} is gated ({http})",
+            "revision-not-found": f"{self.repo_id} has no such revision ({http})",
+            "entry-not-found": f"a file of {self.repo_id} is not on the Hub ({http}: {self.detail})",
+            "offline": "huggingface_hub is in offline mode (HF_HUB_OFFLINE is set)",
+            "unreachable": f"the Hub at {self.endpoint} cannot be reached ({self.detail})",
+            "interrupted": f"it was interrupted ({self.detail})",
+            "server-error": f"the Hub at {self.endpoint} answered {http} ({self.detail})",
+            "refused": f"the Hub refused the request ({http}: {self.detail})" if self.status is not None
+                       else self.detail,
+        }[self.reason]
+
+
+def _transport_root() -> type[BaseException]:
+    """The root exception of the HTTP client huggingface_hub runs on (httpx2's ``HTTPError`` in 2.x,
+    httpx's in 1.x, requests' ``RequestException`` in 0.x), found as the outermost base of
+    ``HfHubHTTPError`` that is neither huggingface_hub's nor Python's: none of those clients is a
+    dependency of flashnext's own, so none is imported by name."""
     from huggingface_hub import errors
 
-    unreachable = tuple(c for lib in _http_libraries() for c in (lib.ConnectError, lib.TimeoutException))
-    if isinstance(e, errors.HFValidationError):
-        return FlashnextError(f"{action} failed: {repo_id!r} is not a valid repository id ({_first_line(e)})")
-    if isinstance(e, errors.RepositoryNotFoundError):
-        return FlashnextError(f"{action} failed: {repo_id} does not exist or you cannot see it; if it is "
-                              "private, log in with `hf auth login` or set HF_TOKEN")
-    if isinstance(e, errors.GatedRepoError):
-        return FlashnextError(f"{action} failed: {repo_id} is gated; ask for access on its page, then log in")
-    if isinstance(e, errors.RevisionNotFoundError):
-        return FlashnextError(f"{action} failed: {repo_id} has no such revision (--revision)")
-    if isinstance(e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, *unreachable)):
-        return FlashnextError(f"{action} failed: the Hub cannot be reached (offline, HF_HUB_OFFLINE, or a wrong "
-                              "HF_ENDPOINT/--endpoint)")
-    return FlashnextError(f"{action} failed: {_first_line(e)}")
+    foreign = [c for c in errors.HfHubHTTPError.__mro__
+               if c.__module__.partition(".")[0] not in ("huggingface_hub", "builtins")]
+    return foreign[-1] if foreign else OSError
 
 
 def _hub_failures() -> tuple[type[BaseException], ...]:
@@ -161,7 +262,54 @@ def _hub_failures() -> tuple[type[BaseException], ...]:
     from huggingface_hub import errors
 
     return (errors.HfHubHTTPError, errors.HFValidationError, errors.LocalEntryNotFoundError,
-            errors.OfflineModeIsEnabled, *(lib.HTTPError for lib in _http_libraries()), OSError, ValueError)
+            errors.OfflineModeIsEnabled, _transport_root(), OSError, ValueError)
+
+
+def _hub_error(e: BaseException, action: str, repo_id: str, endpoint: str | None, reached: bool) -> Exception:
+    """``e`` as a :class:`HubError`. ``reached``: an earlier request of this command got an answer,
+    so a request that now gets none was cut off (interrupted) rather than never connected
+    (unreachable). An error of the local machine (a full disk in the cache) stays an OSError."""
+    from huggingface_hub import constants, errors, get_token
+
+    # huggingface_hub wraps a failed LFS transfer in a RuntimeError whose cause is the failure.
+    while isinstance(e, RuntimeError) and e.__cause__ is not None:
+        e = e.__cause__
+    where = endpoint or constants.ENDPOINT
+    status = getattr(getattr(e, "response", None), "status_code", None)
+
+    def fail(reason: str, detail: str = "") -> HubError:
+        return HubError(action, repo_id, reason, where, status, detail)
+
+    if isinstance(e, errors.HFValidationError):
+        return fail("invalid-id", _first_line(e))
+    if isinstance(e, errors.OfflineModeIsEnabled):
+        return fail("offline")
+    if isinstance(e, errors.GatedRepoError):
+        return fail("gated")
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return fail("repo-not-found")
+    if isinstance(e, errors.RevisionNotFoundError):
+        return fail("revision-not-found")
+    if isinstance(e, errors.EntryNotFoundError) and status is not None:
+        return fail("entry-not-found", _first_line(e))
+    if status is not None:
+        if status == 401:
+            return fail("unauthorized" if get_token() else "no-token")
+        if status == 403:
+            return fail("forbidden")
+        if status >= 500:
+            return fail("interrupted" if reached else "server-error", _first_line(e))
+        return fail("refused", _first_line(e))
+    # No answer: huggingface_hub's not-in-cache error carries the transport's as its cause.
+    no_answer = e.__cause__ if isinstance(e, errors.LocalEntryNotFoundError) and e.__cause__ else e
+    if isinstance(no_answer, _transport_root()) or isinstance(no_answer, (ConnectionError, TimeoutError)):
+        detail = f"{type(no_answer).__name__}: {_first_line(no_answer)}"
+        return fail("interrupted" if reached else "unreachable", detail)
+    if isinstance(e, errors.LocalEntryNotFoundError):
+        return fail("unreachable", _first_line(e))
+    if isinstance(e, OSError):
+        return e  # the local machine's: user_errors prints it as one line
+    return fail("refused", _first_line(e))
 
 
 def _commit_hash(value: object) -> str | None:
@@ -194,8 +342,10 @@ def upload_overlay(overlay: Path, repo_id: str, private: bool = False, revision:
     from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi(endpoint=endpoint, library_name="flashnext", library_version=__version__)
+    reached = False
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        reached = True
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -208,11 +358,7 @@ def upload_overlay(overlay: Path, repo_id: str, private: bool = False, revision:
                                      commit_message=f"flashnext {manifest.kind} overlay "
                                                     f"({manifest.builder.name} {manifest.builder.version})")
     except (*_hub_failures(), RuntimeError) as e:
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        if (status is not None and 400 <= status < 500) or isinstance(e, ValueError):
-            raise _hub_error(e, f"upload to {repo_id}", repo_id) from None
-        raise FlashnextError(f"upload to {repo_id} was interrupted ({_first_line(e.__cause__ or e)}); "
-                             "run the same command again: files already on the Hub are not sent twice") from None
+        raise _hub_error(e, f"upload to {repo_id}", repo_id, endpoint, reached) from None
     # The server's answer is untrusted text: of it, only a well-formed commit id is kept.
     commit = _commit_hash(info.oid)
     if commit is None:
@@ -251,8 +397,10 @@ def fetch_overlay(repo_id: str, base: Path, out: Path, revision: str | None = No
                                     library_name="flashnext", library_version=__version__))
 
     api = HfApi(endpoint=endpoint, library_name="flashnext", library_version=__version__)
+    reached = False
     try:
         info = api.model_info(repo_id, revision=revision)
+        reached = True
         # Every file comes from this one commit, and its id names a folder of the cache: a hash only.
         commit = _commit_hash(info.sha)
         if commit is None:
@@ -262,7 +410,7 @@ def fetch_overlay(repo_id: str, base: Path, out: Path, revision: str | None = No
             raise FlashnextError(f"{repo_id} has no {MANIFEST_FILE}; is it a flashnext overlay?")
         local = download(MANIFEST_FILE, commit).parent
     except _hub_failures() as e:
-        raise _hub_error(e, action, repo_id) from None
+        raise _hub_error(e, action, repo_id, endpoint, reached) from None
     manifest = OverlayManifest.load(local)
     refuse_unlisted_merged_files(manifest, in_repo, f"the repo {repo_id}")
     listed = [entry.path for entry in manifest.files]
@@ -273,7 +421,7 @@ def fetch_overlay(repo_id: str, base: Path, out: Path, revision: str | None = No
         for name in listed:
             download(name, commit)
     except _hub_failures() as e:
-        raise _hub_error(e, action, repo_id) from None
+        raise _hub_error(e, action, repo_id, endpoint, reached) from None
     problems = verify_overlay(base, local)
     if problems:
         raise FlashnextError(f"{repo_id} does not verify: {problems[0]}"

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from flashnext.errors import FlashnextError
+from flashnext.progress import Progress
 from flashnext.quant.checkpoint.jsonfile import get_dict
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, Snapshot
 from flashnext.quant.formats.bitplane import LAYOUT, bitplane_to_dense6, dense6_to_bitplane, dense6_to_int8
@@ -199,9 +200,14 @@ class Int6Repack(OverlayBuilder):
         return {name for replaced in self.by_shard.values() for name in replaced}
 
     def fill(self, writers: dict[str, ShardWriter], progress: bool) -> None:
-        for filename, replaced in self.by_shard.items():
-            for name, target in replaced.items():
-                writers[filename].write(name, _convert(self.snap, target, self.mode))
+        # Over the bytes of the tensors converted here; those copied unchanged (OverlayBuilder.build,
+        # before fill) are not on the bar.
+        sizes = {name: self.snap.entry(name)[1].nbytes for replaced in self.by_shard.values() for name in replaced}
+        with Progress(sum(sizes.values()), progress, self.tool) as bar:
+            for filename, replaced in self.by_shard.items():
+                for name, target in replaced.items():
+                    writers[filename].write(name, _convert(self.snap, target, self.mode))
+                    bar.update(sizes[name])
 
     def new_config(self) -> dict:
         return _new_config(self.snap, self.found, self.mode)
@@ -214,8 +220,8 @@ class Int6Repack(OverlayBuilder):
 
 
 def repack_int6(src: Path, out: Path, targets: str = DEFAULT_INT6_TARGETS, mode: str = "bitplane",
-                force: bool = False) -> dict:
+                force: bool = False, progress: bool = False) -> dict:
     """Build the INT6 overlay ``out`` from snapshot ``src`` (never modified). Returns the report."""
-    report = Int6Repack(Snapshot.open(src), targets, mode).build(out, force=force)
+    report = Int6Repack(Snapshot.open(src), targets, mode).build(out, force=force, progress=progress)
     report["bytes_after"] = report["bytes_written"]
     return report

@@ -106,7 +106,7 @@ class OverlayManifest(StrictRecord):
         """Read and check ``OVERLAY/overlay.json``; every path it names must stay inside OVERLAY."""
         overlay = Path(overlay)
         path = overlay / MANIFEST_FILE
-        if not path.is_file():
+        if not path.exists():  # a FIFO or a device exists: read_model refuses it as what it is
             raise FlashnextError(f"{overlay}: no {MANIFEST_FILE}; is this a flashnext overlay?")
         manifest = read_model(path, cls, "an overlay manifest")
         seen: set[str] = set()

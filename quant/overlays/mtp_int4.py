@@ -24,27 +24,28 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, UsageError
+from flashnext.progress import Progress
 from flashnext.quant.checkpoint.fsutil import make_parents, refuse_overlap, sha256_file, write_text_atomic
 from flashnext.quant.checkpoint.jsonfile import get_int, read_json
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
 from flashnext.quant.formats.ct_config import with_mtp_experts_quantized
-from flashnext.quant.formats.packing import pack_int32, packed_words
-from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
+from flashnext.quant.formats.safetensors_io import DTYPE_BYTES, ShardWriter, TensorSpec, read_rows
 from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
-from flashnext.quant.quantizers.base import Quantizer, get_quantizer
-from flashnext.quant.quantizers.calibration import RoutedStatistics, load_calibration
-from flashnext.quant.quantizers.gptq import gptq_codes, inverse_cholesky
-from flashnext.quant.quantizers.mse_rtn import (
-    GroupQuantized, MseSearch, calibrated_grid, check_group_size, dequantize,
-)
+
+# torch and the quantizers (which import it) are imported where tensors are touched: options and
+# outputs are checked, and a bad one refused, in well under the seconds torch takes to import.
+if TYPE_CHECKING:
+    import torch
+
+    from flashnext.quant.quantizers.base import Quantizer
+    from flashnext.quant.quantizers.calibration import RoutedStatistics
 
 BITS = 4
 PROJECTIONS = ("gate", "up", "down")
-FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # the expert dtypes it quantizes
 
 _FUSED = re.compile(r"^(?P<prefix>(?:.*\.)?mtp\.layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?mtp\.layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<suffix>\w+)$")
@@ -143,6 +144,8 @@ def expert_tensor_names(prefix: str, expert: int, proj: str) -> tuple[str, str, 
 
 
 def _expert_specs(layer: DraftLayerExperts, group_size: int, proj: str) -> list[TensorSpec]:
+    from flashnext.quant.formats.packing import packed_words
+
     scale_dtype = layer.dtype if layer.dtype != "F32" else "BF16"
     rows, cols = layer.shape(proj)
     specs = []
@@ -211,26 +214,18 @@ class MtpInt4Options:
     rounding: str = "nearest"
     gptq_prior_tokens: int = 640
 
-
-class _Progress:
-    """A tqdm bar over weights processed, or nothing."""
-
-    def __init__(self, total: int, enabled: bool, desc: str):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="w", unit_scale=True, desc=desc, leave=False)
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    def __post_init__(self) -> None:
+        if self.rounding not in ("nearest", "gptq"):
+            raise UsageError(f"rounding {self.rounding!r}: use nearest or gptq")
+        if self.rounding == "gptq" and self.calib is None:
+            raise UsageError("--rounding gptq chooses codes against calibration activations: give --calib FILE")
+        if self.calib is not None and not self.scale_search:
+            raise UsageError("--calib weights the scale search: it cannot go with --no-scale-search")
 
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
+    import torch
+
     if not torch.isfinite(t).all():
         bad = (~torch.isfinite(t)).nonzero()[0].tolist()
         raise FlashnextError(f"{what} contains NaN or Inf (first at index {bad}); refusing to quantize")
@@ -245,6 +240,9 @@ class MtpInt4Builder(OverlayBuilder):
     headroom = 16 << 20
 
     def __init__(self, snap: Snapshot, options: MtpInt4Options = MtpInt4Options()):
+        from flashnext.quant.quantizers.base import get_quantizer
+        from flashnext.quant.quantizers.mse_rtn import MseSearch, calibrated_grid, check_group_size
+
         super().__init__(snap)
         self.started = time.perf_counter()
         self.options = options
@@ -270,16 +268,16 @@ class MtpInt4Builder(OverlayBuilder):
         self.routed: dict[str, RoutedStatistics] = {}
         self.calib_sha256 = None
         self.weight_only: Quantizer | None = None  # with --calib: today's default, for the report's comparison
-        if options.rounding not in ("nearest", "gptq"):
-            raise FlashnextError(f"rounding {options.rounding!r}: use nearest or gptq")
-        if options.rounding == "gptq" and options.calib is None:
-            raise FlashnextError("--rounding gptq chooses codes against calibration activations: give --calib FILE")
         if options.calib is not None:
-            if not options.scale_search:
-                raise FlashnextError("--calib weights the scale search: it cannot go with --no-scale-search")
             self._load_calibration(options.calib)
 
     def _load_calibration(self, path: Path) -> None:
+        import torch
+
+        from flashnext.quant.quantizers.base import get_quantizer
+        from flashnext.quant.quantizers.calibration import RoutedStatistics, load_calibration
+        from flashnext.quant.quantizers.mse_rtn import MseSearch
+
         tc, where = self.snap.text_config, f"{self.snap.root / CONFIG_FILE}: text config"
         top_k = get_int(tc, "num_experts_per_tok", where, minimum=1)
         experts = self.layers[0].num_experts
@@ -327,7 +325,7 @@ class MtpInt4Builder(OverlayBuilder):
 
     def fill(self, writers: dict[str, ShardWriter], progress: bool) -> None:
         total_weights = sum(layer.num_experts * 3 * layer.intermediate * layer.hidden for layer in self.layers)
-        bar = _Progress(total_weights, progress, self.tool)
+        bar = Progress(total_weights, progress, self.tool, unit="w")
         try:
             for layer in self.layers:
                 self.bytes_read += _quantize_layer(self.snap, layer, writers, self.stats, self.quantizer,
@@ -445,6 +443,8 @@ def write_report(report: Path, result: dict, inputs: dict[str, Path | None] | No
 
 def usable_device(name: str) -> torch.device:
     """The device to quantize on: the CPU or a CUDA device this process can use."""
+    import torch
+
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as e:
@@ -461,6 +461,8 @@ def usable_device(name: str) -> torch.device:
 def _load_batch(snap: Snapshot, layer: DraftLayerExperts, start: int, stop: int,
                 device: torch.device) -> dict[str, torch.Tensor]:
     """``{proj: [b, rows, cols] float32}`` for experts ``[start, stop)``."""
+    import torch
+
     if layer.layout == "fused":
         gate_up = read_rows(*snap.entry(f"{layer.prefix}.gate_up_proj"), start, stop)
         down = read_rows(*snap.entry(f"{layer.prefix}.down_proj"), start, stop)
@@ -491,12 +493,18 @@ class _BatchCalibration:
 
     def importance(self, proj: str, rows: int) -> torch.Tensor:
         """``[b * rows, cols]``: each expert's column importance, repeated over its rows."""
+        import torch
+
         d = torch.stack([e.d_mid if proj == "down" else e.d_in for e in self.experts]).to(self.device)
         b, cols = d.shape
         return d.unsqueeze(1).expand(b, rows, cols).reshape(b * rows, cols)
 
     def factor(self, proj: str) -> torch.Tensor:
         """GPTQ's factor of the batch's Gram matrices; gate and up share theirs (one input)."""
+        import torch
+
+        from flashnext.quant.quantizers.gptq import inverse_cholesky
+
         key = "mid" if proj == "down" else "in"
         if key not in self._factors:
             self._factors[key] = inverse_cholesky(torch.stack([e.gram(proj) for e in self.experts]).to(self.device))
@@ -510,10 +518,16 @@ class _BatchCalibration:
 
 def _quantize_layer(snap: Snapshot, layer: DraftLayerExperts, writers: dict[str, ShardWriter],
                     stats: dict[str, _ProjectionStats], quantizer: Quantizer, reference: Quantizer | None,
-                    options: MtpInt4Options, device: torch.device, per_batch: int, bar: _Progress,
+                    options: MtpInt4Options, device: torch.device, per_batch: int, bar: Progress,
                     routed: RoutedStatistics | None = None, weight_only: Quantizer | None = None) -> int:
+    import torch
+
+    from flashnext.quant.formats.packing import pack_int32
+    from flashnext.quant.quantizers.gptq import gptq_codes
+    from flashnext.quant.quantizers.mse_rtn import GroupQuantized, dequantize
+
     scale_dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(layer.dtype, torch.bfloat16)
-    element = torch.empty(0, dtype=FLOAT_DTYPES[layer.dtype]).element_size()
+    element = DTYPE_BYTES[layer.dtype]
     gs = options.group_size
     bytes_read = 0
     for start in range(0, layer.num_experts, per_batch):

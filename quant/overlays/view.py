@@ -24,10 +24,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 from flashnext import __version__
 from flashnext.errors import FlashnextError
+from flashnext.progress import Progress
 from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, atomic_directory, confined, sha256_file, write_json
 from flashnext.quant.checkpoint.jsonfile import read_json, validate
 from flashnext.quant.checkpoint.records import Count, Sha256, StrictRecord
@@ -87,7 +88,11 @@ def _present_in(overlay: Path) -> list[str]:
     return [name for name in MERGED if os.path.lexists(overlay / name)]
 
 
-def overlay_file_problems(overlay: Path, manifest: OverlayManifest | None = None) -> list[Mismatch]:
+HashProgress = Callable[[int], None] | None  # called with each chunk's byte count as a file is hashed
+
+
+def overlay_file_problems(overlay: Path, manifest: OverlayManifest | None = None,
+                          hashed: HashProgress = None) -> list[Mismatch]:
     """The overlay's own files against its manifest, by size and content hash; an index or
     config.json it ships unlisted is a problem too."""
     overlay = Path(overlay)
@@ -98,13 +103,14 @@ def overlay_file_problems(overlay: Path, manifest: OverlayManifest | None = None
         mine = confined(overlay, entry.path, str(overlay / MANIFEST_FILE))
         if not mine.is_file():
             problems.append(Mismatch(f"{overlay.name}/{entry.path}", "missing from the overlay"))
-        elif mine.stat().st_size != entry.size or sha256_file(mine) != entry.sha256:
+        elif mine.stat().st_size != entry.size or sha256_file(mine, hashed) != entry.sha256:
             problems.append(Mismatch(f"{overlay.name}/{entry.path}",
                                      f"overlay file changed since it was built (expected sha256 {entry.sha256[:12]}…)"))
     return problems
 
 
-def base_file_problems(base: Path, manifest: OverlayManifest, full: bool = False) -> list[Mismatch]:
+def base_file_problems(base: Path, manifest: OverlayManifest, full: bool = False,
+                       hashed: HashProgress = None) -> list[Mismatch]:
     """The base files an overlay replaces, by safetensors header hash (``full``: content hash)."""
     base = Path(base)
     problems = []
@@ -119,7 +125,7 @@ def base_file_problems(base: Path, manifest: OverlayManifest, full: bool = False
                                            f"against {entry.base_size} bytes"))
             continue
         if full or entry.base_header_sha256 is None:
-            got, want, what = sha256_file(theirs), entry.base_sha256, "sha256"
+            got, want, what = sha256_file(theirs, hashed), entry.base_sha256, "sha256"
         else:
             try:
                 got = header_sha256(theirs)
@@ -136,13 +142,32 @@ def base_file_problems(base: Path, manifest: OverlayManifest, full: bool = False
     return problems
 
 
-def verify_overlay(base: Path, overlay: Path, full: bool = False) -> list[Mismatch]:
+def verify_overlay(base: Path, overlay: Path, full: bool = False, progress: bool = False) -> list[Mismatch]:
     """Every problem found, one per file: overlay files by content hash; base files by safetensors
-    header hash (``full``: by content hash)."""
+    header hash (``full``: by content hash, with a bar of the bytes hashed when ``progress``)."""
     if not Path(base).is_dir():
         raise FlashnextError(f"{base}: the base snapshot is not a directory")
     manifest = OverlayManifest.load(overlay)
-    return overlay_file_problems(overlay, manifest) + base_file_problems(base, manifest, full)
+    with _hash_bar(_bytes_hashed(manifest, full), full and progress) as bar:
+        return _overlay_problems(base, overlay, manifest, full, bar.update)
+
+
+def _overlay_problems(base: Path, overlay: Path, manifest: OverlayManifest, full: bool,
+                      hashed: HashProgress) -> list[Mismatch]:
+    return overlay_file_problems(overlay, manifest, hashed) + base_file_problems(base, manifest, full, hashed)
+
+
+def _bytes_hashed(manifest: OverlayManifest, full: bool) -> int:
+    """What verifying an overlay hashes, as its manifest records the sizes: every file of the overlay,
+    and the base files it replaces that are hashed by content."""
+    return (sum(e.size for e in manifest.files)
+            + sum(e.base_size for e in manifest.replaces if full or e.base_header_sha256 is None))
+
+
+def _hash_bar(total: int, enabled: bool) -> Progress:
+    # Only --full has one: it reads every base shard an overlay replaces whole (minutes on the real
+    # model); without it, only the overlay's own files are hashed.
+    return Progress(total, enabled, "overlay verify")
 
 
 def _flatten(obj, prefix=()) -> dict[tuple, object]:
@@ -359,20 +384,30 @@ def _entry_problem(view: Path, name: str, record: ViewRecord) -> str | None:
     return "not part of the view (overlay apply did not make it)"
 
 
-def verify_view(view: Path, full: bool = False) -> list[Mismatch]:
+def verify_view(view: Path, full: bool = False, progress: bool = False) -> list[Mismatch]:
     """Verify every overlay of a view against the view's base, and every entry of the view against
-    its record, both ways: what the record names must be there as recorded, and nothing else may be."""
+    its record, both ways: what the record names must be there as recorded, and nothing else may be.
+    With ``full`` and ``progress``, a bar of the bytes hashed."""
     view = Path(view)
     record = read_view(view)
     if record is None:
         raise FlashnextError(f"{view}: not a flashnext view (no {VIEW_RECORD})")
+    if record.overlays and not Path(record.base).is_dir():
+        raise FlashnextError(f"{record.base}: the base snapshot is not a directory")
+    manifests = [(Path(overlay), OverlayManifest.load(Path(overlay))) for overlay in record.overlays]
+    with _hash_bar(sum(_bytes_hashed(m, full) for _, m in manifests), full and progress) as bar:
+        return _view_problems(view, record, manifests, full, bar.update)
+
+
+def _view_problems(view: Path, record: ViewRecord, manifests: list[tuple[Path, OverlayManifest]], full: bool,
+                   hashed: HashProgress) -> list[Mismatch]:
     problems = []
-    for overlay in record.overlays:
-        problems += verify_overlay(Path(record.base), Path(overlay), full)
+    for overlay, manifest in manifests:
+        problems += _overlay_problems(Path(record.base), overlay, manifest, full, hashed)
         # A record whose links were rewritten to match a tampered view still cannot make a file the
         # overlay replaces come from anywhere but the overlay.
-        for entry in OverlayManifest.load(Path(overlay)).files:
-            want = str(Path(overlay) / entry.path)
+        for entry in manifest.files:
+            want = str(overlay / entry.path)
             if entry.path not in MERGED and entry.path in record.links and record.links[entry.path] != want:
                 problems.append(Mismatch(entry.path, f"the view record links it to {record.links[entry.path]}, "
                                                      f"but the overlay {overlay} replaces it"))

@@ -11,6 +11,7 @@ p50 0.106 ms and max 22 ms. This measures, on a file of that drive:
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import random
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.inputs import open_regular
 
 BLOCK = 4096
 # A drive whose tail is above these stalls decode (a decode step is ~10 ms on the reference rig).
@@ -27,13 +29,23 @@ MAX_LIMIT_MS = 50.0
 
 
 def _open_direct(path: Path) -> int:
+    """``path`` opened for O_DIRECT reads, refused unless it is a regular file. Opened as a regular
+    file first (a FIFO would block an open), then switched to O_DIRECT on the same descriptor."""
     try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        with open_regular(path, "a file on the drive to check", buffering=0) as f:
+            fd = os.dup(f.fileno())
     except FileNotFoundError:
         raise FlashnextError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise FlashnextError(f"{path}: is a directory; point drive-check at a file on the drive (ideally "
+                             "the PLE table)") from None
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | getattr(os, "O_DIRECT", 0))
     except OSError as e:
+        os.close(fd)
         raise FlashnextError(f"{path}: cannot open with O_DIRECT ({e.strerror}); "
                              "point drive-check at a file on the drive itself") from None
+    return fd
 
 
 def _reader(fd: int, blocks: int, seed: int, stop_at: float, latencies: list | None, counter: list) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.inputs import open_regular
 from flashnext.quant.ple.hashing import NgramHasher
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,11 @@ class TableMapping:
     def __init__(self, path: Path, row_bytes: int):
         self.path = Path(path)
         self.row_bytes = row_bytes
-        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            with open_regular(self.path, "a PLE table file", buffering=0) as f:
+                self._fd = os.dup(f.fileno())
+        except IsADirectoryError:
+            raise FlashnextError(f"{self.path}: is a directory, not a PLE table") from None
         self.size = os.fstat(self._fd).st_size
         if self.size == 0:
             os.close(self._fd)

@@ -13,6 +13,7 @@ the FP8 global scale), and sha256 of every shard and of every 16 MiB block of ea
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -25,19 +26,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Literal
 
-import torch
 from pydantic import Field, model_validator
 
 from flashnext import __version__
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, VerificationMismatch
+from flashnext.progress import Progress
 from flashnext.quant.checkpoint.fsutil import (HeldDirectory, check_free_space, make_parents, output_lock,
                                                refuse_overlap, refuse_overlap_open, remove_empty, remove_leftovers,
                                                write_text_at)
+from flashnext.quant.checkpoint.inputs import open_regular
 from flashnext.quant.checkpoint.jsonfile import get_int, parse_json, read_json, validate
 from flashnext.quant.checkpoint.records import Count, Sha256, StrictRecord
 from flashnext.quant.overlays.manifest import header_sha256
 from flashnext.quant.ple.layout import INT64_MAX, PleLayout, ple_layout
-from flashnext.quant.formats.safetensors_io import DTYPE_BYTES, TORCH_DTYPES, TensorEntry, read_rows
+from flashnext.quant.formats.safetensors_io import DTYPE_BYTES, TensorEntry, read_rows, torch_dtypes
 from flashnext.quant.checkpoint.snapshot import Snapshot
 
 FORMAT = "flashnext.ple-table/1"
@@ -177,12 +179,14 @@ def _global_scale(name: str, path: Path, entry: TensorEntry) -> float:
     if math.prod(entry.shape) != 1:
         raise FlashnextError(f"{path}: {name} has shape {list(entry.shape)}; the FP8 PLE table's global scale "
                              "is one value")
-    with open(path, "rb") as f:
+    with open_regular(path, "a safetensors shard") as f:
         f.seek(entry.begin)
         data = bytearray(f.read(entry.nbytes))
     if len(data) != entry.nbytes:
         raise FlashnextError(f"{path}: truncated inside tensor {name}")
-    value = float(torch.frombuffer(data, dtype=TORCH_DTYPES[entry.dtype]).float()[0])
+    import torch
+
+    value = float(torch.frombuffer(data, dtype=torch_dtypes()[entry.dtype]).float()[0])
     if not value > 0 or not math.isfinite(value):
         raise FlashnextError(f"{path}: {name} is {value!r}; the FP8 PLE table's global scale must be finite "
                              "and positive")
@@ -291,7 +295,7 @@ def _content_sample(shard: TableShard) -> str:
     n = shard.entry.nbytes
     starts = sorted({min(n, i * n // IDENTITY_SAMPLES) for i in range(IDENTITY_SAMPLES)}
                     | {max(0, n - IDENTITY_SAMPLE_BYTES)})
-    with open(shard.path, "rb", buffering=0) as f:
+    with open_regular(shard.path, "a safetensors shard", buffering=0) as f:
         for start in starts:
             digest.update(os.pread(f.fileno(), min(IDENTITY_SAMPLE_BYTES, n - start), shard.entry.begin + start))
     return digest.hexdigest()
@@ -311,7 +315,7 @@ def _copy_shard(shard: TableShard, fd: int, row_bytes: int, progress) -> dict:
     block = hashlib.sha256()
     in_block = 0
     at = shard.first_row * row_bytes
-    with open(shard.path, "rb", buffering=0) as src:
+    with open_regular(shard.path, "a safetensors shard", buffering=0) as src:
         done = 0
         while done < shard.entry.nbytes:
             data = os.pread(src.fileno(), min(COPY_CHUNK, shard.entry.nbytes - done), shard.entry.begin + done)
@@ -478,14 +482,12 @@ def _build_locked(snap: Snapshot, source: PleSource, out: Path, parent: HeldDire
         journal["partial"] = _file_identity(fd)
         write_text_at(parent, journal_path.name, json.dumps(journal))
         remaining = sum(s.entry.nbytes for s in source.shards if s.index not in done)
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=remaining, unit="B", unit_scale=True, desc="ple build", leave=False)
+        bar = Progress(remaining, progress, "ple build")
         os.ftruncate(fd, source.file_size)
         for shard in source.shards:
             if shard.index in done:
                 continue
-            done[shard.index] = _copy_shard(shard, fd, source.row_bytes, bar.update if bar else lambda n: None)
+            done[shard.index] = _copy_shard(shard, fd, source.row_bytes, bar.update)
             write_text_at(parent, journal_path.name, json.dumps(journal))
         os.fsync(fd)
         st = os.fstat(fd)
@@ -495,6 +497,14 @@ def _build_locked(snap: Snapshot, source: PleSource, out: Path, parent: HeldDire
         if bar is not None:
             bar.close()
     sidecar = _sidecar_document(snap, source, [done[s.index] for s in source.shards], st)
+    try:
+        snap.check_unchanged()
+    except FlashnextError:
+        # Copied from a source that changed meanwhile: no part of this partial is worth resuming.
+        _start_over(parent, partial)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(journal_path.name, dir_fd=parent.fd)
+        raise
     _still_the_partial(parent, partial, st)
     refuse_overlap_open(parent, out.name, inputs)
     # The sidecar goes first: a table file never exists without the sidecar that vouches for it.
@@ -554,9 +564,17 @@ def _checked_sidecar_text(document: dict, out: Path) -> str:
 
 def read_sidecar(table: Path) -> Sidecar:
     path = sidecar_path(Path(table))
-    if not path.is_file():
+    if not path.exists():
         raise FlashnextError(f"{path} is missing: was {table} made by `flashnext ple build`?")
     return check_sidecar(read_json(path, "a PLE table sidecar"), path)
+
+
+def _open_table(table: Path):
+    """The table file opened for ``ple verify``, refused unless it is a regular file."""
+    try:
+        return open_regular(table, "a PLE table file", buffering=0)
+    except (FileNotFoundError, IsADirectoryError):
+        raise FlashnextError(f"{table}: no such table file") from None
 
 
 def check_sidecar(data: dict, path: Path) -> Sidecar:
@@ -568,17 +586,18 @@ def check_sidecar(data: dict, path: Path) -> Sidecar:
 
 
 def verify_table(table: Path, full: bool = False, samples: int = 16, seed: int | None = None,
-                 seconds: float | None = None) -> dict:
-    """Check size and hashes against the sidecar: every byte (``full``); or, with a time budget
-    ``seconds``, random 16 MiB blocks (both ends first) until the budget is spent; or else
-    ``samples`` random blocks plus both ends. The result says how much was covered."""
+                 seconds: float | None = None, progress: bool = False) -> dict:
+    """Check size and hashes against the sidecar: every byte (``full``, with a bar of the bytes
+    hashed when ``progress``); or, with a time budget ``seconds``, random 16 MiB blocks (both ends
+    first) until the budget is spent; or else ``samples`` random blocks plus both ends. The result
+    says how much was covered."""
     table = Path(table)
     sidecar = read_sidecar(table)
-    if not table.is_file():
-        raise FlashnextError(f"{table}: no such table file")
-    size = table.stat().st_size
+    with _open_table(table) as f:
+        size = os.fstat(f.fileno()).st_size
     if size != sidecar.file_size:
-        raise FlashnextError(f"{table} is {size} bytes; its layout needs exactly {sidecar.file_size}")
+        raise VerificationMismatch(f"{table} is {size} bytes; its layout needs exactly {sidecar.file_size}",
+                                   printed=False)
     blocks = [(i, b) for i, s in enumerate(sidecar.shards) for b in range(len(s.block_sha256))]
     rng = random.Random(seed)
     if full:
@@ -590,21 +609,28 @@ def verify_table(table: Path, full: bool = False, samples: int = 16, seed: int |
     row_bytes, block = sidecar.row_bytes, sidecar.block_bytes
     checked = 0
     started = time.monotonic()
-    with open(table, "rb", buffering=0) as f:
+
+    def block_length(i: int, b: int) -> int:
+        return min(block, sidecar.shards[i].rows * row_bytes - b * block)
+
+    # Only --full has a bar: it reads the whole table (95 GiB for the real model); a sample, at most
+    # 18 blocks.
+    with _open_table(table) as f, \
+            Progress(sum(block_length(i, b) for i, b in chosen), full and progress, "ple verify") as bar:
         for n, (i, b) in enumerate(chosen):
             if seconds is not None and n >= 2 and time.monotonic() - started > seconds:
                 break
             shard = sidecar.shards[i]
             start = shard.first_row * row_bytes + b * block
-            length = min(block, shard.rows * row_bytes - b * block)
+            length = block_length(i, b)
             data = os.pread(f.fileno(), length, start)
             if hashlib.sha256(data).hexdigest() != shard.block_sha256[b]:
-                raise FlashnextError(f"{table}: shard {shard.index} ({shard.name}) differs from its "
-                                     f"source in bytes {start}..{start + length} (block {b})")
+                raise VerificationMismatch(f"{table}: shard {shard.index} ({shard.name}) differs from its "
+                                           f"source in bytes {start}..{start + length} (block {b})", printed=False)
             checked += length
+            bar.update(length)
     elapsed = time.monotonic() - started
-    hashed = sum(min(block, s.rows * row_bytes - b * block) for i, s in enumerate(sidecar.shards)
-                 for b in range(len(s.block_sha256)))
+    hashed = sum(block_length(i, b) for i, b in blocks)
     st = table.stat()
     stat = sidecar.table_stat
     return {"path": str(table), "ok": True, "mode": "full" if full else "sampled",

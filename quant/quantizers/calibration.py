@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.inputs import open_regular
 
 CALIB_TENSOR = "hidden_states"
 FALLBACK_SAMPLE = 1024  # tokens of the all-token sample that tops up rarely routed experts
@@ -55,15 +56,26 @@ def load_calibration(path: Path, hidden_size: int) -> Calibration:
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
-    if not path.is_file():
-        raise FlashnextError(f"--calib {path}: no such file")
     try:
-        with safe_open(str(path), "pt") as f:
-            if CALIB_TENSOR not in f.keys():
-                raise FlashnextError(f"--calib {path}: no tensor {CALIB_TENSOR!r} (has: {', '.join(sorted(f.keys()))[:200]})")
-            hidden = f.get_tensor(CALIB_TENSOR)
-    except SafetensorError as e:
-        raise FlashnextError(f"--calib {path}: not a safetensors file ({e})") from None
+        opened = open_regular(path, "a safetensors file of activations")
+    except FileNotFoundError:
+        raise FlashnextError(f"--calib {path}: no such file") from None
+    except IsADirectoryError:
+        raise FlashnextError(f"--calib {path}: is a directory, not a safetensors file") from None
+    except FlashnextError as e:
+        raise FlashnextError(f"--calib {e}") from None
+    # safetensors opens by name: through /proc/self/fd it opens the very file just checked, so that
+    # a swap of the name for a FIFO in between cannot block it.
+    through = Path(f"/proc/self/fd/{opened.fileno()}")
+    with opened:
+        try:
+            with safe_open(str(through if through.exists() else path), "pt") as f:
+                if CALIB_TENSOR not in f.keys():
+                    raise FlashnextError(f"--calib {path}: no tensor {CALIB_TENSOR!r} "
+                                         f"(has: {', '.join(sorted(f.keys()))[:200]})")
+                hidden = f.get_tensor(CALIB_TENSOR)
+        except SafetensorError as e:
+            raise FlashnextError(f"--calib {path}: not a safetensors file ({e})") from None
     if hidden.dim() == 3:
         hidden = hidden.reshape(-1, hidden.shape[-1])
     if hidden.dim() != 2 or hidden.shape[1] != hidden_size or hidden.shape[0] == 0:

@@ -453,6 +453,9 @@ def scrub(text: str, secrets: set[str]) -> str:
 
 def check_url(url: str) -> None:
     """One line (with the URL redacted) unless ``url`` is an http(s) URL with a host."""
+    if "://" not in url:  # `localhost:8000` parses as the scheme "localhost"
+        bare = ("***@" + url.rsplit("@", 1)[1]) if "@" in url else url
+        raise FlashnextError(f"{bare} has no scheme: give http://{bare} (or https://)")
     shown = redact_url(url)
     try:
         parsed = httpx.URL(url)

@@ -88,3 +88,33 @@ def topk_kl(p_top: dict[str, float], q_top: dict[str, float]) -> float:
     p, q = dist(p_top), dist(q_top)
     eps = 1e-12
     return max(0.0, sum(pv * math.log(pv / max(q[t], eps)) for t, pv in p.items() if pv > eps))
+
+
+# About 95%: the normal approximation, which for a few samples widens to their min and max.
+_Z95 = 1.96
+
+
+def interval(values: Sequence[float], stat: str) -> tuple[float, float] | None:
+    """An about-95% interval of ``stat`` ("mean" or "pNN") over ``values``, within their min and
+    max; None for fewer than two values, whose spread nothing measures. A percentile's is the
+    distribution-free one (the order statistics whose ranks the binomial bounds), so a pooled ITL
+    of thousands of gaps costs one sort."""
+    n = len(values)
+    if n < 2:
+        return None
+    s = sorted(values)
+    if stat == "mean":
+        mean = sum(s) / n
+        half = _Z95 * math.sqrt(sum((v - mean) ** 2 for v in s) / (n - 1) / n)
+        return max(mean - half, s[0]), min(mean + half, s[-1])
+    q = float(stat.removeprefix("p")) / 100
+    half = _Z95 * math.sqrt(n * q * (1 - q))
+    lo, hi = math.floor(n * q - half), math.ceil(n * q + half)
+    return s[min(max(lo, 0), n - 1)], s[min(max(hi, 0), n - 1)]
+
+
+def statistic(values: Sequence[float], stat: str) -> float:
+    """``stat`` ("mean" or "pNN") of ``values``."""
+    if stat == "mean":
+        return sum(values) / len(values)
+    return percentile(values, float(stat.removeprefix("p")))

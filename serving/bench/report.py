@@ -2,11 +2,17 @@
 
 Every model rejects unknown keys, so a report from another version fails loudly instead of being
 half read (``--baseline`` reads one back), and every float is finite, so no report can hold what
-JSON cannot (NaN, Infinity). Times are seconds; rates are tokens per second.
+JSON cannot (NaN, Infinity). Times are seconds (the tables of report.html show milliseconds); rates
+are tokens per second.
+
+The sides of a comparison have one name each, here, on the page and in the plots: "this run" (the
+URL given), "against" (``--against URL2``, measured in the same run) and "baseline" (``--baseline``,
+an earlier report).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -18,7 +24,14 @@ from flashnext.quant.checkpoint.inputs import open_regular
 from flashnext.quant.checkpoint.jsonfile import validation_message
 from flashnext.serving.bench.client import LOGPROB_FLOOR, LOGPROB_SLACK, Malformed, parse_strict, redact_url
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Schema 1 named the sides "A" and "B" (the baseline A in one place, this run A in another).
+
+THIS_RUN, AGAINST, BASELINE = "this run", "against", "baseline"
+SideName = Literal["this run", "against", "baseline"]
+# Settings that do not change what a number means: how long the client waits, and which phases run
+# (a phase's numbers are compared only where both reports have them).
+CLIENT_SETTINGS = frozenset({"request_timeout_s", "stall_timeout_s", "phases"})
 # A report of a long run with every ITL sample is tens of MiB; far past that is not one.
 _REPORT_LIMIT = 512 << 20
 
@@ -80,7 +93,19 @@ class Scale(_Model):
 class ErrorSample(_Model):
     phase: str
     kind: str
+    status: int | None = Field(description="the HTTP status of an http failure")
     detail: str
+
+
+class FailureGroup(_Model):
+    """Every failed request of one phase, kind and (for ``http``) HTTP status: all of them counted."""
+
+    phase: str
+    kind: str
+    status: int | None = Field(description="the HTTP status of an http failure")
+    count: int
+    advice: str | None = Field(description="what to change, when the cause is known "
+                                           "(flashnext.serving.bench.advice.KNOWN_CAUSES)")
 
 
 class LatencyPoint(_Model):
@@ -113,7 +138,7 @@ class NeedleResult(_Model):
     depth: float
     measured_prompt_tokens: int | None
     key: str
-    found: bool
+    found: bool | None = Field(description="null: the request failed (error says how), so no answer was scored")
     answer: str
     ttft_s: float | None
     error: str | None
@@ -152,7 +177,7 @@ class GreedyAnswer(_Model):
 
 
 class EndpointReport(_Model):
-    label: str
+    label: Literal["this run", "against"]
     url: str
     model: str
     capabilities: Capabilities
@@ -165,7 +190,8 @@ class EndpointReport(_Model):
     greedy_answers: list[GreedyAnswer]
     requests: int
     errors: dict[str, int] = Field(description="failed requests by kind (see flashnext.serving.bench.client.ERROR_KINDS)")
-    error_samples: list[ErrorSample]
+    failures: list[FailureGroup] = Field(description="failed requests by phase, kind and HTTP status, with advice")
+    error_samples: list[ErrorSample] = Field(description="the first few failures of each failure group")
 
 
 class AgreementSummary(_Model):
@@ -175,27 +201,49 @@ class AgreementSummary(_Model):
     matching_fraction: float = Field(description="equal positions over compared positions, all answers together")
     mean_first_divergence: float | None = Field(description="over answers that diverge")
     kl_positions: int
-    mean_kl_nats: float | None = Field(description="mean KL(A || B) from top-k logprobs, before each divergence")
+    mean_kl_nats: float | None = Field(description="mean KL(reference || this run) from top-k logprobs, "
+                                                   "before each divergence")
     mean_abs_logprob_diff: float | None
 
 
+class Side(_Model):
+    """One side of a comparison."""
+
+    name: SideName
+    url: str
+    model: str
+    started_at: str = Field(description="when that side's run started")
+
+
 class Delta(_Model):
+    """One headline number on both sides, and this run's change against the reference."""
+
     metric: str
-    a: float
-    b: float
-    change_pct: float
+    unit: Literal["tok/s", "ms"]
+    better: Literal["higher", "lower"]
+    this_run: float
+    reference: float
+    change_pct: float = Field(description="(this run - reference) / reference, in percent")
+    samples: int = Field(description="the fewer samples of the two sides that the number is taken from")
+    noise_pct: list[float] | None = Field(
+        description="[low, high]: the A/A noise band, how far each side's number moves against itself over its "
+                    "repeated rounds (about 95%), in percent; null with a single sample")
+    within_noise: bool | None = Field(description="the change lies inside the noise band; null without one")
 
 
 class ABReport(_Model):
-    a: str
-    b: str
-    agreement: AgreementSummary | None
-    noise_floor: AgreementSummary | None = Field(description="A against itself: two measured rounds of the same prompts")
+    this_run: Side
+    reference: Side = Field(description="what this run is compared with: the --against side or the --baseline")
+    agreement: AgreementSummary | None = Field(description="this run against the reference")
+    noise_floor: AgreementSummary | None = Field(description="this run against itself: two measured rounds of "
+                                                             "the same prompts")
     deltas: list[Delta]
+    differences: list[str] = Field(description="what differs between the sides besides what is measured (model, "
+                                               "server, allowed setting differences): read the deltas with these")
 
 
 class BenchReport(_Model):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     flashnext_version: str
     started_at: str
     finished_at: str
@@ -214,6 +262,9 @@ def load_report(path: Path) -> BenchReport:
         doc = parse_strict(raw, str(path))
     except Malformed as e:
         raise FlashnextError(f"{e} (not a report.json of flashnext bench)") from None
+    if isinstance(doc, dict) and doc.get("schema_version") == 1:
+        raise FlashnextError(f"{path}: a report of an older flashnext bench (schema 1, schema "
+                             f"{SCHEMA_VERSION} now): run that side again to compare with it")
     try:
         report = BenchReport.model_validate(doc)
     except ValidationError as e:
@@ -224,6 +275,19 @@ def load_report(path: Path) -> BenchReport:
     for e in report.endpoints:
         e.url = redact_url(e.url)
     return report
+
+
+def workload_differences(baseline: Settings, this_run: Settings) -> list[str]:
+    """The settings that change what a number means and differ between the two runs, one line each."""
+    ours, theirs = this_run.model_dump(), baseline.model_dump()
+    return [f"{k}: baseline {_shown(theirs[k])}, this run {_shown(ours[k])}"
+            for k in ours if k not in CLIENT_SETTINGS and ours[k] != theirs[k]]
+
+
+def _shown(value) -> str:
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) or "(none)"
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, (dict, str)) else str(value)
 
 
 def _read_regular(path: Path) -> bytes:

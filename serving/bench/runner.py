@@ -1,4 +1,4 @@
-"""A bench run: probe each endpoint, then the phases, A and B side by side round by round.
+"""A bench run: probe each endpoint, then the phases, the two sides of an --against run round by round.
 
 Seed 000's method, kept here: greedy decoding with a fixed seed; fixed prompts measured after a
 warm-up round; a cold round with text nobody sent before (each side of an A/B its own); ITL's median
@@ -21,16 +21,19 @@ import httpx
 from flashnext import __version__
 from flashnext.errors import FlashnextError
 from flashnext.serving.bench import metrics, workloads
+from flashnext.serving.bench.advice import advice_for
 from flashnext.serving.bench.client import (
     Completion, TopLogprobs, check_text, check_url, redact_url, scrub, served_model, stream_chat, url_secrets,
 )
 from flashnext.serving.bench.report import (
-    ABReport, AgreementSummary, BenchReport, Capabilities, DecodePoint, Delta, EndpointReport,
-    ErrorSample, GreedyAnswer, LatencyPoint, NeedleResult, Scale, Settings, StructuredResult, Summary,
+    AGAINST, BASELINE, THIS_RUN, ABReport, AgreementSummary, BenchReport, Capabilities, DecodePoint, Delta,
+    EndpointReport, ErrorSample, FailureGroup, GreedyAnswer, LatencyPoint, NeedleResult, Scale, Settings, Side,
+    StructuredResult, Summary, workload_differences,
 )
 
 PHASES = ("latency", "decode", "needle", "structured")
-ERROR_SAMPLES = 20
+# Kept of each failure group (phase, kind, HTTP status); every failure is counted.
+SAMPLES_PER_FAILURE = 3
 _PROBE_CHARS = 2000
 
 
@@ -63,8 +66,7 @@ class Endpoint:
     caps: Capabilities | None = None
     scale: Scale | None = None
     requests: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    error_samples: list[ErrorSample] = field(default_factory=list)
+    failures: dict[tuple[str, str, int | None], list] = field(default_factory=dict)  # key: [count, samples]
     latency: list[LatencyPoint] = field(default_factory=list)
     itl_samples: list[float] = field(default_factory=list)
     decode: list[DecodePoint] = field(default_factory=list)
@@ -80,12 +82,25 @@ class Endpoint:
     def text_scale(self) -> workloads.TextScale:
         return workloads.TextScale(self.scale.chars_per_token, self.scale.template_tokens)
 
-    def report(self) -> EndpointReport:
+    def count_failure(self, phase: str, c: Completion) -> None:
+        status = c.status if c.error == "http" and c.status is not None and c.status >= 400 else None
+        count_samples = self.failures.setdefault((phase, c.error, status), [0, []])
+        count_samples[0] += 1
+        if len(count_samples[1]) < SAMPLES_PER_FAILURE:
+            count_samples[1].append(ErrorSample(phase=phase, kind=c.error, status=status, detail=c.error_detail or ""))
+
+    def report(self, settings: Settings) -> EndpointReport:
+        errors: dict[str, int] = {}
+        groups = []
+        for (phase, kind, status), (count, samples) in self.failures.items():
+            errors[kind] = errors.get(kind, 0) + count
+            advice = advice_for(phase, kind, status, [x.detail for x in samples], settings.structured_format)
+            groups.append(FailureGroup(phase=phase, kind=kind, status=status, count=count, advice=advice))
         return EndpointReport(
             label=self.label, url=self.shown_url, model=self.model, capabilities=self.caps, scale=self.scale,
             latency=self.latency, itl_samples_s=self.itl_samples, decode=self.decode, needle=self.needle,
             structured=self.structured, greedy_answers=self.greedy, requests=self.requests,
-            errors=self.errors, error_samples=self.error_samples)
+            errors=errors, failures=groups, error_samples=[x for _, samples in self.failures.values() for x in samples])
 
 
 class Bench:
@@ -98,16 +113,26 @@ class Bench:
     """
 
     def __init__(self, settings: Settings, urls: list[str], models: list[str | None] = (None, None),
-                 baseline: BenchReport | None = None, progress: Callable[[int], None] | None = None):
+                 baseline: BenchReport | None = None, progress: Callable[[int], None] | None = None,
+                 allow_different_settings: bool = False):
         if not 1 <= len(urls) <= 2:
             raise FlashnextError("flashnext bench compares at most two endpoints (URL and --against URL)")
+        if baseline is not None and len(urls) != 1:
+            raise FlashnextError("give --against or --baseline, not both")
+        # Refused before any request: numbers measured with other settings would be compared as equals.
+        self.setting_differences = workload_differences(baseline.settings, settings) if baseline else []
+        if self.setting_differences and not allow_different_settings:
+            first = self.setting_differences[0]
+            more = f" (and {len(self.setting_differences) - 1} more)" if len(self.setting_differences) > 1 else ""
+            raise FlashnextError(f"the baseline was measured with other settings ({first}{more}): run with its "
+                                 "settings, or pass --allow-different-settings to compare anyway")
         for url in urls:
             check_url(url)
         for model in models:
             if model is not None:
                 check_text(model, "--model")
         self.settings = settings
-        self.endpoints = [Endpoint(label, url, model) for label, url, model in zip("AB", urls, models)]
+        self.endpoints = [Endpoint(label, url, model) for label, url, model in zip((THIS_RUN, AGAINST), urls, models)]
         self.baseline = baseline
         self.progress = progress or (lambda n: None)
         self.notes: list[str] = []
@@ -140,9 +165,10 @@ class Bench:
             asyncio.run(self._run())
         except FlashnextError as e:
             raise FlashnextError(scrub(str(e), self.secrets)) from None
+        endpoints = [e.report(self.settings) for e in self.endpoints]
         report = BenchReport(flashnext_version=__version__, started_at=started, finished_at=_now(),
-                             settings=self.settings, endpoints=[e.report() for e in self.endpoints],
-                             ab=self._ab(), notes=self.notes)
+                             settings=self.settings, endpoints=endpoints, ab=self._ab(started, endpoints),
+                             notes=self.notes)
         return scrub_report(report, self.secrets)
 
     async def _run(self) -> None:
@@ -194,9 +220,7 @@ class Bench:
         ep.requests += len(results)
         for c in results:
             if not c.ok:
-                ep.errors[c.error] = ep.errors.get(c.error, 0) + 1
-                if len(ep.error_samples) < ERROR_SAMPLES:
-                    ep.error_samples.append(ErrorSample(phase=phase, kind=c.error, detail=c.error_detail or ""))
+                ep.count_failure(phase, c)
         return results
 
     async def _probe(self, ep: Endpoint) -> None:
@@ -316,7 +340,7 @@ class Bench:
                 for n, r in zip(needles, done):
                     ep.needle.append(NeedleResult(
                         context_tokens=n.context_tokens, depth=n.depth, measured_prompt_tokens=r.prompt_tokens,
-                        key=n.key, found=r.ok and n.score(r.text), answer=r.text[:200], ttft_s=r.ttft_s,
+                        key=n.key, found=n.score(r.text) if r.ok else None, answer=r.text[:200], ttft_s=r.ttft_s,
                         error=None if r.ok else f"{r.error}: {r.error_detail}"))
 
     async def _structured(self) -> None:
@@ -344,17 +368,24 @@ class Bench:
 
     # -- A/B --------------------------------------------------------------------------------
 
-    def _ab(self) -> ABReport | None:
-        if len(self.endpoints) == 2:
-            a, b = (e.report() for e in self.endpoints)
-            names = (f"A {a.url}", f"B {b.url}")
+    def _ab(self, started: str, endpoints: list[EndpointReport]) -> ABReport | None:
+        this = endpoints[0]
+        if len(endpoints) == 2:
+            ref, ref_side = endpoints[1], Side(name=AGAINST, url=endpoints[1].url, model=endpoints[1].model,
+                                               started_at=started)
+            differences = side_differences(this, ref, AGAINST)
         elif self.baseline is not None:
-            a, b = self.baseline.endpoints[0], self.endpoints[0].report()
-            names = (f"baseline {a.url} ({self.baseline.started_at})", f"this run {b.url}")
+            ref = self.baseline.endpoints[0]
+            ref_side = Side(name=BASELINE, url=ref.url, model=ref.model, started_at=self.baseline.started_at)
+            differences = [f"setting {d}" for d in self.setting_differences] + side_differences(this, ref, BASELINE)
+            if self.baseline.flashnext_version != __version__:
+                differences.append(f"flashnext: baseline {self.baseline.flashnext_version}, this run {__version__}")
         else:
             return None
-        return ABReport(a=names[0], b=names[1], agreement=agreement(a.greedy_answers, b.greedy_answers),
-                        noise_floor=noise_floor(a.greedy_answers), deltas=deltas(a, b))
+        return ABReport(this_run=Side(name=THIS_RUN, url=this.url, model=this.model, started_at=started),
+                        reference=ref_side, agreement=agreement(ref.greedy_answers, this.greedy_answers),
+                        noise_floor=noise_floor(this.greedy_answers), deltas=deltas(this, ref),
+                        differences=differences)
 
 
 @dataclass
@@ -411,54 +442,106 @@ def _agreement_summary(pairs: list[tuple[GreedyAnswer, GreedyAnswer]]) -> Agreem
 
 
 def agreement(a: list[GreedyAnswer], b: list[GreedyAnswer]) -> AgreementSummary | None:
-    """A's and B's answers to the same prompts in the same measured round."""
+    """``a``'s and ``b``'s answers to the same prompts in the same measured round (KL(a || b))."""
     theirs = {(g.key, g.round): g for g in b}
     return _agreement_summary([(g, theirs[(g.key, g.round)]) for g in a if (g.key, g.round) in theirs])
 
 
 def noise_floor(a: list[GreedyAnswer]) -> AgreementSummary | None:
-    """A's first two measured rounds of each prompt against each other: the run-to-run spread
-    that an A/B difference has to exceed."""
+    """The first two measured rounds of each prompt against each other: the round-to-round spread
+    that a difference between the sides has to exceed."""
     by_key: dict[str, dict[int, GreedyAnswer]] = {}
     for g in a:
         by_key.setdefault(g.key, {})[g.round] = g
     return _agreement_summary([(r[0], r[1]) for r in by_key.values() if 0 in r and 1 in r])
 
 
-def headline_metrics(e: EndpointReport) -> dict[str, float]:
-    """The numbers an A/B compares: median decode and TTFT, per point, and the pooled ITL."""
-    out: dict[str, float] = {}
-    for d in e.decode:
-        if d.aggregate_tok_s:
-            out[f"decode tok/s, {d.concurrency} concurrent (p50)"] = d.aggregate_tok_s.p50
+@dataclass(frozen=True)
+class Headline:
+    """A number a comparison looks at, with the samples it is taken from (in ``unit``)."""
+
+    metric: str
+    unit: str
+    stat: str  # "mean" or "pNN" of the samples
+    samples: list[float]
+
+    @property
+    def better(self) -> str:
+        return "higher" if self.unit == "tok/s" else "lower"
+
+    @property
+    def value(self) -> float:
+        return metrics.statistic(self.samples, self.stat)
+
+
+def headline_metrics(e: EndpointReport) -> list[Headline]:
+    """The numbers a comparison looks at: decode speed and TTFT, per point, and the pooled ITL."""
+    out = [Headline(f"decode, {d.concurrency} concurrent, p50 of rounds", "tok/s", "p50", d.round_tok_s)
+           for d in e.decode if d.round_tok_s]
     for p in e.latency:
-        if p.warm_ttft_s:
-            out[f"warm TTFT s, {p.prompt_tokens} tokens x {p.concurrency} (p50)"] = p.warm_ttft_s.p50
-        if p.cold_ttft_s:
-            out[f"cold TTFT s, {p.prompt_tokens} tokens x {p.concurrency} (mean)"] = p.cold_ttft_s.mean
+        point = f"{p.prompt_tokens} tokens x {p.concurrency}"
+        if p.warm_ttft_samples_s:
+            out.append(Headline(f"warm TTFT, {point}, p50", "ms", "p50", [v * 1000 for v in p.warm_ttft_samples_s]))
+        if p.cold_ttft_samples_s:
+            out.append(Headline(f"cold TTFT, {point}, mean", "ms", "mean", [v * 1000 for v in p.cold_ttft_samples_s]))
     if e.itl_samples_s:
-        out["ITL s (p50)"] = metrics.percentile(e.itl_samples_s, 50)
-        out["ITL s (p90)"] = metrics.percentile(e.itl_samples_s, 90)
+        itl = [v * 1000 for v in e.itl_samples_s]
+        out += [Headline("ITL, p50", "ms", "p50", itl), Headline("ITL, p90", "ms", "p90", itl)]
     return out
 
 
-def deltas(a: EndpointReport, b: EndpointReport) -> list[Delta]:
-    """B against A in percent. What a float cannot hold (a percentile of an edited baseline's
-    1e308s, a change over a tiny A) is left out: report.json holds finite numbers only."""
-    ma, mb = headline_metrics(a), headline_metrics(b)
+def _relative_band(h: Headline) -> tuple[float, float] | None:
+    """How far ``h`` moves against itself over its samples, in percent of its value."""
+    ci, v = metrics.interval(h.samples, h.stat), h.value
+    if ci is None or not v > 0:
+        return None
+    return (ci[0] - v) / v * 100, (ci[1] - v) / v * 100
+
+
+def deltas(this: EndpointReport, reference: EndpointReport) -> list[Delta]:
+    """This run against the reference in percent, each with the A/A noise band of both sides. What a
+    float cannot hold (a percentile of an edited baseline's 1e308s, a change over a tiny reference)
+    is left out: report.json holds finite numbers only."""
+    theirs = {h.metric: h for h in headline_metrics(reference)}
     out = []
-    for k in ma:
-        if k not in mb or not ma[k] > 0 or not math.isfinite(ma[k]) or not math.isfinite(mb[k]):
+    for ours in headline_metrics(this):
+        ref = theirs.get(ours.metric)
+        if ref is None:
             continue
-        if math.isfinite(change := (mb[k] - ma[k]) / ma[k] * 100):
-            out.append(Delta(metric=k, a=ma[k], b=mb[k], change_pct=change))
+        t, r = ours.value, ref.value
+        if not r > 0 or not math.isfinite(r) or not math.isfinite(t):
+            continue
+        if not math.isfinite(change := (t - r) / r * 100):
+            continue
+        bands = [_relative_band(ours), _relative_band(ref)]
+        band = None
+        if None not in bands and all(math.isfinite(x) for b in bands for x in b):
+            band = [min(b[0] for b in bands), max(b[1] for b in bands)]
+        out.append(Delta(metric=ours.metric, unit=ours.unit, better=ours.better, this_run=t, reference=r,
+                         change_pct=change, samples=min(len(ours.samples), len(ref.samples)), noise_pct=band,
+                         within_noise=None if band is None else band[0] <= change <= band[1]))
+    return out
+
+
+def side_differences(this: EndpointReport, ref: EndpointReport, ref_name: str) -> list[str]:
+    """What differs between the sides' servers besides what is measured: the comparison is flagged, not refused."""
+    out = []
+    if this.model != ref.model:
+        out.append(f"model: {ref_name} {ref.model!r}, this run {this.model!r}")
+    if ref_name == BASELINE and this.url != ref.url:
+        out.append(f"server: baseline {ref.url}, this run {this.url}")
+    ours, theirs = this.capabilities.model_dump(), ref.capabilities.model_dump()
+    for k in ours:
+        if ours[k] != theirs[k]:
+            yes = {True: "accepts", False: "does not accept"}
+            out.append(f"server capability {k}: {ref_name} {yes[theirs[k]]}, this run {yes[ours[k]]}")
     return out
 
 
 # The report's fields that carry text a server sent (or a URL): where an echoed secret can land.
 # The others hold flashnext's own words (kinds, labels, Literal choices) and must stay as they are.
 _SERVER_TEXT = frozenset({"url", "model", "detail", "answer", "error", "invalid", "text", "tokens",
-                          "top_logprobs", "a", "b", "notes"})
+                          "top_logprobs", "differences", "notes"})
 
 
 def scrub_report(report: BenchReport, secrets: set[str]) -> BenchReport:

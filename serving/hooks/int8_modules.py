@@ -21,11 +21,10 @@ All keep the checkpoint's bytes in memory: 1 byte per weight plus a bf16 scale p
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from flashnext import envs
+from flashnext.quant.formats.ct_config import _matches as matches
 from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
 from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, int8_mma
 from flashnext.serving.hooks.vllm_bases import (linear_method_base, loads_with_weight_loader_v2,
@@ -36,25 +35,21 @@ def enabled() -> bool:
     return envs.VLLM_INT8_MODULES.enabled()
 
 
-def _matches(target: str, name: str) -> bool:
-    if target.startswith("re:"):
-        return re.fullmatch(target[3:], name) is not None
-    return name == target or name.endswith("." + target)
-
-
 def int8_group_size(quant_config, prefix: str) -> int | None:
     """The group size when ``quant_config`` (compressed-tensors) quantizes ``prefix`` as symmetric
     INT8 by groups, else None. vLLM's and the checkpoint's names differ in their leading parts
     (``language_model.model.embed_tokens`` against ``model.language_model.embed_tokens``), so a
-    target matches the name or its trailing parts, as the release's targets are written."""
+    target matches the name or its trailing parts, as the release's targets are written. Each
+    match is compressed-tensors' (``re:`` entries by ``re.match``, others by equality), through the
+    one matcher that also bounds the patterns (:func:`~flashnext.quant.formats.ct_config.bounded_pattern`)."""
     schemes = getattr(quant_config, "target_scheme_map", None)
     if not schemes:
         return None
     candidates = [prefix] + [prefix.split(".", i)[-1] for i in range(1, prefix.count(".") + 1)]
-    if any(_matches(t, name) for t in getattr(quant_config, "ignore", None) or () for name in candidates):
+    if any(matches(t, name) for t in getattr(quant_config, "ignore", None) or () for name in candidates):
         return None
     for target, scheme in schemes.items():
-        if any(_matches(target, name) for name in candidates):
+        if any(matches(target, name) for name in candidates):
             weights = scheme.get("weights")
             if (weights is not None and weights.num_bits == 8 and str(weights.type).endswith("int")
                     and weights.symmetric and str(weights.strategy).endswith("group") and weights.group_size):

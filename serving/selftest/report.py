@@ -6,13 +6,13 @@ loudly rather than being half read.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flashnext.errors import FlashnextError
+from flashnext.quant.checkpoint.jsonfile import read_json
 
 SCHEMA_VERSION = 1
 
@@ -132,12 +132,9 @@ class SelftestReport(_Model):
 
 
 def load_report(path: Path) -> SelftestReport:
+    data = read_json(path, "a selftest report")
     try:
-        return SelftestReport.model_validate(json.loads(Path(path).read_text()))
-    except FileNotFoundError:
-        raise FlashnextError(f"{path}: no such selftest report")
-    except json.JSONDecodeError as e:
-        raise FlashnextError(f"{path}: not JSON ({e.msg} at line {e.lineno})")
+        return SelftestReport.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "the top level"

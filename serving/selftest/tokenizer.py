@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flashnext.quant.checkpoint.jsonfile import read_json
+
 _TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -30,7 +32,7 @@ def write_tokenizer(model_dir: Path) -> None:
     """tokenizer.json and tokenizer_config.json for the snapshot at ``model_dir`` (its config.json)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = read_json(Path(model_dir) / "config.json", "the model config")
     size = config["text_config"]["vocab_size"]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     special = _special_ids(config)

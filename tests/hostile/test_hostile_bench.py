@@ -239,7 +239,7 @@ def test_a_baseline_made_with_credentials_shows_them_redacted(good_report, tmp_p
         done = bench(server.url, out, "--baseline", str(path))
     assert done.exit_code == 0, done.output
     ab = strict_report(out)["ab"]
-    assert ab["a"].startswith("baseline http://***@gpu-box:8000/v1?api_key=*** ")
+    assert ab["reference"]["name"] == "baseline" and ab["reference"]["url"] == "http://***@gpu-box:8000/v1?api_key=***"
     assert ab["agreement"]["answers"] > 0
     assert_no_secret(done, out)
 

@@ -273,3 +273,173 @@ def test_a_source_rewritten_while_read_is_refused(command, module, function, rew
     changed = str(rewritten[0].relative_to(work.root))
     after = state(work.root)
     assert {k: v for k, v in after.items() if k != changed} == {k: v for k, v in before.items() if k != changed}
+
+
+# --- follow-ups: every reader refuses what is no regular file; sources re-checked before the rename -
+
+PLE_SHARD = "model-00003-of-00005.safetensors"  # the demo's PLE table shards
+REWRITTEN_BY_REPACK = "model-00001-of-00005.safetensors"  # holds shared experts repack-int6 rewrites
+
+
+def fifo_calib(w: Work) -> list[str]:
+    return mtp(w, "--calib", str(fifo_at(w.root / "calib.safetensors")))
+
+
+def ple_verify(w: Work) -> list[str]:
+    return ["ple", "verify", str(w.table)]
+
+
+def overlay_verify(w: Work) -> list[str]:
+    return ["overlay", "verify", str(w.ov), "--base", str(w.snap)]
+
+
+def repack_quietly(w: Work) -> list[str]:
+    return repack(w, "--no-progress")
+
+
+def ple_build(w: Work) -> list[str]:
+    return ["ple", "build", "--src", str(w.snap), "--out", str(w.root / "new.bin"), "--no-progress"]
+
+
+FIFO_READER_CASES = [
+    Case("fifo-calib", fifo_calib, "is a FIFO, not a regular file"),
+    Case("fifo-ple-table", fifo_case(lambda w: w.table, ple_verify), "is a FIFO, not a regular file"),
+    Case("fifo-ple-sidecar", fifo_case(lambda w: w.root / "table.bin.json", ple_verify),
+         "is a FIFO, not a regular file"),
+    Case("fifo-overlay-manifest", fifo_case(lambda w: w.ov / "overlay.json", overlay_verify),
+         "is a FIFO, not a regular file"),
+    Case("fifo-shard-in-snapshot", fifo_case(lambda w: w.snap / PLE_SHARD, mtp), "is a FIFO, not a regular file"),
+]
+
+
+@pytest.mark.parametrize("case", FIFO_READER_CASES, ids=[c.id for c in FIFO_READER_CASES])
+def test_every_reader_refuses_a_fifo_as_what_it_is(case: Case, work: Work):
+    test_hostile_misc_input(case, work)
+
+
+def _sha256_file(path: Path):
+    from flashnext.quant.checkpoint.fsutil import sha256_file
+
+    return sha256_file(path)
+
+
+def _table_mapping(path: Path):
+    from flashnext.quant.ple.prefetch import TableMapping
+
+    return TableMapping(path, 1)
+
+
+def _drive_check(path: Path):
+    from flashnext.quant.ple.drive import drive_check
+
+    return drive_check(path, seconds=0.1)
+
+
+def _selftest_report(path: Path):
+    from flashnext.serving.selftest.report import load_report
+
+    return load_report(path)
+
+
+def _selftest_tokenizer(path: Path):
+    from flashnext.serving.selftest.tokenizer import write_tokenizer
+
+    return write_tokenizer(path.parent)
+
+
+def _capacity_config(path: Path):
+    from flashnext.serving.capacity import load_text_config
+
+    return load_text_config(path.parent)
+
+
+# Readers that no command above reaches with a FIFO: each, given one, refuses it instead of blocking
+# in open() (the guard fails the case) or calling it missing.
+LIBRARY_READERS = {
+    "sha256-file": ("model.safetensors", _sha256_file),
+    "ple-table-mapping": ("table.bin", _table_mapping),
+    "ple-drive-check": ("table.bin", _drive_check),
+    "selftest-report": ("report.json", _selftest_report),
+    "selftest-tokenizer-config": ("config.json", _selftest_tokenizer),
+    "capacity-config": ("config.json", _capacity_config),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(LIBRARY_READERS))
+def test_a_fifo_is_refused_by_every_library_reader(reader, tmp_path):
+    name, read = LIBRARY_READERS[reader]
+    fifo = fifo_at(tmp_path / name)
+    with hang_guard(), pytest.raises(FlashnextError, match="is a FIFO, not a regular file"):
+        read(fifo)
+    assert state(tmp_path) == {name: ("fifo",)}
+
+
+def _rewrite_when(condition: Callable[..., bool]) -> Callable:
+    """A wrapper of a hook: the first call for which ``condition(*args)`` holds rewrites the source."""
+    def wrap(real, rewrite: Callable[[], None], rewritten: list):
+        def hook(*args, **kwargs):
+            if not rewritten and condition(*args, **kwargs):
+                rewrite()
+                rewritten.append(True)
+            return real(*args, **kwargs)
+        return hook
+    return wrap
+
+
+# Runs once every source has been read for the last time and just before the output is renamed into
+# place: an overlay build's read-back of what it made; ple build's sidecar, once the table has its
+# stat (the call before the copy has none).
+BEFORE_OVERLAY_COMMIT = ("flashnext.quant.overlays.builder", "check_readable", _rewrite_when(lambda *a: True))
+BEFORE_PLE_COMMIT = ("flashnext.quant.ple.table", "_sidecar_document",
+                     _rewrite_when(lambda snap, source, shards, st: st is not None))
+
+COMMIT_SOURCES = [  # the command, the source someone rewrites, the hook that rewrites it
+    ("mtp-shard", mtp, MTP_SHARD, BEFORE_OVERLAY_COMMIT),
+    ("mtp-config", mtp, "config.json", BEFORE_OVERLAY_COMMIT),
+    ("mtp-index", mtp, INDEX, BEFORE_OVERLAY_COMMIT),
+    ("repack-shard", repack_quietly, REWRITTEN_BY_REPACK, BEFORE_OVERLAY_COMMIT),
+    ("repack-config", repack_quietly, "config.json", BEFORE_OVERLAY_COMMIT),
+    ("ple-build-shard", ple_build, PLE_SHARD, BEFORE_PLE_COMMIT),
+    ("ple-build-index", ple_build, INDEX, BEFORE_PLE_COMMIT),
+]
+
+
+@pytest.mark.parametrize("rewrite", sorted(REWRITES))
+@pytest.mark.parametrize("command, source, hook", [c[1:] for c in COMMIT_SOURCES], ids=[c[0] for c in COMMIT_SOURCES])
+def test_a_source_rewritten_after_its_last_read_makes_no_output(command, source, hook, rewrite, work, monkeypatch):
+    import importlib
+
+    module, function, wrap = hook
+    mod = importlib.import_module(module)
+    rewritten: list = []
+    monkeypatch.setattr(mod, function, wrap(getattr(mod, function), lambda: REWRITES[rewrite](work.snap / source),
+                                            rewritten))
+    argv = command(work)
+    before = state(work.root)
+    result, line = invoke_expecting_one_line(argv)
+    assert rewritten, "the hook never ran"
+    assert result.exit_code == 1, line
+    assert line.startswith("Error: ") and f"{source}: " in line, line
+    assert "while flashnext was reading it; nothing was written" in line, line
+    changed = f"snap/{source}"
+    after = state(work.root)
+    assert {k: v for k, v in after.items() if k != changed} == {k: v for k, v in before.items() if k != changed}
+
+
+def test_the_int8_modules_hook_matches_through_the_bounded_matcher():
+    from types import SimpleNamespace
+
+    from flashnext.serving.hooks.int8_modules import int8_group_size
+
+    int8 = {"weights": SimpleNamespace(num_bits=8, type="int", symmetric=True, strategy="group", group_size=128)}
+    hostile = SimpleNamespace(target_scheme_map={"re:.*embed_tokens$": int8}, ignore=[CATASTROPHIC])
+    started = time.monotonic()
+    with hang_guard(5), pytest.raises(FlashnextError, match="exponential time"):
+        int8_group_size(hostile, "language_model.model.mtp.layers.0.mlp.experts.0.gate_proj")
+    assert time.monotonic() - started < 1.0
+    # compressed-tensors' semantics, on vLLM's name or its trailing parts: re.match, or equality
+    plain = SimpleNamespace(target_scheme_map={"re:.*embed_tokens$": int8, "lm_head": int8}, ignore=[r"re:^mtp\..*"])
+    assert int8_group_size(plain, "language_model.model.embed_tokens") == 128
+    assert int8_group_size(plain, "language_model.lm_head") == 128
+    assert int8_group_size(plain, "language_model.model.mtp.embed_tokens") is None  # ignored
+    assert int8_group_size(plain, "language_model.model.layers.0.mlp.gate_proj") is None

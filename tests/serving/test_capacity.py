@@ -154,4 +154,4 @@ def test_the_vision_tower_on_the_first_rank():
                                                                               "--language-model-only"]))
     assert text_only.vision is None and text_only.vram_bytes_with_images == []
     r = CliRunner().invoke(cli, ["plan", "--profile", "3x3090"])
-    assert "vision tower         rank 0 only: 129.6 MiB streamed (vit-stream; 856.3 MiB resident)" in r.stdout
+    assert "vision tower         rank 0 only: 129.59 MiB streamed (vit-stream; 856.27 MiB resident)" in r.stdout

@@ -50,7 +50,7 @@ def test_host_ram_against_the_plan(tmp_path):
     table = tmp_path / "table.bin"  # served from the file: never pinned, so never read here
     rig = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), unlimited, ple_table=table)
     assert rig.ok and rig.terms == {"QSA K/V": QSA_783MB, "ViT blocks": VIT_BLOCKS}
-    assert "QSA K/V 67.82 GiB + ViT blocks 0.77 GiB = 68.59 GiB" in rig.detail
+    assert "QSA K/V 67.82 GiB + ViT blocks 784.81 MiB = 68.59 GiB" in rig.detail
 
     small = pf.check_host_ram(profile, meminfo_file(tmp_path, 64, 60), unlimited, ple_table=table)
     assert not small.ok and small.exit == pf.Exit.MEMORY
@@ -69,7 +69,7 @@ def test_host_ram_counts_a_pinned_ple_table(tmp_path):
     finding = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), tmp_path / "absent")
     assert finding.terms == {"QSA K/V": QSA_783MB, "PLE table": PLE_TABLE, "ViT blocks": VIT_BLOCKS}
     assert not finding.ok and finding.blocking and finding.exit == pf.Exit.MEMORY
-    assert "QSA K/V 67.82 GiB + PLE table 95.37 GiB + ViT blocks 0.77 GiB = 163.96 GiB" in finding.detail
+    assert "QSA K/V 67.82 GiB + PLE table 95.37 GiB + ViT blocks 784.81 MiB = 163.96 GiB" in finding.detail
     assert "--ple-table FILE" in finding.fix and "flashnext ple build --src SNAPSHOT --out FILE" in finding.fix
     # the engram table kept on the GPU instead pins nothing on the host
     on_gpu = dataclasses.replace(profile, vllm_args=[*profile.vllm_args, "--engram-config", '{"cpu_offload": false}'])

@@ -3,6 +3,7 @@ vLLM 0.33.0's own parser, every environment variable against what is read, and `
 
 import dataclasses
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -228,10 +229,13 @@ def test_a_ple_table_profile_without_the_table_is_refused(serve_state, extra):
 
 
 def test_serve_stops_on_the_preflights_no_go_before_anything_starts(serve_state, demo_snapshot, demo_table,
-                                                                    monkeypatch):
+                                                                    monkeypatch, tmp_path):
     from flashnext.serving import preflight as pf
 
     cache, started = serve_state
+    (tmp_path / "bin").mkdir()
+    DOCKER.write(tmp_path / "bin", tmp_path / "calls.log")  # the docker engine's Compose is found
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     gib = 2**30
     one_gpu = [pf.GpuInfo(0, "NVIDIA GeForce RTX 3090", 24 * gib, 24 * gib)]
     monkeypatch.setattr(pf, "nvml_devices", lambda: one_gpu)  # what NVML answers on a 1-GPU host
@@ -241,6 +245,9 @@ def test_serve_stops_on_the_preflights_no_go_before_anything_starts(serve_state,
         assert result.exit_code == pf.Exit.GPU, result.output
         assert "[FAIL] gpus" in result.stderr and "NO-GO (exit 10)" in result.stderr
         assert not cache.exists() and started == []
+    # found, then asked by the preflight for the image; never started
+    assert [c.split()[:3] for c in (tmp_path / "calls.log").read_text().splitlines()] == [
+        ["docker", "compose", "version"], ["docker", "image", "inspect"]]
     # --no-check starts it anyway (the engine's own errors are then the user's to read)
     result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(demo_snapshot),
                                       "--ple-table", str(demo_table), "--engine", "native", "--no-check"])
@@ -275,4 +282,144 @@ def test_dry_run_needs_no_gpu_and_the_container_does_not_check_again(serve_state
     assert "--no-check" in command  # the host's serve ran the preflight before it started the container
     both = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", "/srv/snap", "--ple-table",
                                     "/srv/ple.bin", "--check", "--no-check"])
-    assert both.exit_code == 1 and "contradict" in both.output
+    assert both.exit_code == 2 and "contradict" in both.output  # a usage error
+
+
+# --- serve finds its Compose up front, and records a start only once it succeeded ----------------
+
+@dataclasses.dataclass(frozen=True)
+class StandIn:
+    """An executable the test writes in place of docker, docker-compose or podman (none of them can
+    run here): it logs each call and answers as the real one would, with or without Compose."""
+    program: str
+    has_compose: bool = True  # `docker compose version` (docker-compose: `version`) answers
+    up_fails: bool = False
+    image_built: bool = True  # `image inspect` finds the patched image
+
+    def write(self, bin_dir: Path, log: Path) -> None:
+        version = "version" if self.program == "docker-compose" else "compose version"
+        no_plugin = "" if self.has_compose else \
+            f"""  "compose "*) echo "{self.program}: 'compose' is not a {self.program} command." >&2; exit 1 ;;\n"""
+        script = (f"#!/bin/sh\necho \"{self.program} $*\" >> '{log}'\ncase \"$*\" in\n{no_plugin}"
+                  f"  \"{version}\") exit 0 ;;\n"
+                  f"  \"image inspect \"*) exit {0 if self.image_built else 1} ;;\n"
+                  f"  *\" up -d\") exit {1 if self.up_fails else 0} ;;\nesac\nexit 0\n")
+        (bin_dir / self.program).write_text(script)
+        (bin_dir / self.program).chmod(0o755)
+
+
+DOCKER, DOCKER_NO_PLUGIN = StandIn("docker"), StandIn("docker", has_compose=False)
+DOCKER_COMPOSE, PODMAN = StandIn("docker-compose"), StandIn("podman")
+
+
+@dataclasses.dataclass(frozen=True)
+class ComposeCase:
+    id: str
+    installed: tuple[StandIn, ...]
+    uses: str | None  # the Compose serve must start with; None: refused before the preflight
+    engine: str | None = None  # --engine
+    refusal: str = ""
+    builds: bool = False  # Compose builds the image first: none found, or no engine CLI to ask
+
+    @property
+    def engine_of_start(self) -> str:
+        return "podman" if self.uses and self.uses.startswith("podman") else "docker"
+
+
+COMPOSE_CASES = [
+    ComposeCase("none-installed", (), None, refusal="install Docker's Compose plugin"),
+    ComposeCase("docker-without-the-compose-plugin", (DOCKER_NO_PLUGIN,), None,
+                refusal="tried `docker compose version`, `docker-compose version`, `podman compose version`"),
+    ComposeCase("docker-compose-plugin", (DOCKER,), "docker compose"),
+    ComposeCase("docker-compose-plugin-builds-the-image", (StandIn("docker", image_built=False),), "docker compose",
+                builds=True),
+    ComposeCase("docker-compose-standalone", (DOCKER_NO_PLUGIN, DOCKER_COMPOSE), "docker-compose"),
+    ComposeCase("docker-compose-standalone-without-the-docker-cli", (DOCKER_COMPOSE,), "docker-compose",
+                builds=True),
+    ComposeCase("podman-only", (PODMAN,), "podman compose"),
+    ComposeCase("docker-before-podman", (DOCKER, PODMAN), "docker compose"),
+    ComposeCase("engine-podman-beside-docker", (DOCKER, PODMAN), "podman compose", engine="podman"),
+    ComposeCase("engine-docker-with-podman-only", (PODMAN,), None, engine="docker",
+                refusal="or use --engine podman or --engine native"),
+    ComposeCase("up-fails", (StandIn("docker", up_fails=True),), "docker compose", refusal="up -d` failed"),
+]
+
+
+@pytest.fixture
+def stand_ins(tmp_path, monkeypatch):
+    """A PATH of nothing but the stand-ins a case installs; the preflight (logged, GO) and readiness
+    supplied; the state folder under tmp_path."""
+    import flashnext.tools.serve as serve_tool
+    from flashnext.serving import preflight as pf
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def preflight(profile, model, overlays, ple_table, engine, devices=None):
+        with log.open("a") as f:
+            f.write(f"preflight {engine}\n")
+        return [pf.Finding("gpus", True, "3 x RTX 3090 (supplied)")]
+
+    monkeypatch.setattr(pf, "preflight", preflight)
+    monkeypatch.setattr(serve_tool, "wait_ready", lambda *a, **k: {"data": [{"id": "flash-next"}]})
+    model, table = tmp_path / "snap", tmp_path / "table.bin"
+    model.mkdir()
+    table.write_bytes(b"")
+
+    def install(case: ComposeCase) -> None:
+        for stand_in in case.installed:
+            stand_in.write(bin_dir, log)
+
+    def calls() -> list[str]:
+        return log.read_text().splitlines() if log.exists() else []
+
+    return install, calls, model, table, tmp_path / "cache"
+
+
+@pytest.mark.parametrize("case", COMPOSE_CASES, ids=lambda c: c.id)
+def test_serve_finds_compose_up_front_and_records_only_a_start(case: ComposeCase, stand_ins):
+    install, calls, model, table, cache = stand_ins
+    install(case)
+    argv = ["serve", "--profile", "3x3090", "--model", str(model), "--ple-table", str(table),
+            *(["--engine", case.engine] if case.engine else [])]
+    result = CliRunner().invoke(cli, argv)
+    state = cache / "flashnext" / "serve" / "3x3090" / "compose.yaml"
+    if case.uses is None:
+        # one line, exit 1, before the preflight and before anything is written
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 1 and len(lines) == 1, result.output
+        assert lines[0].startswith("Error: no Compose found") and case.refusal in lines[0], lines[0]
+        assert all(c.endswith(" version") for c in calls()) and not cache.exists()
+        return
+    tmp = f"{state.parent}/.compose.yaml.tmp-{os.getpid()}"
+    started = [c for c in calls() if not c.endswith(" version") and " image inspect " not in c]
+    build = [f"{case.uses} -f {tmp} build"] if case.builds else []
+    assert started == [f"preflight {case.engine_of_start}", *build, f"{case.uses} -f {tmp} up -d"]
+    down = CliRunner().invoke(cli, ["serve", "down", "--profile", "3x3090",
+                                    *(["--engine", case.engine] if case.engine else [])])
+    if case.refusal:  # the start failed: nothing recorded, nothing left, and down says so
+        assert result.exit_code == 1 and case.refusal in result.output, result.output
+        assert not cache.exists()
+        assert down.exit_code == 1 and "nothing is running for profile '3x3090'" in down.output, down.output
+        return
+    assert result.exit_code == 0, result.output
+    req = ServeRequest(load_profile("3x3090"), model, (), table)
+    assert state.read_text() == yaml.safe_dump(render_compose(req), sort_keys=False, width=120)
+    assert os.listdir(state.parent) == ["compose.yaml"]
+    assert f"serve down --profile 3x3090 --engine {case.engine_of_start}" in result.stdout
+    assert down.exit_code == 0, down.output
+    assert calls()[-1] == f"{case.uses} -f {state} down"
+
+
+def test_find_compose_takes_its_path(tmp_path):
+    """The library's own lookup, on a path given rather than PATH."""
+    from flashnext.serving.run import find_compose
+
+    log = tmp_path / "calls.log"
+    DOCKER_NO_PLUGIN.write(tmp_path, log)
+    DOCKER_COMPOSE.write(tmp_path, log)
+    assert find_compose(path=str(tmp_path)) == [str(tmp_path / "docker-compose")]
+    with pytest.raises(FlashnextError, match="install a Compose provider for podman"):
+        find_compose("podman", path=str(tmp_path))

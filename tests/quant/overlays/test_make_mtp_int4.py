@@ -311,12 +311,12 @@ def test_out_inside_source_is_refused(snapshot_copy):
 
 def test_failure_midway_leaves_nothing(demo_snapshot, tmp_path, monkeypatch):
     """An error after the shard writing began (here, an interrupt) removes the partial overlay."""
-    import flashnext.quant.overlays.mtp_int4 as mod
+    import flashnext.quant.formats.packing as packing
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mod, "pack_int32", boom)
+    monkeypatch.setattr(packing, "pack_int32", boom)  # mtp_int4 imports it where it packs
     with pytest.raises(KeyboardInterrupt):
         make_mtp_int4(demo_snapshot, tmp_path / "ov", progress=False)
     assert list(tmp_path.iterdir()) == []

@@ -205,10 +205,10 @@ def test_cli_calib_errors_are_one_line_and_write_nothing(demo_snapshot, tmp_path
     assert not (tmp_path / "o").exists()
     both = CliRunner().invoke(make_mtp_int4_cli, ["--src", str(demo_snapshot), "--out", str(tmp_path / "o"),
                                                   "--calib", str(bad), "--no-scale-search", "--no-progress"])
-    assert both.exit_code == 1 and "--no-scale-search" in both.output
+    assert both.exit_code == 2 and "--no-scale-search" in both.output  # a usage error
     no_calib = CliRunner().invoke(make_mtp_int4_cli, ["--src", str(demo_snapshot), "--out", str(tmp_path / "o"),
                                                       "--rounding", "gptq", "--no-progress"])
-    assert no_calib.exit_code == 1 and "give --calib FILE" in no_calib.output
+    assert no_calib.exit_code == 2 and "give --calib FILE" in no_calib.output
     assert not (tmp_path / "o").exists()
 
 
@@ -242,3 +242,33 @@ def test_capture_recipe_on_vllms_draft_model_makes_a_calibration_file(demo_snaps
     assert report["mode"] == "calibrated"
     assert report["calibration"]["layers"][f"{MLP}.experts"]["tokens"] == 128
 
+
+
+def test_the_capture_scripts_path_to_the_draft_block_is_vllms():
+    """docs/make-mtp-int4.md's capture script reaches the MTP MoE block as
+    ``worker.model_runner.speculator.model.model.layers[0].mlp`` through ``LLM.collective_rpc``:
+    each step is read off vLLM 0.33.0's own classes here (the script itself needs the release on
+    GPUs); the last step, ``.model.layers[0].mlp`` of vLLM's ``Qwen4ExpMTP``, is the block that
+    ``test_capture_recipe_on_vllms_draft_model_makes_a_calibration_file`` hooks."""
+    pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+    import inspect
+    import re
+    from pathlib import Path
+
+    import vllm.v1.worker.gpu_worker as gpu_worker
+    from vllm.entrypoints.llm import LLM
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator
+
+    doc = (Path(__file__).parents[3] / "docs" / "make-mtp-int4.md").read_text()
+    script = re.search(r"```python\n(# capture_mtp_inputs\.py.*?)```", doc, re.S).group(1)
+    compile(script, "capture_mtp_inputs.py", "exec")
+    assert "worker.model_runner.speculator" in script and "speculator.model.model.layers[0].mlp" in script
+    assert "self.model_runner: GPUModelRunner = self._make_model_runner()" in inspect.getsource(gpu_worker.Worker)
+    runner = inspect.getsource(GPUModelRunner.__init__)
+    assert "self.speculator = None" in runner and "self.speculator = init_speculator(" in runner
+    loads = [inspect.getsource(c.__dict__["load_model"]) for c in MTPSpeculator.__mro__ if "load_model" in c.__dict__]
+    # Each override calls its parent's first; the base keeps the draft model as ``self.model``.
+    assert all("super().load_model(target_model)" in src for src in loads[:-1])
+    assert "self.model = self.load_draft_model(" in loads[-1]
+    assert list(inspect.signature(LLM.collective_rpc).parameters)[:5] == ["self", "method", "timeout", "args", "kwargs"]

@@ -45,20 +45,22 @@ def test_force_never_replaces_a_directory_flashnext_did_not_make(tmp_path):
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--extra-body", "{nope"], "--extra-body is not JSON"),
-    (["--extra-body", "[1]"], "must be a JSON object"),
-    (["--against", "http://127.0.0.1:1", "--baseline", "x.json"], "not both"),
+@pytest.mark.parametrize("args, words, code", [
+    (["--extra-body", "{nope"], "--extra-body is not JSON", 1),
+    (["--extra-body", "[1]"], "must be a JSON object", 1),
+    # Options that cannot go together are a usage error, as click's own are.
+    (["--against", "http://127.0.0.1:1", "--baseline", "x.json"], "not both", 2),
+    (["--against-model", "m"], "--against-model needs --against", 2),
 ])
-def test_bad_options_are_one_line(tmp_path, args, words):
-    line = _one_error_line(_run("http://127.0.0.1:1", "--out", str(tmp_path / "o"), *args))
+def test_bad_options_are_one_line(tmp_path, args, words, code):
+    line = _one_error_line(_run("http://127.0.0.1:1", "--out", str(tmp_path / "o"), *args), code)
     assert words in line
     assert not (tmp_path / "o").exists()
 
 
 def test_a_baseline_that_is_not_a_report_is_one_line(tmp_path):
     bad = tmp_path / "report.json"
-    bad.write_text(json.dumps({"schema_version": 1, "surprise": True}))
+    bad.write_text(json.dumps({"schema_version": 2, "surprise": True}))
     line = _one_error_line(_run("http://127.0.0.1:1", "--out", str(tmp_path / "o"), "--baseline", str(bad)))
     assert "not a flashnext bench report" in line
     missing = _one_error_line(_run("http://127.0.0.1:1", "--out", str(tmp_path / "o"), "--baseline",
@@ -78,3 +80,10 @@ def test_help_shows_every_phase():
     out = _run("--help").output
     for phase in ("latency", "decode", "needle", "structured", "--against", "--baseline", "--json"):
         assert phase in out
+
+
+@pytest.mark.parametrize("url", ["localhost:8000", "127.0.0.1:8000/v1"])
+def test_a_url_without_a_scheme_is_told_the_one_it_needs(tmp_path, url):
+    line = _one_error_line(_run(url, "--out", str(tmp_path / "o")))
+    assert f"http://{url}" in line
+    assert not (tmp_path / "o").exists()

@@ -9,6 +9,7 @@ import json
 import jsonschema
 from click.testing import CliRunner
 
+from flashnext.serving.bench.advice import advice_for
 from flashnext.tools.cli import main
 from support import ROOT
 from support.fault_server import BEHAVIOURS, FaultServer
@@ -44,7 +45,7 @@ def test_every_fault_is_counted_and_the_report_is_written(tmp_path):
     assert e["capabilities"] == {"ignore_eos": True, "logprobs": True, "usage": True}
     failed_needles = [n for n in e["needle"] if n["error"]]
     assert failed_needles and not any(n["found"] for n in failed_needles)
-    assert "problem: A:" in done.output and "requests failed" in done.output
+    assert "problem: this run:" in done.output and "requests failed" in done.output
     html = (tmp_path / "run" / "report.html").read_text()
     assert "Failed requests" in html and "injected" in html
 
@@ -62,4 +63,5 @@ def test_a_stream_that_only_stalls_is_a_stall_not_a_hang(tmp_path):
         done = _bench(server.url, tmp_path / "run", "--phases", "decode", "--decode-concurrency", "2", "--json")
     assert done.exit_code == 0, done.output
     result = json.loads(done.output[done.output.index("{"):])
-    assert result["problems"] == ["A: 6 of 6 requests failed (stall 6)"]
+    assert result["problems"] == ["this run: 6 of 6 requests failed (stall 6)"]
+    assert result["advice"] == ["this run, decode: 6 stall: " + advice_for("decode", "stall", None, [], "json_schema")]

@@ -61,3 +61,16 @@ def test_a_b_with_logprobs_kl_and_grammar_constrained_answers(servers, tmp_path)
     assert 0 < got["mean_kl_nats"] < 0.1 and got["mean_first_divergence"] > 1
     assert got["matching_fraction"] > 0.2
     assert "mean KL" in done.output
+
+
+def test_its_refusal_of_json_schema_says_to_pass_json_object(servers, tmp_path):
+    a, _ = servers
+    out = tmp_path / "run"
+    done = CliRunner().invoke(main, [
+        "bench", a.url, "--out", str(out), "--phases", "structured", "--structured-requests", "2",
+        "--structured-concurrency", "1", "--structured-max-tokens", "64", "--no-progress"])
+    assert done.exit_code == 0, done.output
+    [group] = json.loads((out / "report.json").read_text())["endpoints"][0]["failures"]
+    assert (group["phase"], group["kind"], group["count"]) == ("structured", "http", 2)
+    assert "--structured-format json_object" in group["advice"]
+    assert "what to change: this run, structured: 2 http" in done.output

@@ -49,13 +49,13 @@ def test_a_b_run_against_two_real_servers(servers, tmp_path):
                   "--out", str(out), *RUN)
     report = json.loads((out / "report.json").read_text())
     jsonschema.validate(report, SCHEMA)
-    assert [e["label"] for e in report["endpoints"]] == ["A", "B"]
+    assert [e["label"] for e in report["endpoints"]] == ["this run", "against"]
     for e in report["endpoints"]:
         # latency 2 lengths x (1 + 2) x 4 rounds, decode (1 + 2) x 3 rounds, 2 needles, 4 structured
         assert e["errors"] == {} and e["requests"] == 24 + 9 + 2 + 4
         # transformers serve streams usage but refuses ignore_eos and returns no logprobs; the notes say so.
         assert e["capabilities"] == {"ignore_eos": False, "logprobs": False, "usage": True}
-        assert e["model"] == str(a.model if e["label"] == "A" else b.model)
+        assert e["model"] == str(a.model if e["label"] == "this run" else b.model)
         for p in e["latency"]:
             # The prompt lengths asked for are the lengths the server counted (the probe's scale).
             assert abs(p["measured_prompt_tokens"] - p["prompt_tokens"]) <= 0.1 * p["prompt_tokens"], p
@@ -65,22 +65,22 @@ def test_a_b_run_against_two_real_servers(servers, tmp_path):
         assert [d["concurrency"] for d in e["decode"]] == [1, 2]
         assert all(d["aggregate_tok_s"]["p50"] > 0 and d["failed"] == 0 for d in e["decode"])
         assert [(n["context_tokens"], n["depth"]) for n in e["needle"]] == [(512, 0.25), (512, 0.75)]
-        assert all(n["error"] is None and not n["found"] and n["measured_prompt_tokens"] > 450 for n in e["needle"])
+        assert all(n["error"] is None and n["found"] is False and n["measured_prompt_tokens"] > 450 for n in e["needle"])
         st = e["structured"]
         assert st["failed"] == 0 and st["valid"] + len(st["invalid"]) == 4
     assert any("no logprobs" in n for n in report["notes"])
     ab = report["ab"]
-    # Greedy answers: A against itself (two rounds) agree; A against B (other weights) do not.
+    # Greedy answers: this run against itself (two rounds) agree; against the other weights they do not.
     assert ab["noise_floor"]["by"] == "characters"
     assert ab["noise_floor"]["identical"] == ab["noise_floor"]["answers"] == 3
     assert ab["agreement"]["answers"] == 6 and ab["agreement"]["identical"] < 6
     assert ab["agreement"]["mean_kl_nats"] is None
-    assert any(d["metric"].startswith("decode tok/s") for d in ab["deltas"])
+    assert any(d["metric"].startswith("decode, ") and d["unit"] == "tok/s" for d in ab["deltas"])
     for name in ("ttft.png", "itl.png", "decode.png", "ab.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     html = (out / "report.html").read_text()
     assert html.count('src="data:image/png;base64,') == 4 and 'src="http' not in html
-    assert "A/B:" in done.output and "needle: 0/2" in done.output
+    assert "this run vs against:" in done.output and "needle: found 0 of 2 answered" in done.output
 
 
 def test_baseline_compares_with_a_saved_run(servers, tmp_path):
@@ -92,4 +92,4 @@ def test_baseline_compares_with_a_saved_run(servers, tmp_path):
     result = json.loads(done.output[done.output.index("{"):])
     assert result["summary"]["ab"]["identical"] == result["summary"]["ab"]["answers"] == 6
     report = json.loads((tmp_path / "second" / "report.json").read_text())
-    assert report["ab"]["a"].startswith("baseline ") and len(report["endpoints"]) == 1
+    assert report["ab"]["reference"]["name"] == "baseline" and len(report["endpoints"]) == 1

@@ -29,7 +29,7 @@ def _settings(**kw):
 
 
 def _endpoint():
-    ep = Endpoint("A", "http://vllm", "Qwen/Qwen3.8-Flash-Next")
+    ep = Endpoint("this run", "http://vllm", "Qwen/Qwen3.8-Flash-Next")
     ep.caps = Capabilities(ignore_eos=True, logprobs=True, usage=True)
     ep.scale = Scale(chars_per_token=4.0, template_tokens=10, measured=True)
     return ep

@@ -1,0 +1,281 @@
+"""Every command behaves alike: ``-h``, help text on every option, usage errors exit 2, a
+verification's mismatch exits 3, sizes in a unit that fits, answers before any torch/vLLM noise, and
+refusals (and commands that touch no tensor) without importing torch."""
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from flashnext.errors import EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED
+from flashnext.sizes import format_size
+from flashnext.tools.cli import main as flashnext
+from support import ROOT
+
+
+def console_scripts() -> dict[str, click.Command]:
+    """pyproject.toml's console scripts: each is a root of its own (`make-mtp-int4`, `serve`)."""
+    import importlib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    roots = {}
+    for name, target in scripts.items():
+        module, attr = target.split(":")
+        roots[name] = getattr(importlib.import_module(module), attr)
+    return roots
+
+
+def walk(command: click.Command, path: tuple[str, ...] = ()):
+    yield path, command
+    if isinstance(command, click.Group):
+        for name, sub in sorted(command.commands.items()):
+            yield from walk(sub, (*path, name))
+
+
+ROOTS = console_scripts()
+# (script, the words after it) for every command and group, through every console script.
+EVERY_COMMAND = [(script, path) for script, root in ROOTS.items() for path, _ in walk(root)]
+FLASHNEXT_COMMANDS = [list(path) for path, _ in walk(flashnext)]
+
+
+def _id(case) -> str:
+    script, path = case
+    return " ".join((script, *path))
+
+
+def test_the_scripts_are_the_expected_roots():
+    assert set(ROOTS) == {"flashnext", "make-mtp-int4", "serve"}
+    assert ROOTS["flashnext"] is flashnext
+
+
+DASH_H_PROBE = """
+import importlib, sys
+import click
+from click.testing import CliRunner
+
+script, target = sys.argv[1:]
+module, attr = target.split(":")
+root = getattr(importlib.import_module(module), attr)
+
+def walk(command, path=()):
+    yield path
+    if isinstance(command, click.Group):
+        for name, sub in sorted(command.commands.items()):
+            yield from walk(sub, (*path, name))
+
+for path in walk(root):
+    done = CliRunner().invoke(root, [*path, "-h"], prog_name=script)
+    if done.exit_code != 0 or not done.output.startswith("Usage: " + " ".join((script, *path))):
+        print(" ".join((script, *path)), "exit", done.exit_code, done.output.strip().splitlines()[-1:])
+"""
+
+
+@pytest.mark.parametrize("script", sorted(ROOTS))
+def test_dash_h_is_help_on_every_command_and_group(script):
+    """Each console script in a fresh interpreter, as it runs (`make-mtp-int4` and `serve` are roots of
+    their own; click keeps a command's help option once made, so one process per root)."""
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"][script]
+    done = subprocess.run([sys.executable, "-c", DASH_H_PROBE, script, target], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", done.stdout
+
+
+def test_an_unknown_option_is_a_usage_error_everywhere():
+    wrong = []
+    for script, path in EVERY_COMMAND:
+        done = CliRunner().invoke(ROOTS[script], [*path, "--no-such-option"], prog_name=script)
+        if done.exit_code != 2 or "No such option" not in done.output:
+            wrong.append(f"{_id((script, path))}: exit {done.exit_code}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_command_and_option_says_what_it_is():
+    missing = []
+    for path, command in walk(flashnext):
+        where = " ".join(("flashnext", *path))
+        if not (command.help or "").strip():
+            missing.append(f"{where} (the command)")
+        missing += [f"{where} {p.opts[0]}" for p in command.params
+                    if isinstance(p, click.Option) and not p.hidden and not (p.help or "").strip()]
+    assert not missing, "no help text: " + ", ".join(missing)
+
+
+# --- usage errors flashnext finds itself exit 2, as click's own do: one line, nothing written ----------
+USAGE_ERRORS = [
+    (["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--rounding", "gptq"], "give --calib FILE"),
+    (["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--calib", "{snap}/config.json", "--no-scale-search"],
+     "--no-scale-search"),
+    (["serve", "--profile", "3x3090"], "needs --profile and --model"),
+    (["serve", "--profile", "3x3090", "--model", "{snap}", "--check", "--no-check"], "contradict"),
+    (["ple", "ids", "--config", "{snap}/config.json", "--tokens", "1,x"], "comma-separated integers"),
+    (["ple", "ids", "--config", "{snap}/config.json", "--tokens", ","], "--tokens is empty"),
+]
+
+
+@pytest.mark.parametrize("argv, words", USAGE_ERRORS, ids=lambda v: " ".join(v[:2]) if isinstance(v, list) else v)
+def test_usage_errors_exit_2(demo_snapshot, tmp_path, argv, words):
+    args = [a.format(snap=demo_snapshot, new=tmp_path / "new") for a in argv]
+    done = CliRunner().invoke(flashnext, args)
+    lines = done.output.strip().splitlines()
+    assert done.exit_code == 2 and len(lines) == 1 and lines[0].startswith("Error: "), done.output
+    assert words in lines[0]
+    assert not (tmp_path / "new").exists()
+
+
+# --- a verification's mismatch is exit 3 in every command; input it cannot read stays 1 --------------
+def _corrupt_block(table):
+    with open(table, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _truncate(table):
+    with open(table, "r+b") as f:
+        f.truncate(table.stat().st_size - 1)
+
+
+def _drop_sidecar(table):
+    table.with_name(table.name + ".json").unlink()
+
+
+def _bad_sidecar(table):
+    table.with_name(table.name + ".json").write_text("{not json")
+
+
+PLE_VERIFY = [
+    ("a block differs", _corrupt_block, 3, "differs from its source"),
+    ("the size differs", _truncate, 3, "bytes; its layout needs exactly"),
+    ("no sidecar", _drop_sidecar, 1, ""),
+    ("a malformed sidecar", _bad_sidecar, 1, ""),
+]
+
+
+@pytest.fixture(scope="module")
+def ple_table(demo_snapshot, tmp_path_factory):
+    from flashnext.quant.ple.table import build_table
+
+    out = tmp_path_factory.mktemp("ple") / "table.bin"
+    build_table(demo_snapshot, out, 0, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("what, damage, code, words", PLE_VERIFY, ids=[c[0] for c in PLE_VERIFY])
+def test_ple_verify_exit_codes(ple_table, tmp_path, what, damage, code, words):
+    table = tmp_path / "table.bin"
+    table.write_bytes(ple_table.read_bytes())
+    table.with_name("table.bin.json").write_bytes(ple_table.with_name("table.bin.json").read_bytes())
+    damage(table)
+    done = CliRunner().invoke(flashnext, ["ple", "verify", "--full", "--no-progress", str(table)])
+    lines = done.output.strip().splitlines()
+    assert done.exit_code == code and len(lines) == 1 and lines[0].startswith("Error: "), done.output
+    assert words in lines[0]
+
+
+def test_the_readme_lists_the_exit_code_table():
+    text = " ".join((ROOT / "README.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0].split())
+    listed = {int(n) for n in re.findall(r"(?:^|; |: )(\d+)(?:–\d+)? ", text)}
+    assert listed == {0, *EXIT_CODES.values(), 10, EXIT_INTERNAL, EXIT_INTERRUPTED}, text
+    three = text.split("; 3 ", 1)[1].split(";", 1)[0]
+    assert "`overlay verify`" in three and "`ple verify`" in three
+
+
+# --- sizes --------------------------------------------------------------------------------------------
+SIZES = [(0, "0 B"), (320, "320 B"), (1023, "1,023 B"), (1024, "1.00 KiB"), (16 << 10, "16.00 KiB"),
+         (3 << 19, "1.50 MiB"), (320_001_536 * 320, "95.37 GiB"), (4 << 40, "4,096.00 GiB")]
+
+
+@pytest.mark.parametrize("n, text", SIZES)
+def test_one_size_formatter_picks_the_unit(n, text):
+    assert format_size(n) == text
+
+
+def test_a_small_table_is_not_zero_gib(demo_snapshot, tmp_path):
+    done = CliRunner().invoke(flashnext, ["ple", "build", "--src", str(demo_snapshot), "--out",
+                                          str(tmp_path / "t.bin"), "--no-progress"])
+    assert done.exit_code == 0, done.output
+    assert "0.00 GiB" not in done.output and re.search(r"\(BF16, \d+\.\d\d KiB\)", done.output), done.output
+
+
+# --- no torch before arguments and outputs are checked, nor where no tensor is touched ----------------
+PROBE = ("import json, sys\nfrom flashnext.tools.cli import main\ncode = 0\n"
+         "try:\n    main(sys.argv[1:], prog_name='flashnext')\nexcept SystemExit as e:\n    code = e.code or 0\n"
+         "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules}), file=sys.stderr)\n")
+
+
+def _probe(args: list[str], cwd) -> tuple[dict, str]:
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+    return json.loads(done.stderr.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.fixture(scope="module")
+def workdir(demo_snapshot, demo_overlay, ple_table, tmp_path_factory):
+    """The demo snapshot, its MTP overlay, a view of them, the PLE table and an existing output."""
+    from flashnext.quant.overlays.view import apply_overlays
+
+    root = tmp_path_factory.mktemp("refusals")
+    apply_overlays(demo_snapshot, [demo_overlay], root / "view")
+    (root / "taken").mkdir()
+    return {"snap": demo_snapshot, "overlay": demo_overlay, "view": root / "view", "table": ple_table,
+            "taken": root / "taken", "new": root / "new", "root": root}
+
+
+NO_TORCH = [
+    ("demo-checkpoint over an existing --out", ["demo-checkpoint", "--out", "{taken}"], 1),
+    ("make-mtp-int4 over an existing --out", ["make-mtp-int4", "--src", "{snap}", "--out", "{taken}"], 1),
+    ("make-mtp-int4 --rounding gptq without --calib",
+     ["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--rounding", "gptq"], 2),
+    ("repack-int6 over an existing --out", ["repack-int6", "--src", "{snap}", "--out", "{taken}"], 1),
+    ("ple ids", ["ple", "ids", "--config", "{snap}/config.json", "--tokens", "1,2,3"], 0),
+    ("ple verify", ["ple", "verify", "{table}"], 0),
+    ("overlay verify of a view", ["overlay", "verify", "{view}"], 0),
+    ("overlay verify of an overlay", ["overlay", "verify", "--base", "{snap}", "{overlay}"], 0),
+    ("plan of an unknown profile", ["plan", "--profile", "no-such-profile"], 1),
+]
+
+
+@pytest.mark.parametrize("what, argv, code", NO_TORCH, ids=[c[0] for c in NO_TORCH])
+def test_refusals_and_tensorless_commands_do_not_import_torch(workdir, what, argv, code):
+    result, stderr = _probe([a.format(**workdir) for a in argv], workdir["root"])
+    assert result["code"] == code, stderr
+    assert not result["torch"], f"{what} imported torch"
+    assert not workdir["new"].exists()
+
+
+HELP_PROBE = ("import json, sys\nfrom flashnext.tools.cli import main\n"
+              "for path in json.loads(sys.argv[1]):\n    try:\n        main([*path, '--help'])\n"
+              "    except SystemExit:\n        pass\n    if 'torch' in sys.modules:\n"
+              "        print(json.dumps(path), file=sys.stderr)\n        sys.exit(3)\n")
+
+
+def test_help_of_every_command_does_not_import_torch():
+    """One fresh interpreter runs every command's --help in turn and names the first that imported torch."""
+    done = subprocess.run([sys.executable, "-c", HELP_PROBE, json.dumps(FLASHNEXT_COMMANDS)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 3, f"--help of {done.stderr.strip()} imported torch"
+    assert done.returncode == 0, done.stderr
+
+
+# --- plan and doctor: the answer is the first line, not vLLM's and torch's import-time notes ----------
+FIRST_LINE = [
+    (["plan", "--profile", "3x3090"], r"profile 3x3090: --kv-cache-memory-bytes "),
+    (["doctor", "--profile", "3x3090"], r"\[(ok  |FAIL|warn)\] "),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, first", FIRST_LINE, ids=[c[0][0] for c in FIRST_LINE])
+def test_the_answer_is_the_first_line(argv, first):
+    pytest.importorskip("vllm")
+    done = subprocess.run([sys.executable, "-m", "flashnext", *argv], capture_output=True, text=True, timeout=300)
+    # stdout and stderr as a terminal shows them, stderr first: what vLLM and torch print goes there
+    shown = (done.stderr + done.stdout).splitlines()
+    assert shown and re.match(first, shown[0]), "\n".join(shown[:12])
