@@ -16,6 +16,7 @@ from flashnext.errors import EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED
 from flashnext.sizes import format_size
 from flashnext.tools.cli import main as flashnext
 from support import ROOT
+from support.no_torch import probe
 
 
 def console_scripts() -> dict[str, click.Command]:
@@ -205,16 +206,6 @@ def test_a_small_table_is_not_zero_gib(demo_snapshot, tmp_path):
 
 
 # --- no torch before arguments and outputs are checked, nor where no tensor is touched ----------------
-PROBE = ("import json, sys\nfrom flashnext.tools.cli import main\ncode = 0\n"
-         "try:\n    main(sys.argv[1:], prog_name='flashnext')\nexcept SystemExit as e:\n    code = e.code or 0\n"
-         "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules}), file=sys.stderr)\n")
-
-
-def _probe(args: list[str], cwd) -> tuple[dict, str]:
-    done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
-    return json.loads(done.stderr.strip().splitlines()[-1]), done.stderr
-
 
 @pytest.fixture(scope="module")
 def workdir(demo_snapshot, demo_overlay, ple_table, tmp_path_factory):
@@ -244,7 +235,7 @@ NO_TORCH = [
 
 @pytest.mark.parametrize("what, argv, code", NO_TORCH, ids=[c[0] for c in NO_TORCH])
 def test_refusals_and_tensorless_commands_do_not_import_torch(workdir, what, argv, code):
-    result, stderr = _probe([a.format(**workdir) for a in argv], workdir["root"])
+    result, stderr = probe([a.format(**workdir) for a in argv], workdir["root"])
     assert result["code"] == code, stderr
     assert not result["torch"], f"{what} imported torch"
     assert not workdir["new"].exists()

@@ -16,7 +16,8 @@ import pytest
 
 from test_project import readme_commands
 
-from support import ROOT
+from support import ROOT, no_torch
+
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 
@@ -176,3 +177,9 @@ def test_wheel_in_a_fresh_venv_runs_the_main_job(wheel, tmp_path):
     seconds, imported = run(f"python -c \"{probe}\"").stdout.split()[-2:]
     assert imported == "False", "flashnext --help imported torch"
     print(f"flashnext --help in the fresh venv: {float(seconds):.3f} s in-process")
+    # Refusals and tensor-free commands of the installed wheel answer before torch is imported.
+    for argv, code in ((["make-mtp-int4", "--src", "demo/snapshot", "--out", "demo/mtp-int4"], 1),
+                       (["overlay", "verify", "--base", "demo/snapshot", "demo/mtp-int4"], 0),
+                       (["ple", "ids", "--config", "demo/snapshot/config.json", "--tokens", "1,2,3"], 0)):
+        result, stderr = no_torch.probe(argv, tmp_path, python=str(bin_dir / "python"), env=env)
+        assert result == {"code": code, "torch": False}, f"{argv}: {result}\n{stderr}"
