@@ -26,7 +26,7 @@ from flashnext.quant.overlays.hub import render_model_card
 from flashnext.quant.overlays.manifest import OverlayManifest
 from flashnext.tools.cli import main as cli
 from support.hostile import INDEX, Case, Work, assert_refused, tree_state
-from support.hub_server import HubServer
+from support.hub_server import HubServer, hub_on_loopback
 
 TOKEN = "hf_flashnext_hostile_token_0123456789"
 REPO = "flashnext-test/mtp-int4"
@@ -35,15 +35,7 @@ CONFIG = "config.json"
 
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
-    import huggingface_hub.constants as constants
-
-    # The stand-in speaks the LFS protocol, not Xet's content-addressed store.
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    with HubServer(TOKEN) as server:
+    with hub_on_loopback(monkeypatch, tmp_path, TOKEN) as server:
         yield server
 
 

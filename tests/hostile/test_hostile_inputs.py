@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from flashnext.quant.checkpoint.fsutil import output_lock
 from flashnext.tools.cli import main as cli
 from support.hostile import (
+    interrupt_ple_build,
     assert_refused,
     Case,
     FIRST_SHARD,
@@ -210,22 +211,6 @@ def test_force_replaces_flashnext_output_only(work):
         result = CliRunner().invoke(cli, mtp(work, "--force"))
         assert result.exit_code == 0, result.output
     assert (out / ".flashnext-output.json").is_file()
-
-
-def interrupt_ple_build(work: Work, monkeypatch, at_shard: int) -> None:
-    """``ple build`` stopped (as by Ctrl-C) just before copying shard ``at_shard``."""
-    import flashnext.quant.ple.table as mod
-
-    real = mod._copy_shard
-
-    def interrupted(shard, *a, **k):
-        if shard.index == at_shard:
-            raise KeyboardInterrupt
-        return real(shard, *a, **k)
-
-    with monkeypatch.context() as m:
-        m.setattr(mod, "_copy_shard", interrupted)
-        assert CliRunner().invoke(cli, ple_build(work)).exit_code == 130
 
 
 def test_ple_resume_refuses_a_changed_source(work, monkeypatch):

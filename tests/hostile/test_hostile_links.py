@@ -20,31 +20,13 @@ import pytest
 from click.testing import CliRunner
 
 from flashnext.tools.cli import main as cli
-from support.hostile import MTP_SHARD, Work, apply, mtp, ple_build, tree_state
+from support.hostile import MTP_SHARD, Work, apply, interrupt_ple_build, mtp, ple_build, tree_state
 
 PID = os.getpid()  # CliRunner runs the command in this process: its temporary names carry this PID
 
 
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def interrupt_ple_build(work: Work, monkeypatch, at_shard: int = 1) -> None:
-    """``ple build`` stopped (as by Ctrl-C) just before copying shard ``at_shard``: its partial file
-    and journal stay for a resume."""
-    import flashnext.quant.ple.table as mod
-
-    real = mod._copy_shard
-
-    def interrupted(shard, *a, **k):
-        if shard.index == at_shard:
-            raise KeyboardInterrupt
-        return real(shard, *a, **k)
-
-    with monkeypatch.context() as m:
-        m.setattr(mod, "_copy_shard", interrupted)
-        assert CliRunner().invoke(cli, ple_build(work)).exit_code == 130
-    assert (work.root / "new.bin.partial").is_file() and (work.root / "new.bin.partial.json").is_file()
 
 
 def ple_source_shard(work: Work) -> Path:

@@ -19,10 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from click.testing import CliRunner
 
 from flashnext.errors import FlashnextError
-from flashnext.tools.cli import main as cli
 from support.hostile import INDEX, MTP_SHARD, Work, apply, invoke_expecting_one_line, mtp, repack
 
 GUARD_S = 20  # far beyond what a refusal takes; what a hang would exceed

@@ -268,3 +268,21 @@ def assert_refused(case: Case, work: Work, first: str = "Error: ") -> None:
     assert result.exit_code == case.exit_code, line
     assert line.startswith(first) and case.message in line, line
     assert tree_state(work.root) == before, "the command wrote or removed something"
+
+
+def interrupt_ple_build(work: Work, monkeypatch, at_shard: int = 1) -> None:
+    """``ple build`` stopped (as by Ctrl-C) just before copying shard ``at_shard``: its partial file
+    and journal stay for a resume."""
+    import flashnext.quant.ple.table as mod
+
+    real = mod._copy_shard
+
+    def interrupted(shard, *a, **k):
+        if shard.index == at_shard:
+            raise KeyboardInterrupt
+        return real(shard, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(mod, "_copy_shard", interrupted)
+        assert CliRunner().invoke(cli, ple_build(work)).exit_code == 130
+    assert (work.root / "new.bin.partial").is_file() and (work.root / "new.bin.partial.json").is_file()

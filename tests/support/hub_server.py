@@ -18,8 +18,10 @@ import base64
 import hashlib
 import json
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
 from urllib.parse import parse_qs, unquote, urlparse
 
 LFS_MIN_BYTES = 1024  # smaller files are committed inline ("regular"), like small text on the Hub
@@ -350,3 +352,19 @@ class HubServer:
     def __exit__(self, *exc) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+@contextmanager
+def hub_on_loopback(monkeypatch, tmp_path, token: str) -> Iterator[HubServer]:
+    """A :class:`HubServer` that huggingface_hub in this process talks to, with ``token`` as the
+    user's token and a private Hub home and cache under ``tmp_path``."""
+    import huggingface_hub.constants as constants
+
+    # The stand-in speaks the LFS protocol, not Xet's content-addressed store.
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    with HubServer(token) as server:
+        yield server
