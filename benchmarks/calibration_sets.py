@@ -49,14 +49,50 @@ def _package_root(module: str, install: str) -> Path:
     return Path(spec.origin).parent
 
 
-def _fake_quantized_weights(tmp: str, names: set[str]) -> dict[str, torch.Tensor]:
-    """What AutoRound's ``format="fake"`` export wrote: each named Linear's dequantized weight."""
-    from safetensors.torch import load_file
+def _per_weight(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A per-group (``[out, in // group]``), per-tensor or scalar quantity, one value per weight."""
+    t = t.detach().double().cpu()
+    if t.numel() <= 1:
+        return t.reshape(()).expand(shape)
+    t = t.reshape(shape[0], -1)
+    return t.repeat_interleave(shape[1] // t.shape[1], dim=1)
 
-    tensors = {}
-    for f in Path(tmp).rglob("*.safetensors"):
-        tensors |= load_file(f)
-    return {n.removesuffix(".weight"): t.float() for n, t in tensors.items() if n.removesuffix(".weight") in names}
+
+def _autoround_weights(ar, names: set[str]) -> dict[str, torch.Tensor]:
+    """AutoRound's result as it holds it after ``quantize_and_save(format="fake")``, read from the
+    in-memory quantized modules (auto-round 0.16.1): each Linear's weight is AutoRound's own
+    quantize-dequantize output (``WrapperLinear.unwrapper`` copies it in), and the module carries
+    AutoRound's ``scale`` (``[out, in // group]``) and ``zp`` (8 for symmetric INT4: codes 0..15).
+
+    The fake export on disk is not read: 0.16.1 saves it in 16 bits and then "restores" every tensor
+    that was FP32 in the source checkpoint from that checkpoint (``utils/missing_tensors.py``), the
+    quantized weights included, so the files hold the original weights (issue 33).
+
+    AutoRound holds the model in bf16 while it quantizes, so each of these weights is ``q * s``
+    rounded to bf16. Each is checked against AutoRound's own scale and zero point: re-rounding it
+    with them must give it back within that rounding (``(clamp(round(w / s) + zp, 0, 15) - zp) * s``,
+    to 2**-7 of the value). A layer AutoRound left without a scale, a weight that is not what its
+    scale and zp describe, or a name the model lacks raises."""
+    out = {}
+    for n, m in ar.model_context.model.named_modules():
+        if n not in names:
+            continue
+        scale, zp = getattr(m, "scale", None), getattr(m, "zp", None)
+        if not isinstance(scale, torch.Tensor) or zp is None:
+            raise RuntimeError(f"AutoRound left {n} without a quantization scale and zero point")
+        w = m.weight.detach().double().cpu()
+        s, z = _per_weight(scale, w.shape), _per_weight(torch.as_tensor(zp), w.shape)
+        levels = 2 ** int(getattr(m, "bits", 4)) - 1
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        again = ((w / safe).round() + z).clamp(0, levels).sub(z) * s
+        off = float(((again - w).abs() - 2 ** -7 * again.abs()).max())  # AutoRound holds bf16 weights
+        if off > 1e-12:
+            raise RuntimeError(f"AutoRound's {n}: the weight is not what its own scale and zp give "
+                               f"(off by up to {off:.3g} beyond bf16 rounding)")
+        out[n] = m.weight.detach().float().clone()
+    if set(out) != names:
+        raise RuntimeError(f"AutoRound's model has no {sorted(names - set(out))[:3]}")
+    return out
 
 
 def _compressed_tensors_weights(model, names: set[str]) -> dict[str, torch.Tensor]:
@@ -149,8 +185,8 @@ class MiniLM:
         with tempfile.TemporaryDirectory() as tmp:
             ar = AutoRound(model, self.tokenizer, bits=4, group_size=128, sym=True, iters=iters, dataset=texts,
                            seqlen=SEQLEN, nsamples=len(texts), batch_size=8)
-            ar.quantize_and_save(tmp, format="fake")
-            return _fake_quantized_weights(tmp, set(self.linears))
+            ar.quantize_and_save(tmp, format="fake")  # no packing: the modules keep weight, scale and zp
+            return _autoround_weights(ar, set(self.linears))
 
     def llmcompressor_gptq(self) -> dict[str, torch.Tensor]:
         from datasets import Dataset
@@ -287,11 +323,13 @@ def _autoround_parts():
 
     class EncoderForAutoRound(WhisperEncoder):
         def forward(self, input_ids=None, input_features=None, attention_mask=None, use_cache=False, **kwargs):
-            return super().forward(input_features).last_hidden_state
+            # AutoRound runs the model in bf16 (0.16.1): the float32 features go in at the model's dtype
+            return super().forward(input_features.to(self.conv1.weight.dtype)).last_hidden_state
 
     class DecoderForAutoRound(WhisperDecoder):
         def forward(self, input_ids=None, encoder_hidden_states=None, attention_mask=None, use_cache=False, **kwargs):
-            return super().forward(input_ids=input_ids, encoder_hidden_states=encoder_hidden_states,
+            return super().forward(input_ids=input_ids,
+                                   encoder_hidden_states=encoder_hidden_states.to(self.embed_tokens.weight.dtype),
                                    use_cache=False).last_hidden_state
 
     return {"encoder": EncoderForAutoRound, "decoder": DecoderForAutoRound}
@@ -410,9 +448,9 @@ class WhisperTinyEn:
             with tempfile.TemporaryDirectory() as tmp:
                 ar = AutoRound(tuned, _NO_TOKENIZER, bits=4, group_size=128, sym=True, iters=iters, dataset=rows,
                                seqlen=rows[0]["input_ids"].shape[1], nsamples=len(rows), batch_size=8)
-                ar.quantize_and_save(tmp, format="fake")
-                got = _fake_quantized_weights(tmp, {n.removeprefix(f"model.{part}.") for n in self.linears
-                                                    if n.startswith(f"model.{part}.")})
+                ar.quantize_and_save(tmp, format="fake")  # no packing: the modules keep weight, scale and zp
+                got = _autoround_weights(ar, {n.removeprefix(f"model.{part}.") for n in self.linears
+                                              if n.startswith(f"model.{part}.")})
             with torch.no_grad():
                 for n, w in got.items():
                     stack.get_submodule(n).weight.copy_(w)
