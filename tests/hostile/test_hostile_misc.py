@@ -8,20 +8,17 @@ writes nothing. A case that would hang on a FIFO or a backtracking regex is stop
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import signal
-import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 from flashnext.errors import FlashnextError
-from support.hostile import INDEX, MTP_SHARD, Work, apply, invoke_expecting_one_line, mtp, repack
+from support.hostile import INDEX, MTP_SHARD, Case, Work, apply, invoke_expecting_one_line, mtp, repack, tree_state
 
 GUARD_S = 20  # far beyond what a refusal takes; what a hang would exceed
 
@@ -44,36 +41,10 @@ def hang_guard(seconds: float = GUARD_S):
         signal.signal(signal.SIGALRM, previous)
 
 
-def state(root: Path) -> dict[str, tuple]:
-    """Every entry under ``root`` (file hashes, link targets, FIFOs as such), never opening a FIFO."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = p.lstat()
-            rel = str(p.relative_to(root))
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("dir",)
-            elif stat.S_ISFIFO(st.st_mode):
-                out[rel] = ("fifo",)
-            else:
-                out[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest())
-    return out
-
-
 def fifo_at(path: Path) -> Path:
     path.unlink(missing_ok=True)
     os.mkfifo(path)
     return path
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    setup: Callable[[Work], list[str]]
-    message: str
 
 
 def fifo_case(file: Callable[[Work], Path], command: Callable[[Work], list[str]]) -> Callable[[Work], list[str]]:
@@ -124,14 +95,14 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_hostile_misc_input(case: Case, work: Work):
     argv = case.setup(work)
-    before = state(work.root)
+    before = tree_state(work.root)
     started = time.monotonic()
     with hang_guard():
         result, line = invoke_expecting_one_line(argv)
     assert result.exit_code == 1, line
     assert line.startswith("Error: ") and case.message in line, line
     assert time.monotonic() - started < GUARD_S / 2
-    assert state(work.root) == before, "the command wrote or removed something"
+    assert tree_state(work.root) == before, "the command wrote or removed something"
 
 
 # --- the readers themselves, for inputs that no command reaches through a FIFO today ---------------
@@ -264,12 +235,12 @@ def test_a_source_rewritten_while_read_is_refused(command, module, function, rew
         return result
 
     monkeypatch.setattr(mod, function, read_then_rewrite)
-    before = state(work.root)
+    before = tree_state(work.root)
     result, line = invoke_expecting_one_line(command(work))
     assert rewritten, "the hook never ran"
     assert result.exit_code == 1 and "while flashnext was reading it; nothing was written" in line, line
     changed = str(rewritten[0].relative_to(work.root))
-    after = state(work.root)
+    after = tree_state(work.root)
     assert {k: v for k, v in after.items() if k != changed} == {k: v for k, v in before.items() if k != changed}
 
 
@@ -369,7 +340,7 @@ def test_a_fifo_is_refused_by_every_library_reader(reader, tmp_path):
     fifo = fifo_at(tmp_path / name)
     with hang_guard(), pytest.raises(FlashnextError, match="is a FIFO, not a regular file"):
         read(fifo)
-    assert state(tmp_path) == {name: ("fifo",)}
+    assert tree_state(tmp_path) == {name: ("fifo",)}
 
 
 def _rewrite_when(condition: Callable[..., bool]) -> Callable:
@@ -413,14 +384,14 @@ def test_a_source_rewritten_after_its_last_read_makes_no_output(command, source,
     monkeypatch.setattr(mod, function, wrap(getattr(mod, function), lambda: REWRITES[rewrite](work.snap / source),
                                             rewritten))
     argv = command(work)
-    before = state(work.root)
+    before = tree_state(work.root)
     result, line = invoke_expecting_one_line(argv)
     assert rewritten, "the hook never ran"
     assert result.exit_code == 1, line
     assert line.startswith("Error: ") and f"{source}: " in line, line
     assert "while flashnext was reading it; nothing was written" in line, line
     changed = f"snap/{source}"
-    after = state(work.root)
+    after = tree_state(work.root)
     assert {k: v for k, v in after.items() if k != changed} == {k: v for k, v in before.items() if k != changed}
 
 

@@ -403,22 +403,10 @@ def test_vit_stream_runs_vllms_tower_from_two_slots(patched_tree, demo_snapshot)
 # --- `patches apply`: all or nothing, recorded, revertible (issue 26) --------------------------------
 
 def _tree(root: Path) -> dict[str, tuple]:
-    """Every entry under ``root``: content hashes, modes and link targets, for byte-identity."""
-    import hashlib
-    import stat
+    """Every entry under ``root`` with its mode, for byte-identity."""
+    from support.hostile import tree_state
 
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = p.lstat()
-            if stat.S_ISLNK(st.st_mode):
-                out[str(p.relative_to(root))] = ("link", os.readlink(p))
-            elif stat.S_ISDIR(st.st_mode):
-                out[str(p.relative_to(root))] = ("dir", st.st_mode)
-            else:
-                out[str(p.relative_to(root))] = ("file", st.st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
-    return out
+    return tree_state(root, modes=True)
 
 
 def _apply_cli(fake: Path, *extra: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,19 +54,24 @@ class Whole:
     value: object
 
 
-def tree_state(root: Path) -> dict[str, tuple]:
-    """Every entry under ``root``: directories, link targets and file hashes."""
+def tree_state(root: Path, modes: bool = False) -> dict[str, tuple]:
+    """Every entry under ``root``: directories, link targets, FIFOs as such (never opened) and file
+    hashes; with ``modes``, each directory's and file's mode too (for byte-identity of a tree)."""
     state = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             p = Path(dirpath) / name
+            st = p.lstat()
             rel = str(p.relative_to(root))
-            if p.is_symlink():
+            mode = (st.st_mode,) if modes else ()
+            if stat.S_ISLNK(st.st_mode):
                 state[rel] = ("link", os.readlink(p))
-            elif p.is_dir():
-                state[rel] = ("dir",)
+            elif stat.S_ISDIR(st.st_mode):
+                state[rel] = ("dir", *mode)
+            elif stat.S_ISFIFO(st.st_mode):
+                state[rel] = ("fifo",)
             else:
-                state[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest())
+                state[rel] = ("file", *mode, hashlib.sha256(p.read_bytes()).hexdigest())
     return state
 
 
