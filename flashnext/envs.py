@@ -34,6 +34,13 @@ def is_on(value: str) -> bool:
 FLASHNEXT_DEBUG = EnvVar(
     "FLASHNEXT_DEBUG", "0",
     "1: a command that fails on something unexpected prints the Python traceback, not one line.")
+# Read by flashnext but owned by others: declared here so that no module reads os.environ itself.
+TRITON_INTERPRET = EnvVar(
+    "TRITON_INTERPRET", "0",
+    "Triton's: 1 runs kernels through its interpreter on the CPU (what the CPU tests and selftest do).")
+XDG_CACHE_HOME = EnvVar(
+    "XDG_CACHE_HOME", "",
+    "The XDG base directory for caches; `serve` keeps each profile's state under it (default ~/.cache).")
 VLLM_PLE_PREFETCH = EnvVar(
     "VLLM_PLE_PREFETCH", "1",
     "Patch ttft-01: 0 turns off the prompt prefetcher (each admitted prompt's PLE pages, advised ahead).")

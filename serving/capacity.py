@@ -41,7 +41,7 @@ from pathlib import Path
 from flashnext.manifests import manifest_path
 from flashnext import envs
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.jsonfile import read_json
+from flashnext.quant.records.jsonfile import read_json
 
 ATTENTION_BLOCK_ALIGNMENT = 16
 QSA_STATE_POSITION_BYTES = 8

@@ -38,8 +38,8 @@ from typing import Callable
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import confined, fsync_dir, output_lock, read_output_marker, write_marker
-from flashnext.quant.checkpoint.inputs import open_regular, read_regular_bytes
-from flashnext.quant.checkpoint.jsonfile import parse_json, read_json
+from flashnext.quant.records.inputs import open_regular, read_regular_bytes
+from flashnext.quant.records.jsonfile import parse_json, read_json
 
 PATCH_DIR = Path(__file__).resolve().parent / "patches"
 SERIES_FILE = PATCH_DIR / "series.json"

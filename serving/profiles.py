@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import get_args, get_origin, get_type_hints
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.jsonfile import read_json
+from flashnext.quant.records.jsonfile import read_json
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 

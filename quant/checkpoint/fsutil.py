@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.inputs import open_regular
+from flashnext.quant.records.inputs import open_regular
 from flashnext.sizes import format_size
 
 HASH_CHUNK = 16 << 20

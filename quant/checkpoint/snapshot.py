@@ -8,8 +8,8 @@ from pathlib import Path
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import confined
-from flashnext.quant.checkpoint.inputs import FileIdentity, check_unchanged, open_regular
-from flashnext.quant.checkpoint.jsonfile import get_dict, read_json_version
+from flashnext.quant.records.inputs import FileIdentity, check_unchanged, open_regular
+from flashnext.quant.records.jsonfile import get_dict, read_json_version
 from flashnext.quant.formats.safetensors_io import ShardHeader, TensorEntry, read_header
 
 CONFIG_FILE = "config.json"

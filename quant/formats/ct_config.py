@@ -26,6 +26,23 @@ MTP_EXPERT_TARGET = "re:^" + MTP_EXPERT_PATTERN
 MTP_OTHER_IGNORE = "re:^mtp\\.(?!" + MTP_EXPERT_PATTERN[len("mtp\\."):] + ")"
 
 
+def quantization_holder(config: dict) -> dict | None:
+    """The object of a ``config.json`` that holds ``quantization_config``: the config itself or its
+    ``text_config`` (a multimodal checkpoint keeps the text model's there), whichever has it as a
+    JSON object, the top level first; None when neither does. The one rule every reader and writer
+    of a snapshot's quantization config uses."""
+    for holder in (config, config.get("text_config")):
+        if isinstance(holder, dict) and isinstance(holder.get("quantization_config"), dict):
+            return holder
+    return None
+
+
+def quantization_config_of(config: dict) -> dict | None:
+    """``config.json``'s ``quantization_config`` (see :func:`quantization_holder`), or None."""
+    holder = quantization_holder(config)
+    return None if holder is None else holder["quantization_config"]
+
+
 def weight_scheme(targets: list[str], bits: int, group_size: int) -> dict:
     """A weight-only symmetric INT group scheme, serialised by compressed-tensors itself."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -44,7 +61,7 @@ def checked_quantization_config(quantization_config: object, where: str) -> dict
     naming ``where`` and the bad key otherwise); returned unchanged, as the plain document."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    from flashnext.quant.checkpoint.jsonfile import validate
+    from flashnext.quant.records.jsonfile import validate
 
     if not isinstance(quantization_config, dict):
         raise FlashnextError(f"{where}: quantization_config must be a JSON object")

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.inputs import FileIdentity, check_still, check_unchanged, open_regular
-from flashnext.quant.checkpoint.jsonfile import parse_json
+from flashnext.quant.records.inputs import FileIdentity, check_still, check_unchanged, open_regular
+from flashnext.quant.records.jsonfile import parse_json
 
 if TYPE_CHECKING:
     import torch

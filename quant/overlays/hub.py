@@ -124,7 +124,7 @@ def serving_profiles_for(kind: str) -> list:
     serve the base model's vLLM family (``manifests/qwen3.8-flash-next.json``) and load what the
     kind replaces; a draft head's overlay only where the profile speculates with that head."""
     from flashnext.manifests import manifest_path
-    from flashnext.quant.checkpoint.jsonfile import read_json
+    from flashnext.quant.records.jsonfile import read_json
     from flashnext.serving.preflight import _json_flag
     from flashnext.serving.profiles import available, load_profile
 

@@ -27,7 +27,7 @@ import torch
 
 from flashnext.errors import FlashnextError
 from flashnext.progress import Progress
-from flashnext.quant.checkpoint.jsonfile import get_dict
+from flashnext.quant.records.jsonfile import get_dict
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, Snapshot
 from flashnext.quant.formats.bitplane import LAYOUT, bitplane_to_dense6, dense6_to_bitplane, dense6_to_int8
 from flashnext.quant.formats.ct_config import DEFAULT_INT6_TARGETS, checked_quantization_config, weight_scheme

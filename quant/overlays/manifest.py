@@ -20,8 +20,8 @@ from pydantic import Field, StringConstraints, field_validator
 from flashnext import __version__
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, confined, sha256_bytes, sha256_file, write_text_atomic
-from flashnext.quant.checkpoint.jsonfile import read_model
-from flashnext.quant.checkpoint.records import Count, Sha256, StrictRecord
+from flashnext.quant.records.jsonfile import read_model
+from flashnext.quant.records.strict import Count, Sha256, StrictRecord
 from flashnext.quant.formats.safetensors_io import read_header
 from flashnext.quant.checkpoint.snapshot import SnapshotOrigin
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from flashnext.errors import FlashnextError, UsageError
 from flashnext.progress import Progress
 from flashnext.quant.checkpoint.fsutil import make_parents, refuse_overlap, sha256_file, write_text_atomic
-from flashnext.quant.checkpoint.jsonfile import get_int, read_json
+from flashnext.quant.records.jsonfile import get_int, read_json
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
 from flashnext.quant.formats.ct_config import with_mtp_experts_quantized
 from flashnext.quant.formats.safetensors_io import DTYPE_BYTES, ShardWriter, TensorSpec, read_rows

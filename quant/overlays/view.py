@@ -30,8 +30,8 @@ from flashnext import __version__
 from flashnext.errors import FlashnextError
 from flashnext.progress import Progress
 from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, atomic_directory, confined, sha256_file, write_json
-from flashnext.quant.checkpoint.jsonfile import read_json, validate
-from flashnext.quant.checkpoint.records import Count, Sha256, StrictRecord
+from flashnext.quant.records.jsonfile import read_json, validate
+from flashnext.quant.records.strict import Count, Sha256, StrictRecord
 from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest, header_sha256
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot, read_config, read_index
 

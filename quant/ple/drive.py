@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.inputs import open_regular
+from flashnext.quant.records.inputs import open_regular
 
 BLOCK = 4096
 # A drive whose tail is above these stalls decode (a decode step is ~10 ms on the reference rig).

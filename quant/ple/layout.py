@@ -113,7 +113,7 @@ def ple_layout(text_config: dict, dense_layer_id: int = 0, where: str = "text_co
     """The layout vLLM derives for PLE layer ``dense_layer_id`` from ``text_config``; a missing,
     mistyped or out-of-range key is a :class:`FlashnextError` naming ``where`` and the key."""
     from flashnext.errors import FlashnextError
-    from flashnext.quant.checkpoint.jsonfile import get_int
+    from flashnext.quant.records.jsonfile import get_int
 
     c = text_config
     if not isinstance(c, dict):

@@ -32,7 +32,7 @@ import numpy as np
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.inputs import open_regular
+from flashnext.quant.records.inputs import open_regular
 from flashnext.quant.ple.hashing import NgramHasher
 
 log = logging.getLogger(__name__)

@@ -34,9 +34,9 @@ from flashnext.progress import Progress
 from flashnext.quant.checkpoint.fsutil import (HeldDirectory, check_free_space, make_parents, output_lock,
                                                refuse_overlap, refuse_overlap_open, remove_empty, remove_leftovers,
                                                write_text_at)
-from flashnext.quant.checkpoint.inputs import open_regular
-from flashnext.quant.checkpoint.jsonfile import get_int, parse_json, read_json, validate
-from flashnext.quant.checkpoint.records import Count, Sha256, StrictRecord
+from flashnext.quant.records.inputs import open_regular
+from flashnext.quant.records.jsonfile import get_int, parse_json, read_json, validate
+from flashnext.quant.records.strict import Count, Sha256, StrictRecord
 from flashnext.quant.overlays.manifest import header_sha256
 from flashnext.quant.ple.layout import INT64_MAX, PleLayout, ple_layout
 from flashnext.quant.formats.safetensors_io import DTYPE_BYTES, TensorEntry, read_rows, torch_dtypes

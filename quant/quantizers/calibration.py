@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.inputs import open_regular
+from flashnext.quant.records.inputs import open_regular
 
 CALIB_TENSOR = "hidden_states"
 FALLBACK_SAMPLE = 1024  # tokens of the all-token sample that tops up rarely routed experts

@@ -25,7 +25,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import httpx
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.jsonfile import parse_json
+from flashnext.quant.records.jsonfile import parse_json
 
 # What a failed request is called in the report (``Completion.error``).
 ERROR_KINDS = (

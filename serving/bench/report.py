@@ -20,8 +20,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.inputs import open_regular
-from flashnext.quant.checkpoint.jsonfile import validation_message
+from flashnext.quant.records.inputs import open_regular
+from flashnext.quant.records.jsonfile import validation_message
 from flashnext.serving.bench.client import LOGPROB_FLOOR, LOGPROB_SLACK, Malformed, parse_strict, redact_url
 
 SCHEMA_VERSION = 2

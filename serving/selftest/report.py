@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.jsonfile import read_json
+from flashnext.quant.records.jsonfile import read_json
 
 SCHEMA_VERSION = 1
 

@@ -3,7 +3,7 @@
 Every JSON document flashnext reads (a snapshot's index and config, an overlay manifest, a view
 record, a PLE table sidecar, a profile) comes through :func:`read_json`, and the ones with a fixed
 shape are validated into typed objects by :func:`read_model` (pydantic models, strict types; see
-``records.py``), so a
+``strict.py``), so a
 wrong type or a missing key is a :class:`FlashnextError` such as
 ``overlay.json: replaces.0.size: Input should be a valid integer`` rather than a traceback later.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.inputs import FileIdentity, read_regular_version
+from flashnext.quant.records.inputs import FileIdentity, read_regular_version
 
 M = TypeVar("M")
 
@@ -84,7 +84,7 @@ def read_json(path: Path, what: str, expect: type = dict) -> Any:
 
 def read_json_version(path: Path, what: str, expect: type = dict) -> tuple[Any, FileIdentity]:
     """:func:`read_json`, and the version of the file it was read from (for
-    :func:`~flashnext.quant.checkpoint.inputs.check_unchanged` before an output made from it commits)."""
+    :func:`~flashnext.quant.records.inputs.check_unchanged` before an output made from it commits)."""
     path = Path(path)
     try:
         text, version = read_regular_version(path, what)
