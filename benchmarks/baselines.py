@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from flashnext.quant.quantizers.mse_rtn import GroupQuantized
+from flashnext.quant.quantizers.base import GroupQuantized
 
 
 def _groups(w: torch.Tensor, gs: int) -> torch.Tensor:

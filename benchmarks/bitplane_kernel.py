@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from flashnext.quant.formats.bitplane import codes_to_bitplane
-from flashnext.quant.kernels.bitplane_gemv import (bitplane_down_combine, bitplane_gate_up_silu,
-                                                   bitplane_gemv, GemvLaunch)
+from flashnext.quant.kernels.bitplane_gemv import bitplane_down_combine, bitplane_gate_up_silu, bitplane_gemv
+from flashnext.quant.kernels.configs import GemvConfig
 from flashnext.quant.formats.packing import pack_int32
 
 
@@ -154,7 +154,7 @@ def sweep() -> dict:
                 for warps in (4, 8):
                     for stages in (3,):
                         cfg = {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
-                        launch = GemvLaunch(**cfg, wide=size == "large")
+                        launch = GemvConfig(**cfg, wide=size == "large")
                         try:
                             timings.append((bench(lambda: bitplane_gemv(x, planes, scales, launch=launch)), cfg))
                         except Exception as e:  # a config the compiler refuses (resources)

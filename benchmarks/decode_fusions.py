@@ -36,8 +36,9 @@ import triton
 
 from flashnext.quant.formats.packing import pack_int32
 from flashnext.quant.kernels.decode_mma import int8_mma
-from flashnext.quant.kernels.hc_mix import hc_mix, reference_mix
-from flashnext.quant.kernels.moe_route import reference_route, route
+from flashnext.quant.kernels.hc_mix import hc_mix
+from flashnext.quant.kernels.moe_route import route
+from flashnext.quant.kernels.reference import reference_mix, reference_route
 
 HIDDEN, HC, LOWRANK = 2560, 4, 320
 ROWS = LOWRANK + HC + (-(LOWRANK + HC)) % 16

@@ -18,9 +18,10 @@ import torch
 import triton
 
 from flashnext.quant.formats.bitplane import codes_to_bitplane
-from flashnext.quant.kernels.bitplane_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
-from flashnext.quant.kernels.bitplane_gemv import bitplane_gemv
-from flashnext.quant.kernels.decode_mma import bitplane_mma, bitplane_step, launch_shape
+from flashnext.quant.kernels import configs
+from flashnext.quant.kernels._common import sm_count
+from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS, bitplane_gemv
+from flashnext.quant.kernels.decode_mma import bitplane_mma
 
 # The served INT6 matrices (N x K) of Qwen3.8-Flash-Next at hidden 2560 (manifests/qwen3.8-flash-next.json):
 # the shared expert's gate_up and down; the linear attention's in_proj_qkv (16 + 16 key heads and 48
@@ -111,7 +112,9 @@ def sweep(shapes, tokens) -> list[dict]:
             row = {"n": n, "k": k, "tokens": m,
                    "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2), "configs": []}
             for bn, warps, stages, split_scale in itertools.product((32, 64, 128), (4, 8), (3, 4, 5, 8), (1, 2)):
-                _, split = launch_shape(n, k, bitplane_step(k, 64), 6)
+                default = configs.config_for("bitplane_mma", n, k, x.device)
+                blocks = triton.cdiv(n, default.block_n)
+                split = default.splits(blocks, k // default.step(k, 64), sm_count(x.device))
                 split = max(1, min(k // 64, split * split_scale * 64 // bn))
                 try:
                     t = bench(lambda: bitplane_mma(x, planes, scales, block_n=bn, split_k=split, num_warps=warps,

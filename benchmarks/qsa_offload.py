@@ -18,7 +18,9 @@ import statistics
 
 import torch
 
+from flashnext.quant.kernels import configs, reference
 from flashnext.quant.kernels import qsa_row_cache as rc
+from flashnext.quant.kernels.configs import AttentionConfig
 from flashnext.serving.hooks.host_pool import uva_view
 
 Q_HEADS, KV_HEADS, HEAD_DIM, TOPK, BLOCK_SIZE = 24, 2, 256, 2048, 12144
@@ -95,7 +97,7 @@ def eager_timed(fn, steps) -> float:
     return statistics.median(times[len(times) // 5:])
 
 
-def run(context: int, rows: int, overlap: float, history: float, steps: int, config: rc.LaunchConfig) -> dict:
+def run(context: int, rows: int, overlap: float, history: float, steps: int, config: AttentionConfig) -> dict:
     blocks = -(-context // BLOCK_SIZE)
     g = torch.Generator().manual_seed(context)
     pinned = torch.randn(blocks, BLOCK_SIZE, KV_HEADS, 2 * HEAD_DIM, generator=g).to(torch.bfloat16).pin_memory()
@@ -135,7 +137,7 @@ def run(context: int, rows: int, overlap: float, history: float, steps: int, con
     cache.invalidate_all()
     rates = []
     for indices in warm_steps:
-        slots = rc.reference_slots(indices, table, token_to_req, blocks, BLOCK_SIZE).reshape(-1)
+        slots = reference.reference_slots(indices, table, token_to_req, blocks, BLOCK_SIZE).reshape(-1)
         valid = slots[slots >= 0]
         rates.append(float((cache.tags[0][valid % cache.sets] == valid).float().mean()))
         cache.attend(0, q, host, indices, table, token_to_req, gate, config=config)
@@ -162,7 +164,7 @@ def staged_prefill(context: int, rows: int) -> dict:
     indices = torch.stack([torch.cat([torch.randperm(context)[:TOPK], torch.tensor([TOPK])]) for _ in range(rows)])
     indices = indices.int().cuda()
     cache = rc.RowCache(4, 4, BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
-    config = rc.LaunchConfig(splits=1)
+    config = AttentionConfig(splits=1)
     staged = lambda _: cache.staged(q, host, indices, table, token_to_req, seq_lens, gate, config=config)
     direct = lambda _: rc.host_attention(q, vram, indices, table, token_to_req, gate, config=config)
     for fn in (staged, direct):
@@ -182,12 +184,12 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="also time one staged-prefill chunk")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--splits", type=int, nargs="+", default=[64])
-    parser.add_argument("--block", type=int, default=rc.BLOCK_N)
+    parser.add_argument("--block", type=int, default=configs.default_config("qsa_attention").block)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results = []
     for splits in args.splits:
-        config = rc.LaunchConfig(block=args.block, splits=splits)
+        config = AttentionConfig(block=args.block, splits=splits)
         for context in args.contexts:
             for rows in args.rows:
                 results.append(run(context, rows, args.overlap, args.history, args.steps, config))

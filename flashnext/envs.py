@@ -1,7 +1,8 @@
 """Every environment variable flashnext reads, declared in one place.
 
 The serving patches read the same names (they call into this library), so each switch here turns
-a feature off both in the toolkit and in the patched vLLM.
+a feature off both in the toolkit and in the patched vLLM. Declaring a variable registers it
+(``DECLARED``), so that no list of them is kept by hand; its ``kind`` says whose it is.
 """
 
 from __future__ import annotations
@@ -9,12 +10,30 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# What a variable is: read by the patched vLLM through the hooks (a patch's switch or setting,
+# which the serving profiles and the selftest may set), read by flashnext's own commands, or owned
+# by another program and only read here.
+SERVING = "serving"
+FLASHNEXT = "flashnext"
+THIRD_PARTY_READ = "third-party"
+KINDS = (SERVING, FLASHNEXT, THIRD_PARTY_READ)
+
+_declared: list[EnvVar] = []
+
 
 @dataclass(frozen=True)
 class EnvVar:
     name: str
     default: str
     help: str
+    kind: str = SERVING
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if any(v.name == self.name for v in _declared):
+            raise ValueError(f"{self.name} is declared twice")
+        _declared.append(self)
 
     def get(self) -> str:
         return os.environ.get(self.name, self.default)
@@ -33,14 +52,20 @@ def is_on(value: str) -> bool:
 
 FLASHNEXT_DEBUG = EnvVar(
     "FLASHNEXT_DEBUG", "0",
-    "1: a command that fails on something unexpected prints the Python traceback, not one line.")
+    "1: a command that fails on something unexpected prints the Python traceback, not one line.", FLASHNEXT)
 # Read by flashnext but owned by others: declared here so that no module reads os.environ itself.
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
-    "Triton's: 1 runs kernels through its interpreter on the CPU (what the CPU tests and selftest do).")
+    "Triton's: 1 runs kernels through its interpreter on the CPU (what the CPU tests and selftest do).",
+    THIRD_PARTY_READ)
 XDG_CACHE_HOME = EnvVar(
     "XDG_CACHE_HOME", "",
-    "The XDG base directory for caches; `serve` keeps each profile's state under it (default ~/.cache).")
+    "The XDG base directory for caches; `serve` keeps each profile's state under it (default ~/.cache).",
+    THIRD_PARTY_READ)
+CUDA_VISIBLE_DEVICES = EnvVar(
+    "CUDA_VISIBLE_DEVICES", "",
+    "CUDA's: the GPUs a process sees; the patch probes' interpreter inherits it (none when unset).",
+    THIRD_PARTY_READ)
 VLLM_PLE_PREFETCH = EnvVar(
     "VLLM_PLE_PREFETCH", "1",
     "Patch ttft-01: 0 turns off the prompt prefetcher (each admitted prompt's PLE pages, advised ahead).")
@@ -115,10 +140,9 @@ VLLM_HOST_POOL_LOCK = EnvVar(
     "VLLM_HOST_POOL_LOCK", "/tmp/flashnext-host-pool.lock",
     "The lock file that serialises the free-RAM check and pinning across pipeline ranks.")
 
-ALL = (VLLM_PLE_PREFETCH, VLLM_PLE_DECODE_ADVICE, VLLM_PLE_MMAP_PATH, VLLM_QSA_KV_OFFLOAD, VLLM_QSA_ROW_CACHE, VLLM_QSA_INDEXER_OWN_SCHEME, VLLM_INT8_MODULES,
-       VLLM_HC_FUSED_DECODE, VLLM_MOE_FUSED_DECODE, VLLM_INT6_BITPLANE, VLLM_VIT_STREAM, VLLM_MTP_DRAFTS_PER_REQUEST,
-       VLLM_MTP_PP, VLLM_MTP_SLIM_DRAFT,
-       VLLM_PP_PLE, VLLM_PP_DEFER_RECV, VLLM_PP_MISSING_LAYERS, VLLM_EXACT_HOST_POOL, VLLM_HOST_POOL_LOCK)
+DECLARED: tuple[EnvVar, ...] = tuple(_declared)
+# What the patched vLLM reads: the patches' switches and their settings.
+ALL: tuple[EnvVar, ...] = tuple(v for v in DECLARED if v.kind == SERVING)
 
 # Variables that serving profiles set and that neither vLLM (vllm.envs) nor the patch series reads,
 # with the library that does.

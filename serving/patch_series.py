@@ -1,16 +1,15 @@
-"""The vLLM patch series: ``serving/patches/series.json`` and its zero-fuzz check.
+"""The vLLM patch series' mechanics: its zero-fuzz check, the probes, and its application in place.
 
-Each patch is a unified diff against vllm==0.33.0 with, in the series file, its order, id, what it
-fixes and the seed's measured effect, the env switch that turns it off, the files it touches, the
-library hook it calls, a probe that proves it applied, and its upstream status.
+What each patch is (its diff, switch, hooks, probe, touched files) is in the registry,
+``serving/patches/series.py``; this module only applies and checks what that registry lists.
 
 ``check`` never touches the installed package. It builds a shadow tree: every entry of the
 installed ``vllm`` is symlinked except along the touched paths, where directories are recreated
 and the touched files copied. It applies the series there with ``patch --fuzz=0`` (the first
 refused hunk is named), byte-compiles every touched file, and runs every probe in one fresh
 interpreter that imports the patched tree (it first makes sure ``vllm`` comes from the shadow
-tree; each probe runs in its own namespace and is reported by its patch's id). ``--vllm`` may also
-name another vllm directory or a vllm wheel.
+tree; each probe is a function of ``serving/patches/probes.py`` and is reported by its patch's id).
+``--vllm`` may also name another vllm directory or a vllm wheel.
 
 ``apply`` changes the serving image's vllm in place, all or nothing: the touched files are patched
 and compiled in a stage beside it and swapped in only once the whole series applied; their
@@ -21,6 +20,7 @@ byte for byte and a rerun finishes a swap that was killed halfway, or says the t
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import py_compile
@@ -34,111 +34,31 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
+from flashnext import envs
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import confined, fsync_dir, output_lock, read_output_marker, write_marker
 from flashnext.quant.records.inputs import open_regular, read_regular_bytes
-from flashnext.quant.records.jsonfile import parse_json, read_json
-
-PATCH_DIR = Path(__file__).resolve().parent / "patches"
-SERIES_FILE = PATCH_DIR / "series.json"
-_FIELDS = ("order", "id", "file", "fixes", "details", "seed_effect", "env_switch", "touches", "hook", "probe",
-           "upstream", "test", "coverage")
-# What the tests of a patch run as vLLM's own code, what ran on a GPU, what a stand-in replaces and
-# why, and what a real serve meets that no test drives: the README's second table.
-COVERAGE_FIELDS = ("vllm_cpu", "gpu", "stand_in", "gap")
-README_FILE = PATCH_DIR / "README.md"
-TABLE_BEGIN = "<!-- the table is generated from series.json: flashnext patches readme --write -->"
-TABLE_END = "<!-- end of the generated table -->"
+from flashnext.quant.records.jsonfile import parse_json
+from flashnext.serving.patches.series import PATCH_DIR, SERIES, Patch
 
 
-@dataclass(frozen=True)
-class Patch:
-    order: int
-    id: str
-    file: str
-    fixes: str  # one sentence, for `patches list`
-    details: str  # the README's account
-    seed_effect: str
-    env_switch: str
-    touches: tuple[str, ...]
-    hook: str
-    probe: str
-    upstream: str
-    test: str
-    coverage: dict[str, str]
-
-    @property
-    def path(self) -> Path:
-        return PATCH_DIR / self.file
-
-
-def load_series(series_file: Path = SERIES_FILE) -> list[Patch]:
-    entries = read_json(series_file, "the patch series").get("patches")
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise FlashnextError(f"{series_file}: patches must be a list of objects")
-    patches = []
-    for entry in entries:
-        unknown, missing = set(entry) - set(_FIELDS), set(_FIELDS) - set(entry)
-        if unknown or missing:
-            raise FlashnextError(f"{series_file}: patch {entry.get('id')}: unknown {sorted(unknown)}, missing {sorted(missing)}")
-        coverage = entry["coverage"]
-        if (type(entry["order"]) is not int or not isinstance(entry["touches"], list)
-                or not isinstance(coverage, dict) or sorted(coverage) != sorted(COVERAGE_FIELDS)
-                or not all(isinstance(v, str) and v.strip() for v in coverage.values())
-                or not all(isinstance(entry[k], str) for k in _FIELDS if k not in ("order", "touches", "coverage"))
-                or not all(isinstance(t, str) for t in entry["touches"])):
-            raise FlashnextError(f"{series_file}: patch {entry.get('id')!r}: order must be an integer, touches a "
-                                 f"list of strings, coverage an object of {', '.join(COVERAGE_FIELDS)} (text) "
-                                 "and every other field a string")
-        confined(PATCH_DIR, entry["file"], str(series_file))
-        patches.append(Patch(**{**entry, "touches": tuple(entry["touches"])}))
-    patches.sort(key=lambda p: p.order)
+def load_series(patches: Sequence[Patch] = SERIES) -> list[Patch]:
+    """``patches`` in order, each checked against its diff: the file is in the series' folder and
+    the files the diff touches are the ones its entry names."""
+    patches = sorted(patches, key=lambda p: p.order)
     for p in patches:
+        confined(PATCH_DIR, p.file, "the patch series")
+        # the probe interpreter finds a probe by its module and name, so it must be found there
+        if getattr(importlib.import_module(p.probe.__module__), p.probe.__name__, None) is not p.probe:
+            raise FlashnextError(f"{p.id}: its probe {p.probe.__qualname__} is not a function of a module")
         diff = read_regular_bytes(p.path, "a patch of the series").decode("utf-8", "replace")
         touched = {line.split()[1][2:] for line in diff.splitlines()
                    if line.startswith("+++ ") and len(line.split()) > 1}
         if touched != set(p.touches):
             raise FlashnextError(f"{p.id}: the series says it touches {sorted(p.touches)}, the diff touches {sorted(touched)}")
     return patches
-
-
-def readme_table(patches: list[Patch]) -> str:
-    """The patches README's table, one row a patch, from the series."""
-    rows = ["| order | id | fixes | seed 000's measured effect | off switch | test |", "|---|---|---|---|---|---|"]
-    for p in patches:
-        cells = [str(p.order), p.id, p.details, p.seed_effect, f"`{p.env_switch}`", p.test]
-        rows.append("| " + " | ".join(cell.replace("\n", " ") for cell in cells) + " |")
-    return "\n".join(rows)
-
-
-def coverage_table(patches: list[Patch]) -> str:
-    """The patches README's second table: what each patch's tests really drive."""
-    rows = ["| id | vLLM's own code, run on the CPU | on a GPU | stand-ins, and why | what no test drives |",
-            "|---|---|---|---|---|"]
-    for p in patches:
-        cells = [p.id, *(p.coverage[k] for k in COVERAGE_FIELDS)]
-        rows.append("| " + " | ".join(cell.replace("\n", " ").replace("|", "\\|") for cell in cells) + " |")
-    return "\n".join(rows)
-
-
-COVERAGE_BEGIN = "<!-- the coverage table is generated from series.json: flashnext patches readme --write -->"
-
-
-def _replace_between(text: str, begin: str, body: str) -> str:
-    head, sep, rest = text.partition(begin + "\n")
-    _, sep2, tail = rest.partition(TABLE_END)
-    if not sep or not sep2:
-        raise FlashnextError(f"{README_FILE}: the markers of a generated table are missing ({begin})")
-    return head + begin + "\n" + body + "\n" + TABLE_END + tail
-
-
-def readme_with_table(readme: str, patches: list[Patch]) -> str:
-    """``readme`` with the text between each table's markers replaced by :func:`readme_table` and
-    :func:`coverage_table`."""
-    readme = _replace_between(readme, TABLE_BEGIN, readme_table(patches))
-    return _replace_between(readme, COVERAGE_BEGIN, coverage_table(patches))
 
 
 def installed_vllm_root() -> Path:
@@ -185,10 +105,10 @@ def _apply(patch: Patch, root: Path) -> None:
                              f"{failed[0] if failed else (out.stdout + out.stderr).strip().splitlines()[-1]}")
 
 
-def patched_tree(dest: Path, series_file: Path = SERIES_FILE) -> Path:
+def patched_tree(dest: Path, series: Sequence[Patch] = SERIES) -> Path:
     """The installed vLLM with the whole series applied, as a shadow tree at ``dest`` (put it first
     on PYTHONPATH). The installed package is not touched."""
-    patches = load_series(series_file)
+    patches = load_series(series)
     _shadow_tree(installed_vllm_root(), {t for p in patches for t in p.touches}, Path(dest))
     for p in patches:
         _apply(p, Path(dest))
@@ -359,7 +279,7 @@ def _already_patched_hint(error: FlashnextError, target: Path) -> FlashnextError
     return error
 
 
-def apply_series(target_root: Path, series_file: Path = SERIES_FILE) -> SeriesApplied:
+def apply_series(target_root: Path, series: Sequence[Patch] = SERIES) -> SeriesApplied:
     """Apply the series to the vllm under ``target_root`` (the serving image's site-packages), all
     or nothing: the touched files are patched and byte-compiled in a stage beside it, and swapped in
     only when every patch applied with zero fuzz and every file compiled. Their originals and
@@ -367,7 +287,7 @@ def apply_series(target_root: Path, series_file: Path = SERIES_FILE) -> SeriesAp
     rerun after an interrupted swap finishes it; a rerun on a patched tree says so. Run
     ``check_series`` first."""
     target = _target(target_root)
-    patches = load_series(series_file)
+    patches = load_series(series)
     touched = sorted({t for p in patches for t in p.touches})
     digest = series_sha256(patches)
     with output_lock(target / RECORD_DIR):
@@ -510,12 +430,12 @@ def _extract_wheel(wheel: Path, dest: Path) -> None:
             raise FlashnextError(f"--vllm {wheel}: not a vllm wheel or directory (not a readable zip: {e})") from None
 
 
-def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE,
+def check_series(vllm: Path | None = None, series: Sequence[Patch] = SERIES,
                  progress: Callable[[str], None] = lambda line: None) -> list[dict]:
     """Apply the series to a shadow copy of ``vllm`` (installed, a directory, or a wheel), compile
     and probe it. Returns one result per patch; a drifted hunk raises with its name. ``progress``
     gets one line per step as it happens (the probes take minutes: vLLM is imported once for all)."""
-    patches = load_series(series_file)
+    patches = load_series(series)
     with tempfile.TemporaryDirectory(prefix="flashnext-patches-") as tmp:
         tmp = Path(tmp)
         if vllm is not None and not Path(vllm).is_dir():
@@ -548,21 +468,22 @@ def check_series(vllm: Path | None = None, series_file: Path = SERIES_FILE,
         return results
 
 
-def probe_tree(root: Path | None = None, series_file: Path = SERIES_FILE) -> dict[str, str]:
+def probe_tree(root: Path | None = None, series: Sequence[Patch] = SERIES) -> dict[str, str]:
     """Every probe of the series against the vLLM under ``root`` (default: the installed one, as the
     serving image has it patched at build): the failed ones, by id, in series order. The same runner
     as ``check_series``'s, so the selftest and the check cannot disagree on what a probe means."""
-    patches = load_series(series_file)
+    patches = load_series(series)
     root = Path(root) if root is not None else installed_vllm_root()
     with tempfile.TemporaryDirectory(prefix="flashnext-probes-") as tmp:
         return _run_probes(patches, root.resolve(), Path(tmp))
 
 
 # Runs in the interpreter that imports the shadow tree: argv is the tree, a JSON file of
-# [[id, probe, touched files]], and the file it appends one JSON line to per event. Probes
-# share the interpreter (one vLLM import instead of one per patch) but not their namespaces.
+# [[id, probe module, probe function, touched files]], and the file it appends one JSON line to per
+# event. Probes share the interpreter (one vLLM import instead of one per patch), each in its own
+# function's namespace.
 _PROBE_RUNNER = r'''
-import importlib, json, linecache, os, sys, traceback
+import importlib, json, os, sys, traceback
 root, probes_file, events_file = sys.argv[1:4]
 events = open(events_file, "a")
 
@@ -570,9 +491,10 @@ def event(**fields):
     events.write(json.dumps(fields) + "\n")
     events.flush()
 
-def last_error_line(exc):
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith("<probe ")]
-    where = f" (probe line {frames[-1].lineno}: {frames[-1].line})" if frames and frames[-1].line else ""
+def last_error_line(exc, probe_file=None):
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == probe_file]
+    where = (f" ({os.path.basename(probe_file)} line {frames[-1].lineno}: {frames[-1].line})"
+             if frames and frames[-1].line else "")
     return traceback.format_exception_only(type(exc), exc)[-1].strip() + where
 
 try:
@@ -583,18 +505,19 @@ try:
 except BaseException as exc:
     event(fatal=last_error_line(exc))
     sys.exit(1)
-for patch_id, probe, touched in json.load(open(probes_file)):
+for patch_id, module_name, function_name, touched in json.load(open(probes_file)):
     event(start=patch_id)
-    filename = f"<probe {patch_id}>"
-    linecache.cache[filename] = (len(probe), None, probe.splitlines(True), filename)
+    probe_file = None
     try:
-        exec(compile(probe, filename, "exec"), {"__name__": "__probe__"})
+        module = importlib.import_module(module_name)
+        probe_file = module.__file__
+        getattr(module, function_name)()
         for rel in touched:  # a touched module the probe imported must be the tree's patched copy
-            module = sys.modules.get(rel[:-len(".py")].replace("/", ".").removesuffix(".__init__"))
-            if module is not None and os.path.abspath(module.__file__) != os.path.join(root, rel):
-                raise ImportError(f"{module.__name__} was imported from {module.__file__}, not the shadow tree")
+            imported = sys.modules.get(rel[:-len(".py")].replace("/", ".").removesuffix(".__init__"))
+            if imported is not None and os.path.abspath(imported.__file__) != os.path.join(root, rel):
+                raise ImportError(f"{imported.__name__} was imported from {imported.__file__}, not the shadow tree")
     except BaseException as exc:
-        event(id=patch_id, error=last_error_line(exc))
+        event(id=patch_id, error=last_error_line(exc, probe_file))
     else:
         event(id=patch_id, error=None)
 '''
@@ -604,7 +527,7 @@ def _probe_env(root: Path) -> dict[str, str]:
     """The probe interpreter's environment: the shadow tree first on its path, no GPU unless one is
     visible here, no bytecode written next to the tree's symlinked sources."""
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *sys.path[1:]]), PYTHONDONTWRITEBYTECODE="1",
-                CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+                CUDA_VISIBLE_DEVICES=envs.CUDA_VISIBLE_DEVICES.get())
 
 
 PROBE_TIMEOUT_S = 600
@@ -626,7 +549,7 @@ def _run_probes(patches: list[Patch], root: Path, tmp: Path,
     """Every patch's probe in one interpreter that imports ``root``; the failed ones, by id, with
     their last error line (in series order). ``progress`` hears of each probe as it finishes."""
     probes_file, events_file = tmp / "probes.json", tmp / "probe-events.jsonl"
-    probes_file.write_text(json.dumps([[p.id, p.probe, list(p.touches)] for p in patches]))
+    probes_file.write_text(json.dumps([[p.id, p.probe.__module__, p.probe.__name__, list(p.touches)] for p in patches]))
     events_file.write_text("")
     seen = 0
     # stderr to a file, not a pipe: nothing reads a pipe while the events are followed

@@ -81,10 +81,16 @@ def check_gpus(profile: Profile, devices: list[GpuInfo]) -> Finding:
         return Finding("gpus", False, f"{len(devices)} GPU(s) visible, the profile needs {profile.gpus}",
                        "expose the GPUs to this process (drivers installed, CUDA_VISIBLE_DEVICES, "
                        f"compose `deploy.resources.reservations.devices: count: {profile.gpus}`)", Exit.GPU)
-    args = profile.vllm_args
-    util = float(args[args.index("--gpu-memory-utilization") + 1]) if "--gpu-memory-utilization" in args else 0.9
-    busy = [d for d in devices[:profile.gpus] if d.free_bytes < util * d.total_bytes]
+    from flashnext.errors import FlashnextError
+    from flashnext.serving.capacity import gpu_memory_utilization
+
     models = ", ".join(sorted({d.name for d in devices[:profile.gpus]}))
+    try:
+        util = gpu_memory_utilization(profile)
+    except FlashnextError as e:  # no vLLM here to read the profile with: the count is all that is known
+        return Finding("gpus", False, f"{profile.gpus} x {models}; free VRAM not checked ({e})",
+                       "install vLLM beside flashnext to check it here", Exit.GPU, blocking=False)
+    busy = [d for d in devices[:profile.gpus] if d.free_bytes < util * d.total_bytes]
     if busy:
         d = busy[0]
         return Finding("gpus", False,
@@ -139,7 +145,6 @@ def check_cgroup(memory_max: Path = CGROUP_MEMORY_MAX, meminfo: Path = MEMINFO) 
     return Finding("cgroup", True, f"cgroup memory.max {format_size(limit)} of {format_size(total)}")
 
 
-HOST_RAM_HEADROOM = 4 * 2**30  # the engine's own processes, CUDA contexts and the PLE prefetcher's buffers
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelEmbedding pads its rows to it
 BF16_BYTES = 2  # the release's PLE rows and its INT8 embedding's group scales are bf16
 
@@ -151,24 +156,6 @@ class PinnedTerm:
     name: str
     bytes: int  # as allocated: power-of-two rounded when PyTorch's allocator takes it
     why: str
-
-
-def _flag_value(profile: Profile, flag: str) -> str | None:
-    args = profile.vllm_args
-    return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
-
-
-def _json_flag(profile: Profile, flag: str) -> dict:
-    import json
-
-    value = _flag_value(profile, flag)
-    return json.loads(value) if value else {}
-
-
-def _allocated(nbytes: int, exact_pool: bool) -> int:
-    from flashnext.serving.capacity import next_power_of_two
-
-    return nbytes if exact_pool else next_power_of_two(nbytes)
 
 
 def _text_config(model: Path | None) -> tuple[dict, str]:
@@ -226,29 +213,27 @@ def draft_embedding_bytes(model: Path | None) -> int:
     return total
 
 
-def pinned_host_terms(profile: Profile, plan, model: Path | None, ple_table: Path | None) -> list[PinnedTerm]:
-    """Every host allocation the patched engine pins for ``profile``, each as it is allocated."""
-    from flashnext import envs
+def pinned_host_terms(shape, plan, model: Path | None, ple_table: Path | None) -> list[PinnedTerm]:
+    """Every host allocation the patched engine pins for a profile served as ``shape`` (a
+    :class:`~flashnext.serving.capacity.ServingShape`) with ``plan``, each as it is allocated; the
+    model facts are ``model``'s, as ``plan`` is (None: the pinned base checkpoint)."""
+    from flashnext.serving import capacity
 
-    exact = envs.VLLM_EXACT_HOST_POOL.enabled_in(profile.env)
+    exact = shape.exact_host_pool
     terms = [PinnedTerm("QSA K/V", plan.pinned_host_bytes_needed,
                         f"{sum(plan.qsa_layers_per_rank)} layers x {plan.blocks} blocks (flashnext plan)")]
-    text, _ = _text_config(model)
-    file_backed = ple_table is not None or bool(profile.env.get(envs.VLLM_PLE_MMAP_PATH.name, "").strip())
-    if text.get("ple_layer_ids") and not file_backed and _json_flag(profile, "--engram-config").get("cpu_offload", True):
-        terms.append(PinnedTerm("PLE table", _allocated(ple_table_bytes(model), exact),
+    text = capacity.load_text_config(model)
+    file_backed = ple_table is not None or shape.ple_table_file
+    if text.ple_layer_ids and not file_backed and shape.engram_cpu_offload:
+        terms.append(PinnedTerm("PLE table", capacity.pinned_bytes(ple_table_bytes(model), exact),
                                 "no --ple-table: vLLM's engram cpu_offload pins it whole"))
-    spec = _json_flag(profile, "--speculative-config")
-    pp = int(_flag_value(profile, "--pipeline-parallel-size") or 1)
-    if spec.get("method") == "mtp" and pp > 1 and envs.VLLM_MTP_SLIM_DRAFT.enabled_in(profile.env):
-        terms.append(PinnedTerm("MTP draft embedding", _allocated(draft_embedding_bytes(model), exact),
+    if shape.speculative_method == "mtp" and shape.pipeline_parallel_size > 1 and shape.mtp_slim_draft:
+        terms.append(PinnedTerm("MTP draft embedding", capacity.pinned_bytes(draft_embedding_bytes(model), exact),
                                 "patch mtp-02 (VLLM_MTP_SLIM_DRAFT)"))
-    vision = getattr(plan, "vision", None)
+    vision = plan.vision
     if vision is not None and vision.streamed and vision.streamed_weight_bytes < vision.resident_weight_bytes:
-        from flashnext.serving import capacity
-
         tower = capacity.load_vision_config(model)
-        terms.append(PinnedTerm("ViT blocks", _allocated(tower.depth * tower.slot_bytes(), exact),
+        terms.append(PinnedTerm("ViT blocks", capacity.pinned_bytes(capacity.streamed_host_bytes(tower), exact),
                                 f"patch vit-stream: {tower.depth} blocks in one pinned row each"))
     return terms
 
@@ -261,32 +246,33 @@ def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path =
     from flashnext.serving import capacity
 
     try:
-        shape = capacity.ServingShape.from_profile(profile)
         plan = capacity.plan_profile(profile, model=model)
-        terms = pinned_host_terms(profile, plan, model, ple_table)
+        shape = capacity.ServingShape.from_profile(profile)
+        terms = pinned_host_terms(shape, plan, model, ple_table)
     except FlashnextError as e:
         return Finding("host-ram", False, f"no plan for this profile ({e})", "`flashnext plan --profile "
                        f"{profile.name}` says why", Exit.MEMORY, blocking=False)
     available = read_host_memory(meminfo, memory_max).allowance
+    headroom = capacity.HOST_HEADROOM
     need = sum(t.bytes for t in terms)
     rounding = "" if shape.exact_host_pool else (f" (PyTorch rounds each pool to a power of two: QSA K/V "
                                                  f"{format_size(plan.pinned_host_bytes)} exact)")
     listed = " + ".join(f"{t.name} {format_size(t.bytes)}" for t in terms)
-    detail = (f"pinned host memory: {listed} = {format_size(need)}{rounding} + {format_size(HOST_RAM_HEADROOM)} headroom; "
+    detail = (f"pinned host memory: {listed} = {format_size(need)}{rounding} + {format_size(headroom)} headroom; "
               f"{format_size(available)} available")
     finding = Finding("host-ram", True, detail)
     finding.terms = {t.name: t.bytes for t in terms}
-    if need + HOST_RAM_HEADROOM <= available:
+    if need + headroom <= available:
         return finding
     finding.ok, finding.exit = False, Exit.MEMORY
     others = need - plan.pinned_host_bytes_needed
     table = next((t for t in terms if t.name == "PLE table"), None)
     per_block = plan.pinned_host_bytes_needed / plan.blocks
-    fits = max(int((available - HOST_RAM_HEADROOM - others) // per_block), 0) if shape.exact_host_pool else 0
-    if table is not None and need - table.bytes + HOST_RAM_HEADROOM <= available:
+    fits = max(int((available - headroom - others) // per_block), 0) if shape.exact_host_pool else 0
+    if table is not None and need - table.bytes + headroom <= available:
         finding.fix = ("serve the PLE table from a file instead of pinning it: `--ple-table FILE`, made with "
                        f"`flashnext ple build --src {model or 'SNAPSHOT'} --out FILE`")
-    elif not shape.exact_host_pool and plan.pinned_host_bytes + others + HOST_RAM_HEADROOM <= available:
+    elif not shape.exact_host_pool and plan.pinned_host_bytes + others + headroom <= available:
         finding.fix = "turn the exact-size pool back on: environment `VLLM_EXACT_HOST_POOL: \"1\"`"
     elif fits and table is None:
         finding.fix = (f"lower --kv-cache-memory-bytes to {fits * max(plan.bytes_per_block):,} ({fits} blocks; "
@@ -393,9 +379,15 @@ def check_overlays(model: Path, overlays: list[Path]) -> Finding:
     return Finding("overlay", True, f"{len(overlays)} overlay(s) match the snapshot" if overlays else "no overlays")
 
 
+def image_built(engine: str, image: str) -> bool:
+    """Whether ``engine`` (the docker or podman program) has ``image``; FileNotFoundError where
+    the program is missing. ``serve`` asks the same before it decides to build."""
+    return subprocess.run([engine, "image", "inspect", image], capture_output=True).returncode == 0
+
+
 def check_image(engine: str, image: str) -> Finding:
     try:
-        found = subprocess.run([engine, "image", "inspect", image], capture_output=True).returncode == 0
+        found = image_built(engine, image)
     except FileNotFoundError:
         return Finding("image", False, f"{engine} is not installed", f"install {engine}, or `serve --engine native`",
                        Exit.IMAGE)
@@ -412,9 +404,9 @@ def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_ta
 
     findings = [check_gpus(profile, nvml_devices() if devices is None else devices),
                 check_memlock(profile), check_shm(profile), check_cgroup(), check_process_madvise()]
-    from flashnext.serving.capacity import PLANNED_FAMILIES
+    from flashnext.serving.capacity import FAMILIES
 
-    if profile.model_family in PLANNED_FAMILIES:
+    if profile.model_family in FAMILIES:
         findings.insert(1, check_host_ram(profile, model=model, ple_table=ple_table))
     if ple_table is not None:
         findings.append(check_ple_table(ple_table, model))

@@ -80,10 +80,15 @@ def compose_command(compose: list[str], compose_file: Path, *args: str) -> list[
 def image_present(compose: list[str], image: str) -> bool:
     """Whether the engine behind ``compose`` has ``image``; False too where its CLI is missing (a
     standalone docker-compose), so that Compose's own build runs: it reuses what is cached."""
+    from flashnext.serving.preflight import image_built
+
     program = compose[0] if len(compose) > 1 else shutil.which(compose_engine(compose))
     if program is None:
         return False
-    return subprocess.run([program, "image", "inspect", image], capture_output=True).returncode == 0
+    try:
+        return image_built(program, image)
+    except FileNotFoundError:
+        return False
 
 
 def start_compose(compose: list[str], profile: str, text: str, build: bool) -> Path:
@@ -120,6 +125,21 @@ def start_compose(compose: list[str], profile: str, text: str, build: bool) -> P
         remove_empty(created)
         raise
     return state
+
+
+def serve_compose(compose: list[str], profile, model: Path, compose_text: str, url: str, image: str,
+                  say=None, progress=None) -> dict:
+    """Run ``profile`` through ``compose`` (from :func:`find_compose`) with the Compose file
+    ``compose_text``: build ``image`` where the engine lacks it, print the plan's line for ``model``,
+    start the project and wait until ``url`` serves. ``say`` takes the lines for the user,
+    ``progress`` the waiting line; returns the models listing."""
+    build = not image_present(compose, image)
+    if build and say:
+        say(f"building {image} (vLLM 0.33.0 with the patch series) ...")
+    if say and (line := summary_line(profile, model)):
+        say(line)
+    start_compose(compose, profile.name, compose_text, build)
+    return wait_ready(url, profile.healthcheck.start_period_s, progress)
 
 
 def recorded_compose_file(profile: str) -> Path:
@@ -172,14 +192,15 @@ def require_ple_table(profile, model: Path | None, ple_table: Path | None) -> No
             f"`flashnext ple build --src {src} --out FILE`")
 
 
-def summary_line(profile) -> str | None:
-    """One line of the plan for `serve` to print before starting; None when it cannot plan here."""
+def summary_line(profile, model: Path | None = None) -> str | None:
+    """One line of the plan for `serve` to print before starting, for ``model`` as the preflight
+    plans it (None: the pinned base checkpoint); None when it cannot plan here."""
     from flashnext.serving import capacity
 
-    if profile.model_family not in capacity.PLANNED_FAMILIES:
+    if profile.model_family not in capacity.FAMILIES:
         return None
     try:
-        p = capacity.plan_profile(profile)
+        p = capacity.plan_profile(profile, model=model)
     except FlashnextError:
         return None
     return (f"plan: {p.blocks} blocks per rank, {p.blocks_per_request} per {p.max_model_len:,}-token request: "

@@ -22,14 +22,23 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 
 
+def package_folder(package: str) -> Path:
+    """The folder setuptools builds ``package`` from: its nearest mapped ancestor in ``package-dir``
+    plus the remaining parts of the name."""
+    mapped = SETUPTOOLS["package-dir"]
+    parts = package.split(".")
+    for cut in range(len(parts), 0, -1):
+        head = ".".join(parts[:cut])
+        if head in mapped:
+            return ROOT / mapped[head] / Path(*parts[cut:]) if cut < len(parts) else ROOT / mapped[head]
+    return ROOT / Path(*parts)
+
+
 def source_files() -> dict[str, Path]:
     """Every file the wheel must carry, by its path inside the wheel."""
     wanted = {}
     for package in SETUPTOOLS["packages"]:
-        folder = ROOT / SETUPTOOLS["package-dir"].get(package, package.replace(".", "/"))
-        if package not in SETUPTOOLS["package-dir"]:
-            parent, _, leaf = package.rpartition(".")
-            folder = ROOT / SETUPTOOLS["package-dir"][parent] / leaf
+        folder = package_folder(package)
         inside = package.replace(".", "/")
         for path in folder.glob("*.py"):
             wanted[f"{inside}/{path.name}"] = path
@@ -44,9 +53,7 @@ def test_every_source_folder_is_a_package():
     mapped = {ROOT / d for d in SETUPTOOLS["package-dir"].values()}
     packaged = set()
     for package in SETUPTOOLS["packages"]:
-        parent, _, leaf = package.rpartition(".")
-        packaged.add(ROOT / SETUPTOOLS["package-dir"][package] if package in SETUPTOOLS["package-dir"]
-                     else ROOT / SETUPTOOLS["package-dir"][parent] / leaf)
+        packaged.add(package_folder(package))
     for top in mapped:
         for init in top.rglob("__init__.py"):
             assert init.parent in packaged, f"{init.parent} is not in [tool.setuptools] packages"
@@ -79,7 +86,8 @@ def test_wheel_contents(wheel):
     stray = sorted(n for n in names if n.startswith(("tests/", "benchmarks/", "docs/")))
     assert not stray, stray
     for required in ("flashnext/serving/hooks/ple_file.py", "flashnext/quant/kernels/bitplane_gemv.py",
-                     "flashnext/serving/patches/series.json", "flashnext/serving/profiles/3x3090.json",
+                     "flashnext/serving/patches/series.py", "flashnext/serving/patches/mtp-03.md",
+                     "flashnext/serving/profiles/3x3090.json",
                      "flashnext/manifests/overlay.schema.json", "flashnext/manifests/qwen3.8-flash-next.json",
                      "flashnext/serving/bench/runner.py", "flashnext/manifests/bench-report.schema.json"):
         assert required in names

@@ -48,11 +48,3 @@ def test_commands_do_not_import_each_other():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flashnext.tools"):
                 assert node.module == "flashnext.tools._common", f"{path.name} imports {node.module}"
-
-
-def test_the_readme_lists_the_patch_series_as_series_json_does():
-    """series.json is the one home of the series; the README's list of it must be the same, in order."""
-    series = [p["id"] for p in json.loads((ROOT / "serving" / "patches" / "series.json").read_text())["patches"]]
-    text = " ".join((ROOT / "README.md").read_text().split())
-    listed = text.split("`flashnext patches list | check | apply`", 1)[1].split("in order:", 1)[1].split(";", 1)[0]
-    assert re.split(r",\s*|\s+and\s+", listed.strip()) == series

@@ -1,4 +1,8 @@
-"""``flashnext bench URL``: measure a served endpoint, or A/B two, and write a report with plots."""
+"""``flashnext bench URL``: measure a served endpoint, or A/B two, and write a report with plots.
+
+The options that fill the run's settings, and the phase list of ``--help``, are made from the
+phase registry (``flashnext.serving.bench.phases``): each is spelled once, where its phase is.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from flashnext.serving.bench.phases import PHASES, setting_options
+from flashnext.serving.bench.phases.base import Choice, Floats, Int, Ints, Option, Seconds, Text
 from flashnext.tools._common import emit_json, json_option, user_errors
 
 
@@ -52,9 +58,28 @@ class _Seconds(click.FloatRange):
         return seconds
 
 
-def _phases(value: str) -> list[str]:
-    from flashnext.serving.bench import PHASES
+def _click_type(kind):
+    if isinstance(kind, Ints):
+        return _ListOf(int, kind.low, kind.high)
+    if isinstance(kind, Floats):
+        return _ListOf(float, kind.low, kind.high)
+    if isinstance(kind, Int):
+        return int if kind.low is None and kind.high is None else click.IntRange(kind.low, kind.high)
+    if isinstance(kind, Seconds):
+        return _Seconds()
+    if isinstance(kind, Choice):
+        return click.Choice(list(kind.choices))
+    if isinstance(kind, Text):
+        return str
+    raise TypeError(f"no click type for {kind!r}")
 
+
+def _click_option(o: Option):
+    return click.option(o.flag, o.setting, type=_click_type(o.kind), default=o.default, show_default=True,
+                        help=o.help)
+
+
+def _phases(value: str) -> list[str]:
     got = _items(value)
     unknown = [p for p in got if p not in PHASES]
     if unknown or not got:
@@ -62,87 +87,34 @@ def _phases(value: str) -> list[str]:
     return [p for p in PHASES if p in got]
 
 
-@click.command("bench")
-@click.argument("url")
-@click.option("--against", "against", default=None, metavar="URL",
-              help='A second endpoint ("against"), measured side by side with URL ("this run"), round by round.')
-@click.option("--baseline", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="A report.json of an earlier run (e.g. with a patch switch off) to A/B this run against.")
-@click.option("--allow-different-settings", is_flag=True,
-              help="Compare with a --baseline measured with other settings (the report lists them).")
-@click.option("--model", default=None, help="Served model name; default: the first of the server's /v1/models.")
-@click.option("--against-model", default=None, help="The --against server's model name, if not the same as --model.")
-@click.option("--out", type=click.Path(path_type=Path, file_okay=False), required=True,
-              help="Output directory: report.json, PNG plots, report.html.")
-@click.option("--force", is_flag=True, help="Replace --out if an earlier flashnext bench made it.")
-@click.option("--phases", default="latency,decode,needle,structured", show_default=True,
-              help="Which phases to run (comma-separated).")
-@click.option("--prompt-tokens", type=_ListOf(int, 1), default="512,4096,32768", show_default=True,
-              help="Prompt lengths for TTFT and ITL.")
-@click.option("--concurrency", type=_ListOf(int, 1, 1024), default="1,4", show_default=True,
-              help="Concurrent requests for TTFT and ITL.")
-@click.option("--decode-concurrency", type=_ListOf(int, 1, 1024), default="1,2,4", show_default=True,
-              help="Concurrent requests for decode tok/s.")
-@click.option("--decode-tokens", type=click.IntRange(2), default=400, show_default=True,
-              help="Tokens each decode request generates (ignore_eos where the server accepts it).")
-@click.option("--ttft-max-tokens", type=click.IntRange(1), default=16, show_default=True,
-              help="Tokens each TTFT request generates (its ITL samples).")
-@click.option("--warmup", type=click.IntRange(0), default=1, show_default=True, help="Warm-up rounds per point.")
-@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Measured rounds per point.")
-@click.option("--needle-tokens", type=_ListOf(int, 64), default="32768", show_default=True,
-              help="Haystack lengths for needle-in-a-haystack (e.g. 262144).")
-@click.option("--needle-depths", type=_ListOf(float, 0.0, 1.0), default="0.1,0.5,0.9", show_default=True,
-              help="Where the needle sits in the haystack (0 start, 1 end).")
-@click.option("--needle-concurrency", type=click.IntRange(1), default=4, show_default=True,
-              help="Needle requests in flight at once.")
-@click.option("--needle-max-tokens", type=click.IntRange(1), default=64, show_default=True,
-              help="Answer length for a needle (thinking models: raise it, or turn thinking off in --extra-body).")
-@click.option("--structured-requests", type=click.IntRange(1), default=8, show_default=True,
-              help="JSON-schema requests; every answer must validate.")
-@click.option("--structured-concurrency", type=click.IntRange(1), default=4, show_default=True,
-              help="JSON-schema requests in flight at once.")
-@click.option("--structured-max-tokens", type=click.IntRange(1), default=256, show_default=True,
-              help="Answer length for a JSON-schema request.")
-@click.option("--structured-format", type=click.Choice(["json_schema", "json_object"]), default="json_schema",
-              show_default=True, help="How to ask for the schema: OpenAI's json_schema (vLLM), or json_object "
-              "with a schema (llama.cpp's server).")
-@click.option("--top-logprobs", type=click.IntRange(0, 20), default=5, show_default=True,
-              help="Top-k logprobs per decode token, for A/B agreement and KL (0: none).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed and prompt seed.")
-@click.option("--request-timeout", type=_Seconds(), default=1800.0, show_default=True,
-              help="Seconds a request may take in all.")
-@click.option("--stall-timeout", type=_Seconds(), default=120.0, show_default=True,
-              help="Seconds a stream may stay silent before it counts as stalled.")
-@click.option("--extra-body", default="{}", show_default=True,
-              help='JSON merged into every request, e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\'.')
-@click.option("--fail-on-errors", is_flag=True,
-              help="Exit 1 when any request failed, an answer missed its needle or a structured answer is invalid.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr.")
-@json_option
-@user_errors
-def main(url, against, baseline, allow_different_settings, model, against_model, out, force, phases, prompt_tokens,
-         concurrency, decode_concurrency, decode_tokens, ttft_max_tokens, warmup, repeats, needle_tokens, needle_depths, needle_concurrency,
-         needle_max_tokens, structured_requests, structured_concurrency, structured_max_tokens, structured_format,
-         top_logprobs, seed, request_timeout, stall_timeout, extra_body, fail_on_errors, progress, as_json):
-    """Measure the OpenAI-compatible server at URL as seed 000 does, and write OUT/report.json,
-    PNG plots and one self-contained OUT/report.html.
+def _phase_lines() -> str:
+    lines = []
+    for p in PHASES.values():
+        first, *more = p.help.splitlines()
+        lines.append(f"  {p.name:<11} {first}")
+        lines += [f"{'':14}{line}" for line in more]
+    return "\n".join(lines)
 
-    \b
-    Phases (--phases):
-      latency     TTFT as the client sees it (cold: text nobody sent before; warm: fixed prompts after
-                  --warmup rounds) and ITL p50/p90/p99, per prompt length and concurrency
-      decode      tok/s with 1..N requests generating at once
-      needle      a pass key hidden in a haystack; the answer must name it
-      structured  JSON-schema answers under concurrency; every one must validate
-    A/B: --against URL2 runs both side by side, round by round; --baseline compares with a saved run
-    (for a patch switch: run with it on, restart with it off, run with --baseline). Both give
-    token agreement and, where the servers return logprobs, mean KL divergence.
 
-    \b
-    Example (the seed's figures on the 3x3090 rig):
-      flashnext bench http://127.0.0.1:8000 --out bench/run1 --decode-concurrency 1,2,4 \\
-          --needle-tokens 262144 --needle-depths 0.5 --needle-concurrency 4
-    """
+_HELP = """Measure the OpenAI-compatible server at URL as seed 000 does, and write OUT/report.json,
+PNG plots and one self-contained OUT/report.html.
+
+\b
+Phases (--phases):
+{phases}
+A/B: --against URL2 runs both side by side, round by round; --baseline compares with a saved run
+(for a patch switch: run with it on, restart with it off, run with --baseline). Both give
+token agreement and, where the servers return logprobs, mean KL divergence.
+
+\b
+Example (the seed's figures on the 3x3090 rig):
+  flashnext bench http://127.0.0.1:8000 --out bench/run1 --decode-concurrency 1,2,4 \\
+      --needle-tokens 262144 --needle-depths 0.5 --needle-concurrency 4
+"""
+
+
+def _run(url, against, baseline, allow_different_settings, model, against_model, out, force, fail_on_errors,
+         progress, as_json, **given):
     import importlib.util
 
     from flashnext.errors import FlashnextError, UsageError
@@ -155,7 +127,7 @@ def main(url, against, baseline, allow_different_settings, model, against_model,
     from flashnext.serving.bench.client import Malformed, parse_strict
 
     try:
-        extra = parse_strict(extra_body, "--extra-body")
+        extra = parse_strict(given["extra_body"], "--extra-body")
     except Malformed as e:
         raise FlashnextError(f"--extra-body is not JSON a request can carry ({str(e).removeprefix('--extra-body: ')})") from None
     if not isinstance(extra, dict):
@@ -163,15 +135,7 @@ def main(url, against, baseline, allow_different_settings, model, against_model,
     if against and baseline:
         raise UsageError("give --against or --baseline, not both")
     base = load_report(baseline) if baseline else None
-    settings = Settings(
-        prompt_tokens=prompt_tokens, concurrency=concurrency, decode_concurrency=decode_concurrency,
-        decode_tokens=decode_tokens, ttft_max_tokens=ttft_max_tokens, warmup=warmup, repeats=repeats,
-        needle_tokens=needle_tokens, needle_depths=needle_depths, needle_concurrency=needle_concurrency,
-        needle_max_tokens=needle_max_tokens, structured_requests=structured_requests,
-        structured_concurrency=structured_concurrency, structured_max_tokens=structured_max_tokens,
-        structured_format=structured_format, top_logprobs=top_logprobs, seed=seed,
-        request_timeout_s=request_timeout, stall_timeout_s=stall_timeout,
-        phases=_phases(phases), extra_body=extra)
+    settings = Settings(**(given | {"phases": _phases(given["phases"]), "extra_body": extra}))
     if against_model and not against:
         raise UsageError("--against-model needs --against URL")
     bench = Bench(settings, [url, against] if against else [url], models=[model, against_model or model],
@@ -202,6 +166,39 @@ def main(url, against, baseline, allow_different_settings, model, against_model,
         click.echo(f"wrote {out}/report.html ({', '.join(files)})")
     if fail_on_errors and problems:
         raise FlashnextError(f"{len(problems)} problem(s): {problems[0]}")
+
+
+def command() -> click.Command:
+    """``flashnext bench``, made from the phase registry as it is now (a test registers a phase and
+    makes the command again)."""
+    fn = user_errors(_run)
+    fn = json_option(fn)
+    for decorator in reversed([
+        click.argument("url"),
+        click.option("--against", "against", default=None, metavar="URL",
+                     help='A second endpoint ("against"), measured side by side with URL ("this run"), round by round.'),
+        click.option("--baseline", type=click.Path(path_type=Path, dir_okay=False), default=None,
+                     help="A report.json of an earlier run (e.g. with a patch switch off) to A/B this run against."),
+        click.option("--allow-different-settings", is_flag=True,
+                     help="Compare with a --baseline measured with other settings (the report lists them)."),
+        click.option("--model", default=None, help="Served model name; default: the first of the server's /v1/models."),
+        click.option("--against-model", default=None,
+                     help="The --against server's model name, if not the same as --model."),
+        click.option("--out", type=click.Path(path_type=Path, file_okay=False), required=True,
+                     help="Output directory: report.json, PNG plots, report.html."),
+        click.option("--force", is_flag=True, help="Replace --out if an earlier flashnext bench made it."),
+        *(_click_option(o) for o in setting_options()),
+        click.option("--fail-on-errors", is_flag=True,
+                     help="Exit 1 when any request failed, an answer missed its needle or a structured answer is "
+                          "invalid."),
+        click.option("--progress/--no-progress", default=True, show_default=True,
+                     help="Show a progress bar on stderr."),
+    ]):
+        fn = decorator(fn)
+    return click.command("bench", help=_HELP.format(phases=_phase_lines()))(fn)
+
+
+main = command()
 
 
 def _check_out(out: Path, force: bool) -> None:

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
 
+from flashnext.errors import FlashnextError
+from flashnext.quant.quantizers.base import SUPPORTED_GROUP_SIZES, available_quantizers
 from flashnext.sizes import format_size
 from flashnext.tools._common import CONTEXT_SETTINGS, emit_json, json_option, user_errors
+
+
+class RegisteredQuantizer(click.Choice):
+    """The quantizer registry's names as click choices, read when the command line is parsed (not
+    when this module is imported), so that a quantizer registered later can be chosen too."""
+
+    def __init__(self) -> None:
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(available_quantizers())
 
 
 @click.command("make-mtp-int4", context_settings=CONTEXT_SETTINGS)
@@ -15,13 +30,17 @@ from flashnext.tools._common import CONTEXT_SETTINGS, emit_json, json_option, us
               help="The downloaded snapshot (config.json, model.safetensors.index.json, shards). Never modified.")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="The overlay directory to create (built beside it, renamed into place at the end).")
-@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+@click.option("--group-size", type=click.Choice([str(g) for g in SUPPORTED_GROUP_SIZES]), default="128",
+              show_default=True,
               help="Weights per scale along the input dimension.")
 @click.option("--positive-scales", is_flag=True,
               help="Keep every scale positive (by default a scale may be negative so that code -8 "
                    "lands on the larger-magnitude side).")
+@click.option("--quantizer", type=RegisteredQuantizer(), default=None,
+              help="The registered quantizer (quant/quantizers/base.py): mse (the default), rtn "
+                   "(--no-scale-search), gptq (--rounding gptq, needs --calib), or one of your own.")
 @click.option("--scale-search/--no-scale-search", default=True, show_default=True,
-              help="MSE scale search; --no-scale-search is plain absmax RTN, for A/B comparisons.")
+              help="MSE scale search; --no-scale-search is plain absmax RTN (--quantizer rtn), for A/B comparisons.")
 @click.option("--calib", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Calibration activations: a safetensors file with hidden_states [tokens, hidden] at the MTP "
                    "MoE block's input. Each expert's scales then minimise the output error on the tokens its "
@@ -29,7 +48,7 @@ from flashnext.tools._common import CONTEXT_SETTINGS, emit_json, json_option, us
 @click.option("--calib-min-tokens", type=click.IntRange(1), default=32, show_default=True,
               help="An expert routed fewer calibration tokens is topped up with the all-token average.")
 @click.option("--rounding", type=click.Choice(["nearest", "gptq"]), default="nearest", show_default=True,
-              help="With --calib: gptq chooses each code against the expert's routed Gram matrix XᵀX "
+              help="With --calib: gptq (--quantizer gptq) chooses each code against the expert's routed Gram matrix XᵀX "
                    "(error feedback across columns) at the searched scales; nearest rounds each weight.")
 @click.option("--gptq-prior-tokens", type=click.IntRange(0), default=640, show_default=True,
               help="With --rounding gptq: add this many tokens' worth of the all-token Gram matrix to each "
@@ -44,11 +63,12 @@ from flashnext.tools._common import CONTEXT_SETTINGS, emit_json, json_option, us
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 @json_option
 @user_errors
-def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_search: bool, calib: Path | None,
+def main(src: Path, out: Path, group_size: str, quantizer: str | None, positive_scales: bool, scale_search: bool,
+         calib: Path | None,
          calib_min_tokens: int, rounding: str, gptq_prior_tokens: int, device: str,
          experts_per_batch: int | None, force: bool, report: Path | None, progress: bool,
          as_json: bool) -> None:
-    """Quantize the MTP routed experts of SRC to symmetric INT4 (MSE-searched scales) and write
+    """Quantize the MTP routed experts of SRC to symmetric INT4 (MSE-searched scales by default) and write
     an overlay OUT: the rewritten shard(s), index, config.json and overlay.json.
 
     \b
@@ -56,19 +76,23 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_sea
       make-mtp-int4 --src ~/models/Qwen3.8-Flash-Next --out ~/overlays/mtp-int4
     """
     from flashnext.quant.checkpoint.fsutil import refuse_existing_output
-    from flashnext.quant.overlays.mtp_int4 import MtpInt4Options, check_report_path, make_mtp_int4, write_report
+    from flashnext.quant.overlays.mtp_int4 import MtpInt4Options, make_mtp_int4
+    from flashnext.quant.quantizers.device import DeviceError
 
     # The options and the outputs are checked before the work imports torch (seconds).
-    options = MtpInt4Options(group_size=int(group_size), positive_scales=positive_scales,
+    options = MtpInt4Options(group_size=int(group_size), quantizer=quantizer, positive_scales=positive_scales,
                              device=device, experts_per_batch=experts_per_batch,
                              scale_search=scale_search, calib=calib, calib_min_tokens=calib_min_tokens,
                              rounding=rounding, gptq_prior_tokens=gptq_prior_tokens)
     refuse_existing_output(out, force, {"the source snapshot": src, "--calib": calib})
     if report is not None:
-        check_report_path(report, src, out)
-    result = make_mtp_int4(src, out, options, force=force, progress=progress)
+        _check_report_path(report, src, out)
+    try:
+        result = make_mtp_int4(src, out, options, force=force, progress=progress)
+    except DeviceError as e:
+        raise FlashnextError(f"--device {e.name!r}{e.problem}") from None
     if report is not None:
-        write_report(report, result, {"the source snapshot": src, "--out": out})
+        _write_report(report, result, {"the source snapshot": src, "--out": out})
     if as_json:
         emit_json(result)
         return
@@ -80,6 +104,33 @@ def main(src: Path, out: Path, group_size: str, positive_scales: bool, scale_sea
                    + (f" ({ratio:.3f}x absmax RTN)" if ratio else "")
                    + (f"; output rel MSE {s['output_rel_mse']:.4e} (weight-only {s['weight_only_output_rel_mse']:.4e})"
                       if "output_rel_mse" in s else ""))
+
+
+def _check_report_path(report: Path, src: Path, out: Path) -> None:
+    """``--report`` may not write into the source or the overlay, nor replace a file that is not an
+    earlier report (checked before the work starts, so a bad path costs nothing)."""
+    from flashnext.quant.checkpoint.fsutil import refuse_overlap
+    from flashnext.quant.records.jsonfile import read_json
+
+    refuse_overlap(report, {"the source snapshot": src, "--out": out})
+    if report.is_dir():
+        raise FlashnextError(f"--report {report} is a directory; name a file")
+    if report.exists() or report.is_symlink():
+        try:
+            earlier = read_json(report, "a make-mtp-int4 report")
+        except FlashnextError:
+            earlier = {}
+        if earlier.get("tool") != "make-mtp-int4":
+            raise FlashnextError(f"--report {report} exists and is not a make-mtp-int4 report; "
+                                 "choose another file")
+
+
+def _write_report(report: Path, result: dict, inputs: dict[str, Path | None]) -> None:
+    """Write ``--report``; it may not be, contain or lie inside ``inputs`` as opened when written."""
+    from flashnext.quant.checkpoint.fsutil import make_parents, write_text_atomic
+
+    make_parents(report)
+    write_text_atomic(report, json.dumps(result, indent=2) + "\n", inputs=inputs)
 
 
 if __name__ == "__main__":

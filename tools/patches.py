@@ -19,43 +19,45 @@ def main() -> None:
 @user_errors
 def list_cmd(as_json: bool) -> None:
     """Every patch, in order: what it fixes, its switch, the files it touches, upstream status."""
-    from dataclasses import asdict
-
     from flashnext.serving.patch_series import load_series
+    from flashnext.serving.patches.docs import listing
 
     series = load_series()
     if as_json:
-        emit_json([{k: v for k, v in asdict(p).items() if k != "probe"} for p in series])
+        emit_json([listing(p) for p in series])
         return
     for p in series:
-        click.echo(f"{p.order:2d}. {p.id}: {p.fixes}")
+        click.echo(f"{p.order:2d}. {p.id}: {listing(p)['title']}")
         click.echo(f"    effect: {p.seed_effect}")
         click.echo(f"    off:    {p.env_switch}; touches {', '.join(p.touches)}")
         click.echo(f"    status: {p.upstream}")
 
 
 @main.command("readme")
-@click.option("--write", is_flag=True, help="Rewrite serving/patches/README.md's tables (in a source checkout).")
+@click.option("--write", is_flag=True, help="Rewrite the documents generated from the series (in a source checkout).")
 @user_errors
 def readme_cmd(write: bool) -> None:
     """Print the patches README's tables (the series, and what each patch's tests drive), generated
-    from series.json, or --write them into the README. Exits 1 without --write when they are out of date."""
+    from the series, or --write every generated document (the patches README, docs/serving.md's
+    patch sections, README.md's list). Exits 1 without --write when one is out of date."""
     from flashnext.errors import FlashnextError
-    from flashnext.serving.patch_series import README_FILE, coverage_table, load_series, readme_table, readme_with_table
+    from flashnext.serving.patch_series import load_series
+    from flashnext.serving.patches.docs import REPO_ROOT, coverage_table, series_table, wanted
 
     series = load_series()
-    current = README_FILE.read_text()
-    wanted = readme_with_table(current, series)
+    texts = wanted(series)
     if write:
-        if not (README_FILE.parents[2] / "pyproject.toml").is_file():
-            raise FlashnextError(f"{README_FILE} is part of an installed package; --write edits a source checkout")
-        if wanted != current:
-            README_FILE.write_text(wanted)
-        click.echo(f"wrote {README_FILE}")
+        if not (REPO_ROOT / "pyproject.toml").is_file():
+            raise FlashnextError(f"{REPO_ROOT} is an installed package; --write edits a source checkout")
+        for path, (current, text) in texts.items():
+            if text != current:
+                path.write_text(text, encoding="utf-8")
+            click.echo(f"wrote {path}")
         return
-    click.echo(readme_table(series) + "\n\n" + coverage_table(series))
-    if wanted != current:
-        raise FlashnextError(f"{README_FILE} is out of date: run `flashnext patches readme --write`")
+    click.echo(series_table(series) + "\n\n" + coverage_table(series))
+    stale = [str(path) for path, (current, text) in texts.items() if text != current]
+    if stale:
+        raise FlashnextError(f"{', '.join(stale)} out of date: run `flashnext patches readme --write`")
 
 
 @main.command("check")

@@ -33,10 +33,9 @@ def _int_list(text: str | None, what: str) -> list[int]:
 
 
 def _text_config(path: Path) -> dict:
-    from flashnext.quant.checkpoint.snapshot import read_config
+    from flashnext.quant.checkpoint.snapshot import read_config, text_config_of
 
-    config = read_config(path)
-    return config.get("text_config") or config
+    return text_config_of(read_config(path))
 
 
 @main.command("ids")

@@ -9,8 +9,8 @@ import click
 
 from flashnext.errors import FlashnextError, UsageError
 from flashnext.serving.run import (compose_command, compose_engine, engine_found, exec_native, find_compose,
-                                   image_present, native_command, recorded_compose_file, require_ple_table,
-                                   run_command, start_compose, summary_line, wait_ready)
+                                   native_command, recorded_compose_file, require_ple_table, run_command,
+                                   serve_compose, summary_line)
 from flashnext.tools._common import CONTEXT_SETTINGS, preflight_report, user_errors
 
 ENGINES = ("docker", "podman", "native")
@@ -22,7 +22,7 @@ def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | 
     if dry_run:
         click.echo(json.dumps({"command": cmd, "env": env}, indent=2))
         return
-    if line := summary_line(profile):
+    if line := summary_line(profile, model):
         click.echo(line, err=True)
     exec_native(cmd, env)
 
@@ -93,17 +93,12 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     for path in (model, *overlays, *([ple_table] if ple_table else [])):
         if not Path(path).exists():
             raise FlashnextError(f"{path} does not exist on this host")
-    build = not image_present(compose, IMAGE)
-    if build:
-        click.echo(f"building {IMAGE} (vLLM 0.33.0 with the patch series) ...", err=True)
-    if line := summary_line(prof):
-        click.echo(line, err=True)
-    start_compose(compose, prof.name, to_yaml(document), build)
-    engine = compose_engine(compose)
     url = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{req.host_port}"
-    models = wait_ready(url, prof.healthcheck.start_period_s,
-                        lambda line: click.echo("\r" + line, nl=False, err=True))
+    models = serve_compose(compose, prof, model, to_yaml(document), url, IMAGE,
+                           say=lambda line: click.echo(line, err=True),
+                           progress=lambda line: click.echo("\r" + line, nl=False, err=True))
     click.echo("", err=True)
+    engine = compose_engine(compose)
     served = ", ".join(m.get("id", "?") for m in models.get("data", []))
     click.echo(f"ready: {url}/v1 (models: {served})")
     click.echo(f"stop:  serve down --profile {prof.name} --engine {engine}")

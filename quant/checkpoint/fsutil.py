@@ -31,7 +31,7 @@ import shutil
 import stat
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.records.inputs import open_regular
@@ -687,3 +687,70 @@ def write_text_atomic(path: Path, text: str, inputs: dict[str, Path | None] | No
         if inputs:
             refuse_overlap_open(parent, path.name, inputs)
         write_text_at(parent, path.name, text)
+
+
+class OutputFile:
+    """An output file being written under its lock (what :func:`atomic_file` yields): new names
+    beside it are created through its held parent, and the finished partial is renamed into place."""
+
+    def __init__(self, path: Path, parent: HeldDirectory, inputs: dict[str, Path | None]):
+        self.path = path
+        self.parent = parent
+        self.inputs = inputs
+
+    def through(self) -> Path:
+        """The output's own name, resolved through the held parent (for this process's opens)."""
+        return self.parent.through(self.path.name)
+
+    def create(self, name: str, flags: int = os.O_RDWR) -> int:
+        """A new file ``name`` beside the output, created exclusively, never through a link."""
+        return self.parent.create(name, flags)
+
+    def check(self, partial: str, written: os.stat_result) -> None:
+        """``partial`` is still the very file whose stat is ``written`` (not one swapped in), and
+        the output still overlaps no input: before anything is written beside it, and at the commit."""
+        if not self.parent.holds(partial, _identity(written)):
+            raise FlashnextError(f"{self.path.parent / partial} was replaced while it was being written (is someone "
+                                 "else writing in that folder?); nothing was written to the output: run again")
+        refuse_overlap_open(self.parent, self.path.name, self.inputs)
+
+    def commit(self, partial: str, written: os.stat_result) -> None:
+        """Rename the complete ``partial`` to the output, once :meth:`check` holds."""
+        self.check(partial, written)
+        self.parent.rename(partial, self.path.name)
+        os.fsync(self.parent.fd)
+
+
+@contextmanager
+def atomic_file(out: Path, force: bool, inputs: dict[str, Path | None], is_ours: Callable[[Path], bool],
+                maker: str, companions: Iterable[Path] = (), what: str = "the file") -> Iterator[OutputFile]:
+    """The file counterpart of :func:`atomic_directory`: the output's lock held, its leftovers (and
+    those of its ``companions``, the files written beside it) removed, and an existing ``out``
+    refused unless ``force`` and ``is_ours(path)`` says flashnext made it (``maker`` names who, for
+    the refusal; a file carries no marker, so its maker's own record vouches for it). ``out`` must
+    not be, contain or lie inside any of ``inputs``, checked by path, on what is open, and again at
+    the commit. The yielded :class:`OutputFile` creates the partial and commits it.
+
+    On an exception the parent directories this call created (and left empty) are removed; a
+    partial file is the caller's to keep (a resumable build) or remove."""
+    out = Path(out).absolute()
+    refuse_overlap(out, inputs)
+    if out.is_dir():
+        raise FlashnextError(f"{out} is a directory; --out names {what} to write")
+    created = make_parents(out)
+    try:
+        with output_lock(out) as parent:
+            refuse_overlap_open(parent, out.name, inputs)
+            for name in (out, *companions):
+                remove_leftovers(Path(name), parent)
+            existing = parent.lstat(out.name)
+            if existing is not None:
+                if not force:
+                    raise _already_exists(out)
+                if stat.S_ISDIR(existing.st_mode) or not is_ours(parent.through(out.name)):
+                    raise FlashnextError(f"{out} exists and was not made by {maker}; --force only replaces "
+                                         "flashnext's own output: remove it yourself or choose another --out")
+            yield OutputFile(out, parent, inputs)
+    except BaseException:
+        remove_empty(created)
+        raise

@@ -10,6 +10,7 @@ from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import confined
 from flashnext.quant.records.inputs import FileIdentity, check_unchanged, open_regular
 from flashnext.quant.records.jsonfile import get_dict, read_json_version
+from flashnext.quant.formats.ct_config import QUANTIZATION_KEYS, quantization_config_of
 from flashnext.quant.formats.safetensors_io import ShardHeader, TensorEntry, read_header
 
 CONFIG_FILE = "config.json"
@@ -25,17 +26,24 @@ class SnapshotOrigin:
 
 
 def read_config(path: Path) -> dict:
-    """A model's config.json: a JSON object whose ``text_config`` and ``quantization_config``, where
-    present, are objects too."""
+    """A model's config.json: a JSON object whose ``text_config`` and quantization config (at either
+    level, see :func:`~flashnext.quant.formats.ct_config.quantization_holder`), where present, are
+    objects too."""
     return _read_config(path)[0]
+
+
+def text_config_of(config: dict) -> dict:
+    """The language model's config: ``text_config`` of a multimodal config, else the config."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
 
 
 def _read_config(path: Path) -> tuple[dict, FileIdentity]:
     config, version = read_json_version(path, "the model config")
-    get_dict(config, "text_config", str(path), required=False)
-    holder = config.get("text_config") or config
-    for where, obj in ((str(path), config), (f"{path}: text_config", holder)):
-        get_dict(obj, "quantization_config", where, required=False)
+    text = get_dict(config, "text_config", str(path), required=False)
+    for where, obj in ((str(path), config), (f"{path}: text_config", text)):
+        for key in QUANTIZATION_KEYS if obj is not None else ():
+            get_dict(obj, key, where, required=False)
     return config, version
 
 
@@ -113,12 +121,13 @@ class Snapshot:
 
     @property
     def text_config(self) -> dict:
-        """The language model's config: ``text_config`` of a multimodal config, else the config."""
-        return self.config.get("text_config", self.config)
+        """The language model's config (:func:`text_config_of`)."""
+        return text_config_of(self.config)
 
     @property
     def quantization_config(self) -> dict | None:
-        return self.config.get("quantization_config") or self.text_config.get("quantization_config")
+        """config.json's quantization config (:func:`~flashnext.quant.formats.ct_config.quantization_config_of`)."""
+        return quantization_config_of(self.config)
 
     @cached_property
     def shard_files(self) -> list[str]:

@@ -16,16 +16,70 @@ That is ``3K/4`` bytes per row, exactly the dense layout's ``4 * 6K/32`` when ``
 of 16 (every real shape is a multiple of 64); other ``K`` are refused. The tensor keeps the name
 ``weight_packed`` but becomes ``uint8`` of a different shape, so an unpatched loader fails loudly
 on the shape instead of reading it as dense INT6.
+
+Which modules are in this layout is recorded in config.json's ``flashnext.int6_bitplane``
+(:class:`BitplaneRecord`): ``repack-int6`` writes it and reads it back to reverse, and the serving
+patch reads it to choose its method, so the record and its layout check live here, with the layout.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.formats.packing import pack_int32, unpack_int32
+from flashnext.quant.records.strict import StrictRecord
 
 LAYOUT = "flashnext.bitplane6/1"
+# Where the record sits in config.json: config["flashnext"]["int6_bitplane"].
+SECTION, RECORD_KEY = "flashnext", "int6_bitplane"
+
+
+class BitplaneRecord(StrictRecord):
+    """config.json's ``flashnext.int6_bitplane``: the modules (checkpoint names) whose
+    ``weight_packed`` is in :data:`LAYOUT`."""
+
+    layout: str
+    modules: list[str]
+
+    @classmethod
+    def not_this_record(cls, data: Any) -> str | None:
+        if isinstance(data, dict) and "layout" in data and data["layout"] != LAYOUT:
+            return (f"has layout {data['layout']!r}; this flashnext reads {LAYOUT!r}. Rebuild the overlay with "
+                    "this version's repack-int6.")
+        return None
+
+    @classmethod
+    def from_config(cls, config: Any, where: str = "config.json") -> "BitplaneRecord | None":
+        """The record of ``config`` (config.json as a dict, or vLLM's ``hf_config``, which carries
+        the section as an attribute); None without one. One of another layout, or malformed, is
+        refused in one line."""
+        from flashnext.quant.records.jsonfile import validate
+
+        section = config.get(SECTION) if isinstance(config, dict) else getattr(config, SECTION, None)
+        if section is None:
+            return None
+        if not isinstance(section, dict):
+            raise FlashnextError(f"{where}: {SECTION} must be a JSON object")
+        record = section.get(RECORD_KEY)
+        if record is None:
+            return None
+        return validate(record, cls, f"{where}: {SECTION}.{RECORD_KEY}")
+
+    def into(self, config: dict) -> None:
+        """Write this record into config.json's dict ``config``."""
+        config.setdefault(SECTION, {})[RECORD_KEY] = self.model_dump(mode="json")
+
+    @staticmethod
+    def remove_from(config: dict) -> None:
+        """Take the record out of ``config`` (and the ``flashnext`` section, when that empties it)."""
+        section = config.get(SECTION)
+        if isinstance(section, dict):
+            section.pop(RECORD_KEY, None)
+            if not section:
+                config.pop(SECTION)
 
 
 def _check_k(cols: int) -> None:

@@ -12,12 +12,13 @@ batch of tensors is in memory.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.records.inputs import FileIdentity, check_still, check_unchanged, open_regular
@@ -326,15 +327,29 @@ def read_rows(source: Path, entry: TensorEntry, start: int, stop: int) -> torch.
     return torch.frombuffer(buffer, dtype=dtypes[entry.dtype]).view(stop - start, *entry.shape[1:])
 
 
-def copy_tensor_bytes(source: Path, entry: TensorEntry, writer: ShardWriter,
-                      chunk: int = 64 << 20) -> None:
-    """Copy one tensor's raw bytes from ``source`` into ``writer`` under the same name, unchanged."""
-    with _open_source(source, entry) as f:
+def copy_tensor_bytes(source: Path, entry: TensorEntry, writer, chunk: int = 64 << 20,
+                      on_chunk: Callable[[memoryview], None] | None = None) -> None:
+    """Copy one tensor's raw bytes from ``source`` into ``writer`` under the same name, unchanged.
+
+    ``writer`` is a :class:`ShardWriter` or anything with its ``write_bytes(name, data, offset)``;
+    ``on_chunk`` sees every chunk as it is written, in order (a hash over the copy costs no second
+    read of a multi-GB tensor)."""
+    with _open_source(source, entry, buffering=0) as f:
         done = 0
         while done < entry.nbytes:
             data = os.pread(f.fileno(), min(chunk, entry.nbytes - done), entry.begin + done)
             if not data:
                 raise FlashnextError(f"{source}: truncated inside tensor {entry.name}")
             writer.write_bytes(entry.name, data, done)
+            if on_chunk is not None:
+                on_chunk(memoryview(data))
             done += len(data)
         _check_source(f, entry, source)
+
+
+def header_sha256(path: Path) -> str | None:
+    """sha256 of a safetensors file's length prefix and JSON header (names, dtypes, shapes and
+    offsets): a cheap fingerprint of a multi-GB shard. None for other files."""
+    if not str(path).endswith(".safetensors"):
+        return None
+    return hashlib.sha256(read_header(path).header_bytes).hexdigest()

@@ -12,17 +12,20 @@ Variants, as seed 000 §3.3 fuses the shared expert:
   ``[I, 2I)`` up); returns ``silu(x @ Wg.T) * (x @ Wu.T)``, ``[M, I]``;
 * :func:`bitplane_down_combine`: returns ``routed + sigmoid(gate) * (x @ Wd.T)``, the MoE block's
   final sum with the shared expert's gate logit ``gate [M, 1]``.
+
+Launch parameters are ``configs``' ``bitplane_gemv`` rows unless a caller passes ``launch=``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_TOKENS = 4
+from flashnext.quant.kernels import configs
+from flashnext.quant.kernels.configs import GemvConfig
+
+GEMV_MAX_TOKENS = 4  # each token is its own row of every product tile: beyond four, tensor cores win
 
 
 @triton.jit
@@ -182,8 +185,8 @@ def _down_combine_kernel(x_ptr, w_ptr, s_ptr, routed_ptr, gate_ptr, y_ptr, M, N,
 def _check(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int]:
     M, K = x.shape
     N = planes.shape[0]
-    if not 1 <= M <= MAX_TOKENS:
-        raise ValueError(f"bit-plane GEMV takes 1..{MAX_TOKENS} tokens, got {M}")
+    if not 1 <= M <= GEMV_MAX_TOKENS:
+        raise ValueError(f"bit-plane GEMV takes 1..{GEMV_MAX_TOKENS} tokens, got {M}")
     if K % 8:
         raise ValueError(f"K={K}: the kernel reads the low plane in 16-bit words and needs K % 8 == 0")
     if planes.dtype != torch.uint8 or planes.shape[1] * 4 != K * 3:
@@ -194,30 +197,11 @@ def _check(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> tuple
     return M, N, K
 
 
-@dataclass(frozen=True)
-class GemvLaunch:
-    """Launch parameters: rows per program, K per step, warps, pipeline stages, and whether to read
-    eight weights per load (``wide``) rather than four."""
-
-    block_n: int
-    block_k: int = 1024
-    num_warps: int = 4
-    num_stages: int = 3
-    wide: bool = False
+def _config(N: int, K: int, device, launch: GemvConfig | None) -> GemvConfig:
+    return launch or configs.config_for("bitplane_gemv", N, K, device)
 
 
-# Measured on an H200 (docs/benchmarks.md): matrices of at least LARGE weights read eight weights per
-# load. A benchmark or test that wants another configuration passes ``launch=``.
-LARGE = 1 << 24
-SMALL_LAUNCH = GemvLaunch(block_n=4)
-LARGE_LAUNCH = GemvLaunch(block_n=8, wide=True)
-
-
-def default_launch(N: int, K: int) -> GemvLaunch:
-    return LARGE_LAUNCH if N * K >= LARGE else SMALL_LAUNCH
-
-
-def _launch(N: int, K: int, group: int, M: int, cfg: GemvLaunch) -> dict:
+def _launch(N: int, K: int, group: int, M: int, cfg: GemvConfig) -> dict:
     for bk in (cfg.block_k, 512, 256, 128, 64):
         if K % bk == 0 and bk % group == 0:
             break
@@ -228,12 +212,12 @@ def _launch(N: int, K: int, group: int, M: int, cfg: GemvLaunch) -> dict:
 
 
 def bitplane_gemv(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor,
-                  launch: GemvLaunch | None = None) -> torch.Tensor:
+                  launch: GemvConfig | None = None) -> torch.Tensor:
     """``x @ W.T`` for 1..4 tokens on CUDA cores. :func:`bitplane_matmul` picks between this and
     the tensor-core kernel for 1..16 tokens."""
     M, N, K = _check(x, planes, scales)
     group = K // scales.shape[1]
-    cfg = launch or default_launch(N, K)
+    cfg = _config(N, K, x.device, launch)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     x = x.contiguous()
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](x, planes, scales, y, M, N, K, x.stride(0), planes.stride(0),
@@ -242,13 +226,13 @@ def bitplane_gemv(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor,
 
 
 def bitplane_gate_up_silu(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor,
-                          launch: GemvLaunch | None = None) -> torch.Tensor:
+                          launch: GemvConfig | None = None) -> torch.Tensor:
     M, N2, K = _check(x, planes, scales)
     if N2 % 2:
         raise ValueError("merged gate/up weights need an even number of rows")
     I = N2 // 2
     group = K // scales.shape[1]
-    cfg = launch or default_launch(N2, K)
+    cfg = _config(N2, K, x.device, launch)
     y = torch.empty(M, I, dtype=x.dtype, device=x.device)
     x = x.contiguous()
     _gate_up_kernel[(triton.cdiv(I, cfg.block_n),)](x, planes, scales, y, M, I, K, x.stride(0), planes.stride(0),
@@ -257,12 +241,12 @@ def bitplane_gate_up_silu(x: torch.Tensor, planes: torch.Tensor, scales: torch.T
 
 
 def bitplane_down_combine(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, routed: torch.Tensor,
-                          gate: torch.Tensor, launch: GemvLaunch | None = None) -> torch.Tensor:
+                          gate: torch.Tensor, launch: GemvConfig | None = None) -> torch.Tensor:
     M, N, K = _check(x, planes, scales)
     group = K // scales.shape[1]
     if routed.shape != (M, N) or gate.numel() != M:
         raise ValueError(f"routed must be [{M}, {N}] and gate [{M}, 1]")
-    cfg = launch or default_launch(N, K)
+    cfg = _config(N, K, x.device, launch)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     x, routed, gate = x.contiguous(), routed.contiguous(), gate.contiguous().view(-1)
     _down_combine_kernel[(triton.cdiv(N, cfg.block_n),)](x, planes, scales, routed, gate, y, M, N, K, x.stride(0),

@@ -27,22 +27,25 @@ rounded where vLLM's unfused ``hc_silu`` rounds.
 
 from __future__ import annotations
 
-import os
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_TOKENS = 16
-# Triton 3.8's interpreter multiplies bf16 dot operands as raw integers (see qsa_row_cache).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
+from flashnext.quant.kernels import _common, configs
+from flashnext.quant.kernels._common import INTERPRETED, dot, int8_codes, splitk_counters
+from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS, bitplane_gemv
+
+MMA_MAX_TOKENS = 16  # the tokens padded to one 16-row tl.dot operand
 
 
 @triton.jit
 def _bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP: tl.constexpr,
                       STEP: tl.constexpr, BLOCK_N: tl.constexpr):
     """Step ``step``'s dequantized weights ``q * s`` for ``rows``, fp32 ``[BLOCK_N, STEP]`` in k order
-    (:func:`_dot` rounds them to bf16 on the GPU).
+    (:func:`~._common.dot` rounds them to bf16 on the GPU).
 
     The planes are read with wide loads and the codes rebuilt in registers with ``tl.join``; each
     group's scale is applied before the dot (as Marlin does), so one ``tl.dot`` covers STEP columns.
@@ -60,22 +63,6 @@ def _bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K,
     s = tl.load(s_ptr + rows[:, None] * stride_sn + step * GROUPS + tl.arange(0, GROUPS)[None, :],
                 mask=n_mask[:, None], other=0).to(tl.float32)
     return tl.reshape(tl.reshape(codes, [BLOCK_N, GROUPS, GROUP]) * s[:, :, None], [BLOCK_N, STEP])
-
-
-@triton.jit
-def _int8_codes(w_ptr, rows, n_mask, stride_wn, g, GROUP: tl.constexpr):
-    """Group ``g``'s INT8 codes for ``rows`` from compressed-tensors' packed words, viewed as bytes."""
-    columns = tl.arange(0, GROUP)
-    row_base = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-    return tl.load(row_base + g * GROUP + columns[None, :], mask=n_mask[:, None], other=128).to(tl.int32) - 128
-
-
-@triton.jit
-def _dot(a, b, DOT_FP32: tl.constexpr):
-    """``a @ b.T`` in bf16, accumulated in fp32; in fp32 under the interpreter, whose bf16 dot is wrong."""
-    if DOT_FP32:
-        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
-    return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
 
 
 @triton.jit
@@ -107,13 +94,13 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, str
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + step * STEP + columns[None, :], mask=m_mask[:, None],
                     other=0.0)
         if BITS == 8:  # STEP == GROUP: exact integer products, scaled once per group
-            codes = _int8_codes(w_ptr, rows, n_mask, stride_wn, step, GROUP)
+            codes = int8_codes(w_ptr, rows, n_mask, stride_wn, step, GROUP)
             scale = tl.load(s_ptr + rows * stride_sn + step, mask=n_mask, other=0).to(tl.float32)
-            acc += _dot(x, codes, DOT_FP32) * scale[None, :]
+            acc += dot(x, codes, DOT_FP32) * scale[None, :]
         else:
             weights = _bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP, STEP,
                                         BLOCK_N)
-            acc += _dot(x, weights, DOT_FP32)
+            acc += dot(x, weights, DOT_FP32)
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_ptr = y_ptr + tokens[:, None] * stride_ym + rows[None, :]
     if SPLIT_K == 1:
@@ -131,103 +118,93 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, str
             tl.store(count_ptr + pid_n, 0)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+def _sms(device) -> int:
+    # The patch point tests/serving/patches/test_no_new_triton_variants.py sets to the 3090's SM
+    # count; the kernel otherwise asks _common, like every other kernel here.
+    return _common.sm_count(device)
 
 
-def _counters(n: int, device) -> torch.Tensor:
-    """Zeroed split-K counters, reset by the kernel after each use."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        have = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return have
-
-
-# INT6 columns per step: four groups of 64 (the H200 sweep's best, docs/benchmarks.md 2026-12-01).
-BITPLANE_STEP = 256
-
-
-def bitplane_step(K: int, group: int) -> int:
-    """The widest of 256 and 128 columns that holds whole groups and divides K, else one group."""
-    for step in (BITPLANE_STEP, 128):
-        if K % step == 0 and step % group == 0:
-            return step
-    return group
-
-
-def launch_shape(N: int, K: int, step: int, bits: int, sms: int = 132) -> tuple[int, int]:
-    """(BLOCK_N, SPLIT_K), from the H200 sweeps in docs/benchmarks.md.
-
-    INT8: 64-row blocks, split over K until about two programs per SM. INT6: 64-row blocks from 2^26
-    weights and 32 below, split into at least two parts and until about two programs per SM.
-    """
-    block_n = 64 if bits == 8 or N * K >= 1 << 26 else 32
-    blocks = triton.cdiv(N, block_n)
-    split = triton.cdiv(2 * sms, blocks)
-    if bits == 6:
-        split = max(2, split)
-    return block_n, max(1, min(K // step, split))
-
-
-def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int, block_n: int | None,
-         split_k: int | None, num_warps: int, num_stages: int, silu_columns: int = 0,
-         silu_div: int = 1) -> torch.Tensor:
+def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int, config: configs.MmaConfig,
+         silu_columns: int = 0, silu_div: int = 1) -> torch.Tensor:
     M, K = x.shape
     N = weights.shape[0]
-    if not 1 <= M <= MAX_TOKENS:
-        raise ValueError(f"the decode GEMM takes 1..{MAX_TOKENS} tokens, got {M}")
+    if not 1 <= M <= MMA_MAX_TOKENS:
+        raise ValueError(f"the decode GEMM takes 1..{MMA_MAX_TOKENS} tokens, got {M}")
     group = K // scales.shape[1]
     if scales.shape[0] != N or group * scales.shape[1] != K or group % 16:
         raise ValueError(f"scales {list(scales.shape)} do not fit [{N}, {K}] in groups of a multiple of 16")
-    step = bitplane_step(K, group) if bits == 6 else group
-    auto_n, auto_split = launch_shape(N, K, step, bits, _sms(x.device))
-    block_n, split = block_n or auto_n, min(split_k or auto_split, K // step)
+    step = config.step(K, group) if bits == 6 else group
+    block_n = config.block_n
+    blocks = triton.cdiv(N, block_n)
+    split = config.splits(blocks, K // step, _sms(x.device))
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    blocks = triton.cdiv(N, block_n)
     partial = torch.empty((split, 16, N), dtype=torch.float32, device=x.device) if split > 1 else y
-    _mma_kernel[(blocks, split)](x, weights, scales, y, partial, _counters(blocks, x.device), M, N, K, x.stride(0),
+    counters = splitk_counters(x.device, blocks, "decode_mma")
+    _mma_kernel[(blocks, split)](x, weights, scales, y, partial, counters, M, N, K, x.stride(0),
                                  weights.stride(0), scales.stride(0), y.stride(0), GROUP=group, STEP=step,
                                  BLOCK_M=16, BLOCK_N=block_n, SPLIT_K=split, DOT_FP32=INTERPRETED, BITS=bits,
-                                 SILU_COLUMNS=silu_columns, SILU_DIV=silu_div, num_warps=num_warps,
-                                 num_stages=num_stages)
+                                 SILU_COLUMNS=silu_columns, SILU_DIV=silu_div, num_warps=config.num_warps,
+                                 num_stages=config.num_stages)
     return y
 
 
+def _config(kernel: str, N: int, K: int, device, config: configs.MmaConfig | None, **overrides) -> configs.MmaConfig:
+    """The table's config (or the caller's), with the caller's keyword overrides applied."""
+    config = config or configs.config_for(kernel, N, K, device)
+    given = {name: value for name, value in overrides.items() if value is not None}
+    return replace(config, **given) if given else config
+
+
 def bitplane_mma(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, block_n: int | None = None,
-                 split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """``x @ W.T`` over INT6 bit-plane weights ``uint8 [N, 3K/4]`` and scales ``[N, K / group]``."""
+                 split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 config: configs.MmaConfig | None = None) -> torch.Tensor:
+    """``x @ W.T`` over INT6 bit-plane weights ``uint8 [N, 3K/4]`` and scales ``[N, K / group]``;
+    the launch is ``configs``' row for the shape and device unless given."""
     K = x.shape[1]
     if planes.dtype != torch.uint8 or planes.shape[1] * 4 != K * 3:
         raise ValueError(f"planes must be uint8 [N, 3K/4] for K={K}, got {planes.dtype} {list(planes.shape)}")
-    return _mma(x, planes, scales, 6, block_n, split_k, num_warps, num_stages)
+    config = _config("bitplane_mma", planes.shape[0], K, x.device, config, block_n=block_n, split_k=split_k,
+                     num_warps=num_warps, num_stages=num_stages)
+    return _mma(x, planes, scales, 6, config)
 
 
 def int8_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block_n: int | None = None,
-             split_k: int | None = None, num_warps: int = 4, num_stages: int = 3, silu_columns: int = 0,
-             silu_div: int = 1) -> torch.Tensor:
+             split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+             silu_columns: int = 0, silu_div: int = 1, config: configs.MmaConfig | None = None) -> torch.Tensor:
     """``x @ W.T`` over compressed-tensors INT8 ``weight_packed`` (``int32 [N, K/4]``) and scales;
     ``silu_columns`` > 0 applies the HC SiLU epilogue (module docstring) to that many outputs."""
     K = x.shape[1]
     if packed.dtype != torch.int32 or packed.shape[1] * 4 != K or not packed.is_contiguous():
         raise ValueError(f"packed must be contiguous int32 [N, K/4] for K={K}, got {packed.dtype} {list(packed.shape)}")
-    return _mma(x, packed.view(torch.uint8), scales, 8, block_n, split_k, num_warps, num_stages, silu_columns,
-                silu_div)
+    config = _config("int8_mma", packed.shape[0], K, x.device, config, block_n=block_n, split_k=split_k,
+                     num_warps=num_warps, num_stages=num_stages)
+    return _mma(x, packed.view(torch.uint8), scales, 8, config, silu_columns, silu_div)
 
 
-# The CUDA-core GEMV wins for one token everywhere, and for up to four on matrices this small
-# (2560 x 640); the tensor-core kernel wins otherwise (docs/benchmarks.md, 2026-12-01).
-GEMV_SMALL_MATRIX = 1 << 22
+# Above this many weights a GEMM of more than 16 tokens (prefill) still goes through the kernel, 16
+# rows a launch, rather than materialise a bf16 copy of the weights (the LM head: 0.6 G weights).
+INT8_DEQUANTIZE_LIMIT = 1 << 26
+
+
+def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for any ``x [M, K]`` over compressed-tensors INT8 words: :func:`int8_mma` for
+    decode batches and very large weights, else a GEMM over the weights dequantized to ``x``'s
+    dtype (each ``q * s`` rounded once). Off CUDA without the interpreter, always the GEMM."""
+    if x.shape[0] and (x.is_cuda or INTERPRETED) and (x.shape[0] <= MMA_MAX_TOKENS
+                                                      or packed.numel() * 4 > INT8_DEQUANTIZE_LIMIT):
+        return torch.cat([int8_mma(chunk, packed, scales) for chunk in x.split(MMA_MAX_TOKENS)])
+    weights = dequantize_groups(unpack_int32(packed, 8, packed.shape[1] * 4), scales, x.dtype)
+    return torch.nn.functional.linear(x, weights)
 
 
 def bitplane_matmul(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for 1..16 tokens over bit-plane weights, with the kernel that measured faster."""
-    from flashnext.quant.kernels.bitplane_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
-    from flashnext.quant.kernels.bitplane_gemv import bitplane_gemv
-
+    """``x @ W.T`` for 1..16 tokens over bit-plane weights, with the kernel that measured faster
+    (``configs``' ``bitplane_matmul`` rows)."""
     M, K = x.shape
-    N = planes.shape[0]
-    if M == 1 or (M <= GEMV_MAX_TOKENS and N * K < GEMV_SMALL_MATRIX):
+    choice = configs.config_for("bitplane_matmul", planes.shape[0], K, x.device)
+    if M <= min(choice.gemv_max_tokens, GEMV_MAX_TOKENS):
         return bitplane_gemv(x, planes, scales)
     return bitplane_mma(x, planes, scales)
 
@@ -242,10 +219,4 @@ def warm_bitplane_matmul(planes: torch.Tensor, scales: torch.Tensor) -> None:
     of 5..16 tokens, in the middle of serving and outside vLLM's memory budget (seed 000 §5). Called
     when the weights are loaded, before vLLM measures free memory."""
     K = planes.shape[1] * 4 // 3
-    bitplane_matmul(torch.zeros(MAX_TOKENS, K, dtype=scales.dtype, device=planes.device), planes, scales)
-
-
-def _sms(device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    bitplane_matmul(torch.zeros(MMA_MAX_TOKENS, K, dtype=scales.dtype, device=planes.device), planes, scales)

@@ -16,7 +16,7 @@ so the kernels read them with no repack and no extra memory (seed 000 §3.3):
   gate in all four streams, so the mix happens in registers and ``gate`` is never stored.
 
 The bf16 rounding points are the unfused path's, so with exactly representable inputs the result is
-bit-identical to :func:`reference_mix` (the unfused path in torch); tests check that.
+bit-identical to :func:`~.reference.reference_mix` (the unfused path in torch); tests check that.
 """
 
 from __future__ import annotations
@@ -25,16 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
-from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, _dot, _int8_codes, int8_mma
+from flashnext.quant.kernels import configs
+from flashnext.quant.kernels._common import INTERPRETED, dot, int8_codes
+from flashnext.quant.kernels.decode_mma import MMA_MAX_TOKENS, int8_mma
 
 
 @triton.jit
 def _stream_gate(x, w_ptr, s_ptr, rows, j_mask, stride_wn, stride_sn, g, GROUP: tl.constexpr, DOT_FP32: tl.constexpr):
     """One group's contribution to one stream's gate, ``[BLOCK_M, BLOCK_J]``."""
-    codes = _int8_codes(w_ptr, rows, j_mask, stride_wn, g, GROUP)
+    codes = int8_codes(w_ptr, rows, j_mask, stride_wn, g, GROUP)
     scale = tl.load(s_ptr + rows * stride_sn + g, mask=j_mask, other=0).to(tl.float32)
-    return _dot(x, codes, DOT_FP32) * scale[None, :]
+    return dot(x, codes, DOT_FP32) * scale[None, :]
 
 
 @triton.jit
@@ -93,22 +94,22 @@ def hc_down_inject_silu(xn: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     mixer, which has no inject rows). Rows past ``lowrank + hc_count`` (alignment padding) are
     computed and ignored, as vLLM does."""
     _check_int8(packed, scales, xn.shape[1], "down/inject")
-    # A few hundred rows over a long K: narrow row blocks split 16 ways beat int8_mma's default
-    # (64 rows, split to two programs per SM) 6.2 against 12.7 us on the H200 (docs/benchmarks.md).
-    y = int8_mma(xn, packed, scales, block_n=32, split_k=min(16, scales.shape[1]), silu_columns=lowrank,
-                 silu_div=hc_count)
+    # A few hundred rows over a long K launch as their own row of the table, not int8_mma's.
+    config = configs.config_for("hc_down_inject", packed.shape[0], xn.shape[1], xn.device)
+    y = int8_mma(xn, packed, scales, silu_columns=lowrank, silu_div=hc_count, config=config)
     injection = y[:, lowrank:lowrank + hc_count] if packed.shape[0] > lowrank else None
     return y[:, :lowrank], injection
 
 
 def hc_up_gate_mix(lowrank: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, xn: torch.Tensor,
-                   hc_count: int, block_j: int = 32, num_warps: int = 4) -> torch.Tensor:
+                   hc_count: int, block_j: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Steps 3-4 for 1..16 tokens: the block input ``[M, H]`` from ``lowrank [M, R]``, the up
-    projection (``int32 [HC*H, R/4]`` words, scales) and ``xn [M, HC*H]``."""
+    projection (``int32 [HC*H, R/4]`` words, scales) and ``xn [M, HC*H]``; the launch is
+    ``configs``' row unless given."""
     M, K = lowrank.shape
     group = _check_int8(packed, scales, K, "up")
-    if not 1 <= M <= MAX_TOKENS:
-        raise ValueError(f"the fused HC mix takes 1..{MAX_TOKENS} tokens, got {M}")
+    if not 1 <= M <= MMA_MAX_TOKENS:
+        raise ValueError(f"the fused HC mix takes 1..{MMA_MAX_TOKENS} tokens, got {M}")
     if hc_count != 4:
         raise ValueError(f"the fused HC mix takes 4 streams (Qwen3.8-Flash-Next's), got {hc_count}")
     if xn.shape != (M, packed.shape[0]) or packed.shape[0] % hc_count or xn.stride(1) != 1 or lowrank.stride(1) != 1:
@@ -116,11 +117,13 @@ def hc_up_gate_mix(lowrank: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     if xn.dtype != torch.bfloat16 or lowrank.dtype != torch.bfloat16:
         raise ValueError(f"the fused HC mix rounds as vLLM's bf16 path does; got {xn.dtype} activations")
     H = packed.shape[0] // hc_count
+    config = configs.config_for("hc_up_gate_mix", packed.shape[0], K, xn.device)
+    block_j = block_j or config.block_j
     y = torch.empty(M, H, dtype=xn.dtype, device=xn.device)
     _up_gate_mix_kernel[(triton.cdiv(H, block_j),)](
         lowrank, packed.view(torch.uint8), scales, xn, y, M, H, K, lowrank.stride(0), packed.stride(0) * 4,
         scales.stride(0), xn.stride(0), y.stride(0), HC=hc_count, GROUP=group, BLOCK_M=16, BLOCK_J=block_j,
-        DOT_FP32=INTERPRETED, num_warps=num_warps)
+        DOT_FP32=INTERPRETED, num_warps=num_warps or config.num_warps)
     return y
 
 
@@ -131,42 +134,11 @@ def hc_mix(xn: torch.Tensor, down: tuple[torch.Tensor, torch.Tensor], up: tuple[
     return hc_up_gate_mix(low, *up, xn, hc_count), injection
 
 
-# --- the unfused path in torch, rounding where vLLM does -----------------------------------------
+def __getattr__(name: str):
+    # tests/support/int8_modules_scenario.py still imports the torch references from here; they
+    # live in .reference now (issue 27). Remove this once it imports them from there.
+    if name in ("reference_mix", "round_toward_zero"):
+        from flashnext.quant.kernels import reference
 
-def _weights(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return dequantize_groups(unpack_int32(packed, 8, packed.shape[1] * 4), scales)
-
-
-def _exact_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    return 1.0 / (1.0 + torch.exp(-x))
-
-
-def round_toward_zero(x: torch.Tensor) -> torch.Tensor:
-    """fp32 to bf16 as Triton 3.8's CPU interpreter converts (it truncates; GPUs round to nearest
-    even), for references that must match interpreted kernels bit for bit."""
-    return (x.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
-
-
-def reference_mix(xn: torch.Tensor, down: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
-                  lowrank: int, hc_count: int, to_bf16=None, sigmoid=None, fused_multiply_add: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(block_input, injection, lowrank_activations)`` by the unfused steps, in fp32 with a bf16
-    rounding (``to_bf16``, default: to nearest even) after each step.
-
-    Two things differ on a GPU, where Triton compiles vLLM's ``hc_silu`` / ``hc_gate_mix`` and these
-    kernels alike: ``tl.sigmoid`` is an approximation (pass it as ``sigmoid``; the default is
-    ``1 / (1 + exp(-x))`` in fp32), and ``acc += sigmoid(g) * x`` becomes one fused multiply-add
-    (``fused_multiply_add=True``; the interpreter rounds the product first)."""
-    to_bf16 = to_bf16 or (lambda t: t.to(torch.bfloat16))
-    _sigmoid = sigmoid or _exact_sigmoid
-    y = to_bf16(xn.float() @ _weights(*down).T)
-    low = y[:, :lowrank].float() / hc_count
-    low = to_bf16(low * _sigmoid(low))
-    injection = y[:, lowrank:lowrank + hc_count] if y.shape[1] > lowrank else None
-    gate = to_bf16(low.float() @ _weights(*up).T).float()
-    H = gate.shape[1] // hc_count
-    mixed = torch.zeros(xn.shape[0], H, dtype=torch.float32, device=xn.device)
-    for s in range(hc_count):
-        product = _sigmoid(gate[:, s * H:(s + 1) * H]).double() * xn[:, s * H:(s + 1) * H].double()  # exact
-        mixed = (mixed.double() + product).float() if fused_multiply_add else mixed + product.float()
-    return to_bf16(mixed / hc_count), injection, low
+        return getattr(reference, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,20 +14,22 @@ shared expert's gate as its own small GEMV (seed 000 §3.3: 12 + 7 + 7 us on a 3
   the smaller expert winning a tie, as vLLM's ``topk_softmax`` does; the logit is rebuilt from the
   key, so the rounds load nothing.
 
-:func:`reference_route` is vLLM's unfused arithmetic in torch (softmax over all experts, top-k,
-renormalize), for the tests.
+:func:`~.reference.reference_route` is vLLM's unfused arithmetic in torch (softmax over all
+experts, top-k, renormalize), for the tests.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
-from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, _dot, _sms
+from flashnext.quant.kernels import _common, configs
+from flashnext.quant.kernels._common import INTERPRETED, dot, splitk_counters
 
-# per device: the row blocks' split-K counters after one for the whole grid, reset by the kernel
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+ROUTE_MAX_TOKENS = 16  # the tokens padded to one 16-row tl.dot operand
 # The alignment compares every assignment with every other in one program: +1 us at 1-2 tokens,
 # +5 at 4, +25 at 8 and +115 at 16 on the H200 (docs/benchmarks.md); beyond 4 tokens vLLM's own
 # moe_align_block_size is the faster choice.
@@ -97,7 +99,7 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, partial_ptr, ids_ptr, weights_ptr, c
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + k + k_offsets[None, :], mask=n_mask[:, None],
                     other=0.0)
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + k + k_offsets[None, :], mask=m_mask[:, None], other=0.0)
-        acc += _dot(x, w, DOT_FP32)
+        acc += dot(x, w, DOT_FP32)
     logits_out = logits_ptr + tokens[:, None] * (E + 1) + rows[None, :]
     block_done = True
     if SPLIT_K == 1:
@@ -142,19 +144,32 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, partial_ptr, ids_ptr, weights_ptr, c
                               tl.reshape(pick_mask, [A]), M * TOP_K, sorted_ptr, blocks_ptr, total_ptr, ALIGN, A)
 
 
-def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_block: int = 0, block_n: int = 16,
-          block_k: int = 128, split_k: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, ...]:
+def _sms(device) -> int:
+    # The patch point tests/serving/patches/test_no_new_triton_variants.py sets to the 3090's SM
+    # count; the kernel otherwise asks _common, like every other kernel here.
+    return _common.sm_count(device)
+
+
+def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_block: int = 0,
+          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+          num_warps: int | None = None, config: configs.RouteConfig | None = None) -> tuple[torch.Tensor, ...]:
     """``(router_logits [M, E], shared_gate_logit [M, 1], topk_ids int32 [M, k], topk_weights fp32
     [M, k])`` for ``x [M, H]`` (1..16 tokens) and the merged rows ``[E + 1, H]`` (router, then the
-    shared expert's gate). ``split_k`` (default: about two programs per SM) splits the GEMV over K.
+    shared expert's gate). The launch is ``configs``' row (split-K: about two programs per SM)
+    unless given, as ``config`` or keyword overrides.
 
     With ``align_block`` > 0 (Marlin's ``block_size_m``; 8 for a decode step) the same launch also
     returns Marlin's block alignment: ``sorted_token_ids int32 [M*k*align_block]``,
     ``expert_ids int32 [M*k]`` and ``num_tokens_post_padded int32 [1]``."""
     M, H = x.shape
     E = router_and_gate.shape[0] - 1
-    if not 1 <= M <= MAX_TOKENS:
-        raise ValueError(f"the fused router takes 1..{MAX_TOKENS} tokens, got {M}")
+    config = config or configs.config_for("moe_route", E + 1, H, x.device)
+    given = {name: value for name, value in (("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
+                                             ("num_warps", num_warps)) if value is not None}
+    config = replace(config, **given) if given else config
+    block_k = config.block_k
+    if not 1 <= M <= ROUTE_MAX_TOKENS:
+        raise ValueError(f"the fused router takes 1..{ROUTE_MAX_TOKENS} tokens, got {M}")
     if x.dtype != torch.bfloat16 or router_and_gate.dtype != torch.bfloat16:
         raise ValueError(f"the fused router takes bf16 (its top-k orders bf16 logits), got {x.dtype} and "
                          f"{router_and_gate.dtype}")
@@ -167,8 +182,8 @@ def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_bloc
         raise ValueError(f"the fused block alignment takes 1..{ALIGN_MAX_TOKENS} tokens, got {M}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    blocks = triton.cdiv(E + 1, block_n)
-    split = split_k or max(1, min(H // block_k, triton.cdiv(2 * _sms(x.device), blocks)))
+    blocks = triton.cdiv(E + 1, config.block_n)
+    split = config.splits(blocks, H // block_k, _sms(x.device))
     logits = torch.empty(M, E + 1, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, 16, E + 1, dtype=torch.float32, device=x.device) if split > 1 else logits
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
@@ -179,43 +194,11 @@ def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_bloc
         total = torch.empty(1, dtype=torch.int32, device=x.device)
     else:
         sorted_ids = expert_ids = total = ids
-    counters = _COUNTERS.get(x.device)
-    if counters is None or counters.numel() < blocks + 1:
-        counters = _COUNTERS[x.device] = torch.zeros(blocks + 1, dtype=torch.int32, device=x.device)
+    counters = splitk_counters(x.device, blocks + 1, "moe_route")  # one for the grid, then one per row block
     _route_kernel[(blocks, split)](
         x, router_and_gate, logits, partial, ids, weights, counters, sorted_ids, expert_ids, total, M, H, x.stride(0),
         router_and_gate.stride(0), E=E, ALIGN=align_block, TOP_K=top_k, TOPK_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E), BLOCK_M=16,
-        TOPK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, DOT_FP32=INTERPRETED,
-        num_warps=num_warps)
+        TOPK_M=triton.next_power_of_2(M), BLOCK_N=config.block_n, BLOCK_K=block_k, SPLIT_K=split,
+        DOT_FP32=INTERPRETED, num_warps=config.num_warps)
     routed = (logits[:, :E], logits[:, E:], ids, weights)
     return routed + (sorted_ids, expert_ids, total) if align_block else routed
-
-
-def reference_route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, to_bf16=None):
-    """vLLM's unfused routing in torch: bf16 logits (``to_bf16``, default: to nearest even), softmax
-    over all experts in fp32, the top ``k`` (ties to the smaller expert), renormalized."""
-    to_bf16 = to_bf16 or (lambda t: t.to(torch.bfloat16))
-    logits = to_bf16(x.float() @ router_and_gate.float().T)
-    E = logits.shape[1] - 1
-    probs = torch.softmax(logits[:, :E].float(), dim=-1)
-    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = probs.gather(1, order)
-    return logits[:, :E], logits[:, E:], order.to(torch.int32), weights / weights.sum(-1, keepdim=True)
-
-
-def reference_align(topk_ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """vLLM's ``moe_align_block_size`` layout for ``topk_ids [M, k]`` (documented in vLLM): each
-    used expert's flat assignment indices, ascending, padded with ``M * k`` to a multiple of
-    ``block``; experts ascending; one expert per block (-1 past the end); the padded total."""
-    flat = topk_ids.reshape(-1).long()
-    sentinel = flat.numel()
-    sorted_ids = torch.full((sentinel * block,), sentinel, dtype=torch.int32)
-    expert_ids = torch.full((sentinel,), -1, dtype=torch.int32)
-    position = 0
-    for expert in sorted(set(flat.tolist())):
-        members = torch.nonzero(flat == expert).reshape(-1)
-        sorted_ids[position:position + members.numel()] = members.to(torch.int32)
-        blocks = -(-members.numel() // block)
-        expert_ids[position // block:position // block + blocks] = expert
-        position += blocks * block
-    return sorted_ids, expert_ids, torch.tensor([position], dtype=torch.int32)

@@ -31,18 +31,20 @@ Prefill does not use the cache: :func:`staged_attention` copies whole blocks of 
 the host pool into the arena with DMA, a window of ``arena blocks`` at a time, and runs the same
 split-K kernel over each window; every window writes its own partials, merged once at the end.
 
-Launch configurations fit the RTX 3090's 99 KiB of shared memory per block by construction
-(``tests/quant/kernels/test_qsa_row_cache.py`` compiles them for sm_86 and checks).
+Launch configurations (``configs``' ``qsa_attention`` rows) fit the RTX 3090's 99 KiB of shared
+memory per block by construction (``tests/quant/kernels/test_qsa_row_cache.py`` compiles them for
+sm_86 and checks). The torch references are in :mod:`.reference`.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
+
+from flashnext.quant.kernels import configs
+from flashnext.quant.kernels._common import INTERPRETED
+from flashnext.quant.kernels.configs import AttentionConfig
 
 EMPTY_TAG = -1
 _EMPTY = tl.constexpr(EMPTY_TAG)  # the same, as kernels read a global
@@ -50,10 +52,7 @@ _EMPTY = tl.constexpr(EMPTY_TAG)  # the same, as kernels read a global
 # configuration, compiled when the CUDA graphs are captured. Larger eager batches would load
 # more kernel variants while serving, which the fullest 3090 cannot afford (seed 000 §5: an OOM).
 ROW_CACHE_MAX_ROWS = 12
-BLOCK_N = 32
-# Triton 3.8's interpreter multiplies bf16 dot operands as their raw 16-bit integers; interpreted
-# runs widen them to fp32 first, which is exact (the products of two bf16 are exact in fp32).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+PLAN_BLOCK = 32  # selected columns per program of the plan
 # The epoch lives in the high 32 bits of a bid and in an int32 hitmark.
 EPOCH_LIMIT = 2**31 - 1
 
@@ -206,15 +205,8 @@ def _merge_kernel(partial_out_ptr, partial_lse_ptr, gate_ptr, out_ptr, num_rows,
     tl.store(out_ptr + row * stride_out_row + head * HEAD_DIM + dims, merged * tl.sigmoid(gate))
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    """One launch of the split-K kernel: ``BLOCK`` columns per tile, ``splits`` programs per row and
-    KV head, ``warps`` and ``stages`` as Triton takes them."""
-
-    block: int = BLOCK_N
-    splits: int = 16
-    warps: int = 4
-    stages: int = 2
+def _config(q: torch.Tensor) -> AttentionConfig:
+    return configs.config_for("qsa_attention", device=q.device)
 
 
 def block_m(group: int) -> int:
@@ -237,7 +229,7 @@ def _check(q, host_kv, indices, block_table, token_to_req):
 
 
 def _attention_launch(q, host_kv, arena, indices, block_table, token_to_req, cache, partial_out, partial_lse,
-                      split_offset: int, config: LaunchConfig, num_blocks: int | None = None) -> None:
+                      split_offset: int, config: AttentionConfig, num_blocks: int | None = None) -> None:
     rows, num_q_heads, head_dim = q.shape
     kv_heads = host_kv.shape[2]
     group = num_q_heads // kv_heads
@@ -274,10 +266,11 @@ def _partials(parts: int, q: torch.Tensor):
 
 
 def host_attention(q, host_kv, indices, block_table, token_to_req, gate, out=None,
-                   config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+                   config: AttentionConfig | None = None) -> torch.Tensor:
     """Sparse attention reading every selected row from ``host_kv`` (pinned host memory through a
     UVA view, or any tensor on the query's device): the path without the row cache."""
     _check(q, host_kv, indices, block_table, token_to_req)
+    config = config or _config(q)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0]:
         partial_out, partial_lse = _partials(config.splits, q)
@@ -300,19 +293,20 @@ def plan_row_cache(indices, block_table, token_to_req, tags, hitmark, claim, epo
                    page_size: int) -> None:
     rows = indices.shape[0]
     topk = indices.shape[1] - 1
-    _plan_kernel[(rows, triton.cdiv(topk, BLOCK_N))](
+    _plan_kernel[(rows, triton.cdiv(topk, PLAN_BLOCK))](
         indices, indices.stride(0), block_table, block_table.stride(0), token_to_req, tags, hitmark, claim, epoch,
         tags.numel(), block_table.shape[0], num_blocks, TOPK=topk, PAGE_SIZE=page_size,
-        TABLE_WIDTH=block_table.shape[1], BLOCK=BLOCK_N, num_warps=1)
+        TABLE_WIDTH=block_table.shape[1], BLOCK=PLAN_BLOCK, num_warps=1)
 
 
 def row_cache_attention(q, host_kv, arena_rows, indices, block_table, token_to_req, gate, tags, hitmark, claim,
-                        epoch: torch.Tensor, out=None, config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+                        epoch: torch.Tensor, out=None, config: AttentionConfig | None = None) -> torch.Tensor:
     """Plan and attention for one decode step of one layer; ``arena_rows`` is the layer's share of
     the arena, ``[sets, kv_heads, 2 * head_dim]``, and ``tags``/``hitmark``/``claim`` its state."""
     _check(q, host_kv, indices, block_table, token_to_req)
     if arena_rows.shape[0] != tags.numel() or arena_rows.shape[1:] != host_kv.shape[2:]:
         raise ValueError("the arena rows must be [sets, kv_heads, 2 * head_dim], one per tag")
+    config = config or _config(q)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0]:
         plan_row_cache(indices, block_table, token_to_req, tags, hitmark, claim, epoch, host_kv.shape[0],
@@ -325,13 +319,14 @@ def row_cache_attention(q, host_kv, arena_rows, indices, block_table, token_to_r
 
 
 def staged_attention(q, host_kv, arena, indices, block_table, token_to_req, seq_lens, gate, out=None,
-                     config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+                     config: AttentionConfig | None = None) -> torch.Tensor:
     """Prefill attention: the batch's context blocks are copied from ``host_kv`` into ``arena``
     (``[arena_blocks, block_size, kv_heads, 2 * head_dim]`` in VRAM) a window at a time, and each
     window's selected rows are read from VRAM. ``seq_lens`` bounds each request's blocks."""
     _check(q, host_kv, indices, block_table, token_to_req)
     if arena.ndim != 4 or arena.shape[1:] != host_kv.shape[1:]:
         raise ValueError("the arena must hold whole blocks: [arena_blocks, block_size, kv_heads, 2 * head_dim]")
+    config = config or _config(q)
     out = torch.empty_like(q) if out is None else out
     if not q.shape[0]:
         return out
@@ -409,85 +404,14 @@ class RowCache:
         self.tags.fill_(EMPTY_TAG)
 
     def attend(self, layer: int, q, host_kv, indices, block_table, token_to_req, gate, out=None,
-               config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+               config: AttentionConfig | None = None) -> torch.Tensor:
         return row_cache_attention(q, host_kv, self.layer_rows[layer], indices, block_table, token_to_req, gate,
                                    self.tags[layer], self.hitmark[layer], self.claim[layer], self.next_epoch(layer),
                                    out, config)
 
     def staged(self, q, host_kv, indices, block_table, token_to_req, seq_lens, gate, out=None,
-               config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+               config: AttentionConfig | None = None) -> torch.Tensor:
         out = staged_attention(q, host_kv, self.arena, indices, block_table, token_to_req, seq_lens, gate, out,
                                config)
         self.invalidate_all()
         return out
-
-
-# --- references: the same computations in plain torch, for tests and benchmarks ---------------------
-
-
-def reference_slots(indices, block_table, token_to_req, num_blocks: int, page_size: int) -> torch.Tensor:
-    """``[rows, selection]`` physical slots, ``-1`` where a column selects nothing valid."""
-    topk = indices.shape[1] - 1
-    tokens = indices[:, :topk].long()
-    counts = indices[:, topk].long()
-    requests = token_to_req.long()
-    columns = torch.arange(topk, device=indices.device)
-    pages = tokens.clamp_min(0) // page_size
-    valid = (tokens >= 0) & (columns[None, :] < counts[:, None]) & (pages < block_table.shape[1])
-    valid &= ((requests >= 0) & (requests < block_table.shape[0]))[:, None]
-    safe_requests = requests.clamp(0, block_table.shape[0] - 1)
-    blocks = block_table.long()[safe_requests[:, None], pages.clamp(max=block_table.shape[1] - 1)]
-    valid &= (blocks >= 0) & (blocks < num_blocks)
-    return torch.where(valid, blocks * page_size + tokens.clamp_min(0) % page_size, -1)
-
-
-def reference_attention(q, host_kv, indices, block_table, token_to_req, gate) -> torch.Tensor:
-    """fp32 sparse attention over the selected rows, rounded to bf16 before the sigmoid gate."""
-    rows, num_q_heads, head_dim = q.shape
-    kv_heads = host_kv.shape[2]
-    slots = reference_slots(indices, block_table, token_to_req, host_kv.shape[0], host_kv.shape[1])
-    flat = host_kv.reshape(-1, kv_heads, 2 * head_dim).float()
-    out = torch.zeros((rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
-    for r in range(rows):
-        chosen = slots[r][slots[r] >= 0]
-        if not chosen.numel():
-            continue
-        kv = flat[chosen]  # [n, kv_heads, 2D]
-        for h in range(num_q_heads):
-            k = kv[:, h * kv_heads // num_q_heads, :head_dim]
-            v = kv[:, h * kv_heads // num_q_heads, head_dim:]
-            weights = torch.softmax(q[r, h].float() @ k.T * head_dim ** -0.5, dim=0)
-            out[r, h] = weights @ v
-    return (out.to(q.dtype).float() * torch.sigmoid(gate.float().view_as(out))).to(q.dtype)
-
-
-def reference_invalidate(tags: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """:func:`invalidate_slots` in torch: a stored slot's cached row is dropped."""
-    slots = slots[slots >= 0].to(tags.device)
-    where = slots % tags.numel()
-    tags[where[tags[where] == slots]] = EMPTY_TAG  # two stored slots may share a set: only its own slot clears it
-    return tags
-
-
-def reference_row_cache_step(slots: torch.Tensor, tags: torch.Tensor, host_kv: torch.Tensor,
-                             arena_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What one plan + attention step leaves in a layer's cache, and which columns hit.
-
-    A column hits when its set's tag is its slot. A set that nothing hit is taken by the largest
-    missing slot that maps to it (the winning bid of a single epoch). Updates ``tags`` and
-    ``arena_rows`` in place.
-    """
-    sets = tags.numel()
-    valid = slots >= 0
-    where = torch.where(valid, slots % sets, 0)
-    hits = valid & (tags[where] == slots)
-    hit_sets = set(where[hits].tolist())
-    winners: dict[int, int] = {}
-    for s, slot in zip(where[valid & ~hits].tolist(), slots[valid & ~hits].tolist()):
-        if s not in hit_sets:
-            winners[s] = max(winners.get(s, -1), slot)
-    flat = host_kv.reshape(-1, *host_kv.shape[2:])
-    for s, slot in winners.items():
-        tags[s] = slot
-        arena_rows[s] = flat[slot]
-    return tags, hits

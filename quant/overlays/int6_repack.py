@@ -27,10 +27,11 @@ import torch
 
 from flashnext.errors import FlashnextError
 from flashnext.progress import Progress
-from flashnext.quant.records.jsonfile import get_dict
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, Snapshot
-from flashnext.quant.formats.bitplane import LAYOUT, bitplane_to_dense6, dense6_to_bitplane, dense6_to_int8
-from flashnext.quant.formats.ct_config import DEFAULT_INT6_TARGETS, checked_quantization_config, weight_scheme
+from flashnext.quant.formats.bitplane import (LAYOUT, BitplaneRecord, bitplane_to_dense6, dense6_to_bitplane,
+                                              dense6_to_int8)
+from flashnext.quant.formats.ct_config import (DEFAULT_INT6_TARGETS, checked_quantization_config, is_compressed_tensors,
+                                               quantization_config_of, weight_scheme)
 from flashnext.quant.formats.packing import packed_words
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
 from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
@@ -111,14 +112,9 @@ def _convert(snap: Snapshot, t: Target, mode: str) -> torch.Tensor:
 
 
 def recorded_bitplane_modules(snap: Snapshot) -> list[str]:
-    """The modules config.json's ``flashnext.int6_bitplane`` lists (none when it has no such key)."""
-    where = f"{snap.root / CONFIG_FILE}: flashnext"
-    section = get_dict(snap.config, "flashnext", str(snap.root / CONFIG_FILE), required=False) or {}
-    record = get_dict(section, "int6_bitplane", where, required=False) or {}
-    modules = record.get("modules", [])
-    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
-        raise FlashnextError(f"{where}.int6_bitplane: modules must be a list of module names")
-    return modules
+    """The modules config.json's ``flashnext.int6_bitplane`` lists (none when it has no such record)."""
+    record = BitplaneRecord.from_config(snap.config, str(snap.root / CONFIG_FILE))
+    return [] if record is None else record.modules
 
 
 def _weight_shape(snap: Snapshot, module: str) -> tuple[int, int]:
@@ -146,15 +142,12 @@ def _new_config(snap: Snapshot, targets: list[Target], mode: str) -> dict:
     config = copy.deepcopy(snap.config)
     modules = [t.module for t in targets]
     if mode == "bitplane":
-        config.setdefault("flashnext", {})["int6_bitplane"] = {"layout": LAYOUT, "modules": modules}
+        BitplaneRecord(layout=LAYOUT, modules=modules).into(config)
     elif mode == "reverse":
-        config["flashnext"].pop("int6_bitplane")
-        if not config["flashnext"]:
-            config.pop("flashnext")
+        BitplaneRecord.remove_from(config)
     else:
-        holder = config if "quantization_config" in config else config.get("text_config", config)
-        qc = holder.get("quantization_config")
-        if not qc or qc.get("quant_method") != "compressed-tensors":
+        qc = quantization_config_of(config)
+        if not is_compressed_tensors(qc):
             raise FlashnextError("--to int8 needs a compressed-tensors quantization_config in config.json")
         checked_quantization_config(qc, str(snap.root / CONFIG_FILE))
         sizes = {_group_size(snap, m) for m in modules}

@@ -1,4 +1,5 @@
-"""The overlay manifest, ``overlay.json`` (schema: ``manifests/overlay.schema.json``).
+"""The overlay manifest, ``overlay.json`` (schema: ``manifests/overlay.schema.json``, generated from
+:class:`OverlayManifest` and tested equal to it, so the two cannot drift).
 
 An overlay is a directory of files that are mounted (or linked) over a base snapshot, file by
 file, plus this manifest. The manifest pins the base files each overlay file replaces by sha256, so
@@ -19,21 +20,16 @@ from pydantic import Field, StringConstraints, field_validator
 
 from flashnext import __version__
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, confined, sha256_bytes, sha256_file, write_text_atomic
+from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, confined, sha256_file, write_text_atomic
 from flashnext.quant.records.jsonfile import read_model
-from flashnext.quant.records.strict import Count, Sha256, StrictRecord
-from flashnext.quant.formats.safetensors_io import read_header
+from flashnext.quant.records.strict import BuilderInfo, Count, Sha256, StrictRecord
+from flashnext.quant.formats.safetensors_io import header_sha256
 from flashnext.quant.checkpoint.snapshot import SnapshotOrigin
 
 MANIFEST_FILE = "overlay.json"
 SCHEMA_VERSION = 1
 # Files of flashnext's own bookkeeping that no manifest entry may name.
 RESERVED_NAMES = frozenset({MANIFEST_FILE, OUTPUT_MARKER, ".flashnext-view.json", "overlay.published.json"})
-
-class BuilderInfo(StrictRecord):
-    name: str
-    version: str
-
 
 def hub_repo_id_problem(repo_id: str) -> str | None:
     """Why ``repo_id`` is not a Hugging Face repository id by huggingface_hub's own rules, or None."""
@@ -49,6 +45,8 @@ def hub_repo_id_problem(repo_id: str) -> str | None:
 
 
 class BaseInfo(StrictRecord):
+    """The base snapshot, when known from its Hugging Face cache path."""
+
     repo_id: str | None
     revision: str | None
 
@@ -62,37 +60,40 @@ class BaseInfo(StrictRecord):
 
 
 class ReplacedFile(StrictRecord):
+    """An overlay file that replaces the base file of the same path (a shard, the index, config.json)."""
+
     path: str
     sha256: Sha256
     size: Count
     base_sha256: Sha256
     base_size: Count
-    # For a .safetensors base file: sha256 of its length prefix and JSON header.
-    base_header_sha256: Sha256 | None
+    base_header_sha256: Sha256 | None = Field(
+        description="For a .safetensors base file: sha256 of its 8-byte length prefix and JSON header, what "
+                    "`overlay verify` checks without --full.")
 
 
 class AddedFile(StrictRecord):
+    """An overlay file with no counterpart in the base."""
+
     path: str
     sha256: Sha256
     size: Count
 
 
-def header_sha256(path: Path) -> str | None:
-    """sha256 of a safetensors file's length prefix and JSON header (names, dtypes, shapes and
-    offsets): a cheap fingerprint of a multi-GB shard. None for other files."""
-    if not str(path).endswith(".safetensors"):
-        return None
-    return sha256_bytes(read_header(path).header_bytes)
-
-
 class OverlayManifest(StrictRecord):
+    """An overlay is a directory of files mounted (or linked) over a base snapshot file by file, plus
+    this manifest. Every overlay file either replaces a base file of the same relative path (pinned
+    by the base file's sha256) or adds a new one."""
+
     schema_version: Literal[1] = SCHEMA_VERSION
-    kind: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]*$")]
+    kind: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]*$")] = Field(
+        description="What the overlay does, e.g. mtp-int4.")
     builder: BuilderInfo
     base: BaseInfo
     replaces: list[ReplacedFile] = Field(default_factory=list)
     adds: list[AddedFile] = Field(default_factory=list)
-    report: dict = Field(default_factory=dict)
+    report: dict = Field(default_factory=dict, description="The builder's report (for mtp-int4: "
+                                                           "per-projection quantization error).")
 
     @classmethod
     def new(cls, kind: str, builder: str, base: SnapshotOrigin) -> "OverlayManifest":

@@ -30,9 +30,11 @@ from flashnext import __version__
 from flashnext.errors import FlashnextError
 from flashnext.progress import Progress
 from flashnext.quant.checkpoint.fsutil import OUTPUT_MARKER, atomic_directory, confined, sha256_file, write_json
+from flashnext.quant.formats.ct_config import quantization_config_of
 from flashnext.quant.records.jsonfile import read_json, validate
 from flashnext.quant.records.strict import Count, Sha256, StrictRecord
-from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest, header_sha256
+from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest
+from flashnext.quant.formats.safetensors_io import header_sha256
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot, read_config, read_index
 
 VIEW_RECORD = ".flashnext-view.json"
@@ -216,19 +218,9 @@ def _merge_changes(base: dict, versions: list[tuple[str, dict]], what: str) -> d
     return merged
 
 
-def _quantization_holder(config: dict) -> dict | None:
-    """The object that holds ``quantization_config`` (the config, or its ``text_config``)."""
-    if isinstance(config.get("quantization_config"), dict):
-        return config
-    text = config.get("text_config")
-    if isinstance(text, dict) and isinstance(text.get("quantization_config"), dict):
-        return text
-    return None
-
-
 def _group_names(config: dict) -> list[str]:
-    holder = _quantization_holder(config)
-    groups = holder["quantization_config"].get("config_groups") if holder else None
+    qc = quantization_config_of(config)
+    groups = qc.get("config_groups") if qc else None
     return list(groups) if isinstance(groups, dict) else []
 
 
@@ -237,16 +229,16 @@ def _order_groups(config: dict, base_config: dict, overlay_configs: list[dict]) 
     first. vLLM gives a module the first group in order that targets it, and an overlay puts its
     group first so that it wins over a broader base target; merged key by key, the added groups
     would come after the base's and lose."""
-    holder = _quantization_holder(config)
-    if holder is None or not isinstance(holder["quantization_config"].get("config_groups"), dict):
+    qc = quantization_config_of(config)
+    if qc is None or not isinstance(qc.get("config_groups"), dict):
         return
-    groups = holder["quantization_config"]["config_groups"]
+    groups = qc["config_groups"]
     base_names = _group_names(base_config)
     order: list[str] = []
     for overlay_config in reversed(overlay_configs):
         order += [g for g in _group_names(overlay_config) if g not in base_names and g not in order]
     order += [g for g in groups if g not in order]
-    holder["quantization_config"]["config_groups"] = {g: groups[g] for g in order if g in groups}
+    qc["config_groups"] = {g: groups[g] for g in order if g in groups}
 
 
 def apply_overlays(base: Path, overlays: list[Path], out: Path, verify: bool = True, force: bool = False) -> dict:

@@ -5,7 +5,8 @@ column and pushes each column's rounding error onto the columns not yet quantize
 inverse of the calibration Gram matrix ``H = XᵀX``, so that the *output* ``XWᵀ`` stays close rather
 than each weight. Here the scales are fixed first (the activation-weighted search of
 :mod:`~flashnext.quant.quantizers.mse_rtn`, "static groups"), so the result is the same format
-(codes and one scale per group) and only the codes change.
+(codes and one scale per group) and only the codes change. Registered as the quantizer ``"gptq"``
+(:class:`Gptq`), which needs the Gram matrices of calibration inputs (``make-mtp-int4 --calib``).
 
 Batched: ``b`` matrices with their own ``H`` go through the column loop together, which is what
 makes 512 experts cheap on a GPU (one loop of K steps per batch, not per expert).
@@ -14,6 +15,10 @@ makes 512 experts cheap on a GPU (one loop of K steps per batch, not per expert)
 from __future__ import annotations
 
 import torch
+
+from flashnext.errors import FlashnextError
+from flashnext.quant.quantizers.base import GroupQuantized, register_quantizer
+from flashnext.quant.quantizers.mse_rtn import MseRtn
 
 DAMPING = 0.01  # of the mean diagonal, added to H (GPTQ's usual 1%)
 BLOCK = 128     # columns updated lazily together (GPTQ's block size)
@@ -70,3 +75,40 @@ def gptq_codes(weight: torch.Tensor, gram: torch.Tensor | None, scale: torch.Ten
         if stop < k:
             w[:, :, stop:] -= torch.bmm(errors, u[:, start:stop, stop:])
     return codes
+
+
+@register_quantizer("gptq")
+class Gptq(MseRtn):
+    """:class:`~flashnext.quant.quantizers.mse_rtn.MseRtn`'s scales (activation-weighted when
+    calibrated), then codes chosen by :func:`gptq_codes` against each matrix's ``gram``."""
+
+    description = "MSE-searched scales, GPTQ rounding"
+    uses_gram = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (gram, its factor)
+
+    def quantize(self, weight: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype,
+                 importance: torch.Tensor | None = None, gram: torch.Tensor | None = None) -> GroupQuantized:
+        if gram is None:
+            raise FlashnextError("GPTQ rounding chooses codes against calibration activations: it needs their "
+                                 "Gram matrix XᵀX (make-mtp-int4: give --calib FILE)")
+        rows, cols = weight.shape
+        stack = gram.shape[0] if gram.dim() == 3 else 1
+        if gram.dim() not in (2, 3) or tuple(gram.shape[-2:]) != (cols, cols) or rows % stack:
+            raise FlashnextError(f"gram of shape {tuple(gram.shape)} does not fit a [{rows}, {cols}] weight")
+        searched = super().quantize(weight, bits, group_size, scale_dtype, importance)
+        per = rows // stack
+        codes = gptq_codes(weight.reshape(stack, per, cols), None, searched.scale.view(stack, per, -1),
+                           group_size, bits, factor=self._factor(gram))
+        return GroupQuantized(codes.view(rows, cols), searched.scale, group_size)
+
+    def _factor(self, gram: torch.Tensor) -> torch.Tensor:
+        # Matrices that multiply one input (an expert's gate and up) are handed the same Gram
+        # tensor: the factor of the last one is kept, and computed once for both.
+        if self._last is None or self._last[0] is not gram:
+            self._last = None  # let the previous pair go before the new factor is made
+            stacked = gram if gram.dim() == 3 else gram.unsqueeze(0)
+            self._last = (gram, inverse_cholesky(stacked.to(torch.float32)))
+        return self._last[1]

@@ -33,9 +33,14 @@ from dataclasses import dataclass, field
 import torch
 
 from flashnext.errors import FlashnextError
-from flashnext.quant.quantizers.base import Quantizer, register_quantizer
+from flashnext.quant.quantizers.base import (
+    SUPPORTED_GROUP_SIZES, GroupQuantized, Quantizer, check_group_size, dequantize, register_quantizer,
+)
 
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
+# GroupQuantized, dequantize and check_group_size are the interface's (base.py); they stay
+# importable from here, where callers have always found them (benchmarks/calibrated_quality.py).
+__all__ = ["SUPPORTED_GROUP_SIZES", "AbsmaxRtn", "GroupQuantized", "MseRtn", "MseSearch", "calibrated_grid",
+           "check_group_size", "default_chunk_groups", "dequantize", "quantize_absmax_rtn", "quantize_mse_rtn"]
 
 
 def _default_grid() -> tuple[float, ...]:
@@ -70,35 +75,6 @@ class MseSearch:
     fine: tuple[float, ...] = field(default_factory=_default_fine)
     refits: int = 2
     positive_scales: bool = False
-
-
-@dataclass
-class GroupQuantized:
-    """Signed integer codes and per-group scales of one ``[N, K]`` matrix."""
-
-    codes: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # scale dtype [N, K // group_size]
-    group_size: int
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``q * s`` computed as the format defines it: in the scale dtype, then cast."""
-        return dequantize(self.codes, self.scale, self.group_size).to(dtype)
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``codes * scale`` per group, in the scale's dtype (how compressed-tensors and vLLM do it)."""
-    rows, cols = codes.shape
-    expanded = scale.repeat_interleave(group_size, dim=1)[:, :cols]
-    return codes.to(scale.dtype) * expanded
-
-
-def check_group_size(cols: int, group_size: int, what: str = "matrix") -> None:
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise FlashnextError(
-            f"group size {group_size} is not supported: use one of {SUPPORTED_GROUP_SIZES}")
-    if cols % group_size:
-        raise FlashnextError(
-            f"{what}: input dimension K={cols} is not divisible by the group size {group_size}")
 
 
 def _signed_max(x: torch.Tensor) -> torch.Tensor:
@@ -265,15 +241,18 @@ def quantize_absmax_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 1
 
 @register_quantizer("mse")
 class MseRtn(Quantizer):
-    """The default of ``make-mtp-int4``: :func:`quantize_mse_rtn`."""
+    """The default of ``make-mtp-int4``: :func:`quantize_mse_rtn`; calibrated, on the wider
+    :func:`calibrated_grid` and weighted by ``importance``."""
 
     description = "MSE-searched scales, round-to-nearest"
 
-    def __init__(self, positive_scales: bool = False, search: MseSearch | None = None):
-        self.search = search or MseSearch(positive_scales=positive_scales)
+    def __init__(self, positive_scales: bool = False, calibrated: bool = False, search: MseSearch | None = None):
+        super().__init__(positive_scales, calibrated)
+        grid = calibrated_grid() if calibrated else _default_grid()
+        self.search = search or MseSearch(grid=grid, positive_scales=positive_scales)
 
-    def quantize(self, weight: torch.Tensor, bits: int, group_size: int,
-                 scale_dtype: torch.dtype, importance: torch.Tensor | None = None) -> GroupQuantized:
+    def quantize(self, weight: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype,
+                 importance: torch.Tensor | None = None, gram: torch.Tensor | None = None) -> GroupQuantized:
         return quantize_mse_rtn(weight, bits, group_size, scale_dtype, self.search, importance=importance)
 
     def options(self) -> dict:
@@ -283,13 +262,11 @@ class MseRtn(Quantizer):
 
 @register_quantizer("rtn")
 class AbsmaxRtn(Quantizer):
-    """compressed-tensors' min-max observer: :func:`quantize_absmax_rtn`, the A side of A/B runs."""
+    """compressed-tensors' min-max observer: :func:`quantize_absmax_rtn`, the A side of A/B runs
+    (absmax scales are positive anyway, and it ignores activations)."""
 
     description = "absmax scales, round-to-nearest"
 
-    def __init__(self, positive_scales: bool = False):
-        self.positive_scales = positive_scales  # absmax scales are positive anyway
-
-    def quantize(self, weight: torch.Tensor, bits: int, group_size: int,
-                 scale_dtype: torch.dtype, importance: torch.Tensor | None = None) -> GroupQuantized:
-        return quantize_absmax_rtn(weight, bits, group_size, scale_dtype)  # absmax ignores activations
+    def quantize(self, weight: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype,
+                 importance: torch.Tensor | None = None, gram: torch.Tensor | None = None) -> GroupQuantized:
+        return quantize_absmax_rtn(weight, bits, group_size, scale_dtype)

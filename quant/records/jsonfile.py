@@ -104,22 +104,116 @@ def _json_type(t: type) -> str:
             bool: "boolean", type(None): "null"}.get(t, t.__name__)
 
 
-def validation_message(error, where: str) -> str:
-    """A pydantic ``ValidationError`` as one line naming ``where`` and the first bad key."""
-    first = error.errors()[0]
+# pydantic's type errors in flashnext's words (what the value must be, and what it is); any other
+# error (a range, a pattern, a validator's own sentence) keeps pydantic's message after its key.
+_MUST_BE = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+            "string_type": "a string", "bool_type": "a boolean", "bool_parsing": "a boolean",
+            "float_type": "a number", "float_parsing": "a number", "list_type": "a list",
+            "dict_type": "a JSON object", "model_type": "a JSON object", "model_attributes_type": "a JSON object",
+            "dataclass_type": "a JSON object", "dataclass_exact_type": "a JSON object"}
+# An unknown key: of a model (extra_forbidden), of a dataclass (unexpected_keyword_argument).
+_UNKNOWN = ("extra_forbidden", "unexpected_keyword_argument")
+_PLURAL = {"an integer": "integers", "a string": "strings", "a boolean": "booleans", "a number": "numbers",
+           "a list": "lists", "a JSON object": "JSON objects"}
+
+
+def _key(loc) -> str:
     # pydantic puts validator names ("function-after[...]") in the location; they are no key.
-    loc = ".".join(str(p) for p in first.get("loc", ()) if "[" not in str(p)) or "(top level)"
-    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
-    return f"{where}: {loc}: {first.get('msg', 'invalid')}{more}"
+    return ".".join(str(p) for p in loc if "[" not in str(p))
+
+
+def _unwrapped(hint):
+    from typing import Annotated, Union, get_args, get_origin
+    import types
+
+    while True:
+        if get_origin(hint) is Annotated:
+            hint = get_args(hint)[0]
+        elif get_origin(hint) in (Union, types.UnionType):
+            arms = [a for a in get_args(hint) if a is not type(None)]
+            if len(arms) != 1:
+                return hint
+            hint = arms[0]
+        else:
+            return hint
+
+
+def _container_at(model, loc) -> str | None:
+    """"list" or "object" when ``loc`` in ``model`` is a list or a ``dict`` field, else None."""
+    from typing import get_args, get_origin
+
+    hint = model
+    for part in loc:
+        hint = _unwrapped(hint)
+        fields = getattr(hint, "model_fields", None) or getattr(hint, "__pydantic_fields__", None)
+        if isinstance(fields, dict) and isinstance(part, str):
+            if part not in fields:
+                return None
+            hint = fields[part].annotation
+        elif get_origin(hint) is list:
+            hint = get_args(hint)[0]
+        elif get_origin(hint) is dict:
+            hint = get_args(hint)[1]
+        else:
+            return None
+    origin = get_origin(_unwrapped(hint))
+    return "list" if origin is list else "object" if origin is dict else None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validation_message(error, where: str, model=None) -> str:
+    """A pydantic ``ValidationError`` as one line naming ``where`` and the first bad key, in the one
+    style of every flashnext record: ``where: key must be an integer, got '3'``, ``where: unknown
+    keys ['x']``, or ``where: key: <pydantic's message>`` for what is not a type error."""
+    errors = error.errors()
+    first = errors[0]
+    loc = tuple(p for p in first.get("loc", ()) if "[" not in str(p))
+    kind = first.get("type")
+    if kind in (*_UNKNOWN, "missing"):
+        parent = loc[:-1]
+        same = [e for e in errors if e.get("type") in (*_UNKNOWN, "missing")
+                and tuple(p for p in e["loc"] if "[" not in str(p))[:-1] == parent]
+        unknown = sorted(str(e["loc"][-1]) for e in same if e["type"] in _UNKNOWN)
+        missing = sorted(str(e["loc"][-1]) for e in same if e["type"] == "missing")
+        parts = ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {missing}"] if missing else [])
+        at = f"{_key(parent)}: " if parent else ""
+        rest = len(errors) - len(same)
+        return f"{where}: {at}{'; '.join(parts)}" + (f" (and {rest} more)" if rest else "")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    must = _MUST_BE.get(kind)
+    if must is not None and loc:
+        container = _container_at(model, loc[:-1]) if model is not None and len(loc) > 1 else None
+        got = _shown(first.get("input"))
+        if container == "list":
+            return f"{where}: {_key(loc[:-1])} must be a list of {_PLURAL[must]} (item {loc[-1]} is {got}){more}"
+        if container == "object":
+            return f"{where}: {_key(loc[:-1])} must be an object of {_PLURAL[must]} ({loc[-1]} is {got}){more}"
+        return f"{where}: {_key(loc)} must be {must}, got {got}{more}"
+    return f"{where}: {_key(loc) or '(top level)'}: {first.get('msg', 'invalid')}{more}"
 
 
 def validate(data: Any, model: type[M], where: str) -> M:
+    """``data`` as a ``model``, or one line: the record's own reason that it is no such record
+    (``StrictRecord.not_this_record``) first, else the first bad key."""
     from pydantic import ValidationError
 
+    why = getattr(model, "not_this_record", None)
+    if why is not None and (reason := why(data)):
+        raise FlashnextError(f"{where}: {reason}")
     try:
-        return model.model_validate(data)  # type: ignore[attr-defined]
+        if hasattr(model, "model_validate"):
+            return model.model_validate(data)  # type: ignore[attr-defined]
+        from pydantic import TypeAdapter
+
+        # A strict dataclass takes a dict only as JSON (in Python it wants an instance): the data
+        # came from JSON, and goes back to it losslessly (parse_json refused what would not).
+        return TypeAdapter(model).validate_json(json.dumps(data))
     except ValidationError as e:
-        raise FlashnextError(validation_message(e, where)) from None
+        raise FlashnextError(validation_message(e, where, model)) from None
 
 
 def read_model(path: Path, model: type[M], what: str) -> M:

@@ -17,11 +17,12 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.records.inputs import open_regular
-from flashnext.quant.records.jsonfile import validation_message
+from flashnext.quant.records.jsonfile import validate
+from flashnext.quant.records.strict import StrictRecord
 from flashnext.serving.bench.client import LOGPROB_FLOOR, LOGPROB_SLACK, Malformed, parse_strict, redact_url
 
 SCHEMA_VERSION = 2
@@ -36,8 +37,10 @@ CLIENT_SETTINGS = frozenset({"request_timeout_s", "stall_timeout_s", "phases"})
 _REPORT_LIMIT = 512 << 20
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class _Model(StrictRecord):
+    # Lax where the other records are strict: the runner fills these from Python values (tuples,
+    # numpy scalars), and a report read back is checked key by key all the same.
+    model_config = ConfigDict(strict=False)
 
 
 class Summary(_Model):
@@ -252,6 +255,13 @@ class BenchReport(_Model):
     ab: ABReport | None
     notes: list[str]
 
+    @classmethod
+    def not_this_record(cls, data) -> str | None:
+        if isinstance(data, dict) and data.get("schema_version") == 1:
+            return (f"a report of an older flashnext bench (schema 1, schema {SCHEMA_VERSION} now): run that "
+                    "side again to compare with it")
+        return None
+
 
 def load_report(path: Path) -> BenchReport:
     """A saved ``report.json`` (``--baseline``), or one line saying why it cannot be used: read
@@ -262,14 +272,7 @@ def load_report(path: Path) -> BenchReport:
         doc = parse_strict(raw, str(path))
     except Malformed as e:
         raise FlashnextError(f"{e} (not a report.json of flashnext bench)") from None
-    if isinstance(doc, dict) and doc.get("schema_version") == 1:
-        raise FlashnextError(f"{path}: a report of an older flashnext bench (schema 1, schema "
-                             f"{SCHEMA_VERSION} now): run that side again to compare with it")
-    try:
-        report = BenchReport.model_validate(doc)
-    except ValidationError as e:
-        raise FlashnextError(validation_message(e, f"{path}: not a flashnext bench report "
-                                                   f"(schema {SCHEMA_VERSION})")) from None
+    report = validate(doc, BenchReport, f"{path}: not a flashnext bench report (schema {SCHEMA_VERSION})")
     if not report.endpoints:
         raise FlashnextError(f"{path}: the report has no endpoint to compare with")
     for e in report.endpoints:

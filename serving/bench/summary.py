@@ -1,26 +1,27 @@
-"""What ``flashnext bench`` says when a run is done: the summary lines, the problems and what to change."""
+"""What ``flashnext bench`` says when a run is done: the summary lines, the problems and what to change.
+
+The parts about one phase's results are that phase's (``phases/``); what is said here is about the
+run as a whole: failed requests, the advice for them, the A/B headline numbers and verdicts.
+"""
 
 from __future__ import annotations
 
+from flashnext.serving.bench.ab import headline_metrics
+from flashnext.serving.bench.phases import PHASES
 from flashnext.serving.bench.report import BenchReport
-from flashnext.serving.bench.runner import headline_metrics
 
 
 def problems(report: BenchReport) -> list[str]:
-    """What went wrong, one line each: failed requests by kind, needles missed in answers, invalid
-    structured answers. A request that failed is counted as a failure only, never as a miss."""
+    """What went wrong, one line each: failed requests by kind, then each phase's own (needles missed
+    in answers, invalid structured answers). A request that failed is counted as a failure only,
+    never as a miss."""
     out = []
     for e in report.endpoints:
         if e.errors:
             out.append(f"{e.label}: {sum(e.errors.values())} of {e.requests} requests failed "
                        f"({', '.join(f'{k} {v}' for k, v in e.errors.items())})")
-        answered = [n for n in e.needle if n.found is not None]
-        missed = [n for n in answered if not n.found]
-        if missed:
-            out.append(f"{e.label}: needle missed in {len(missed)} of {len(answered)} answers")
-        if e.structured and e.structured.invalid:
-            out.append(f"{e.label}: {len(e.structured.invalid)} of {e.structured.requests} structured answers "
-                       f"do not validate ({e.structured.invalid[0]})")
+        for p in PHASES.values():
+            out += p.problems(e)
     return out
 
 
@@ -31,12 +32,13 @@ def advice(report: BenchReport) -> list[str]:
 
 
 def summary(report: BenchReport) -> dict:
-    """``--json``'s summary: the headline numbers by side, keyed with their units."""
-    out = {e.label: {"url": e.url, **{f"{h.metric} ({h.unit})": h.value for h in headline_metrics(e)},
-                     "needle_found": sum(bool(n.found) for n in e.needle),
-                     "needle_answered": sum(n.found is not None for n in e.needle), "needle_total": len(e.needle),
-                     "structured_valid": e.structured.valid if e.structured else None}
-           for e in report.endpoints}
+    """``--json``'s summary: the headline numbers by side, keyed with their units, and the phases' counts."""
+    out = {}
+    for e in report.endpoints:
+        side = {"url": e.url, **{f"{h.metric} ({h.unit})": h.value for h in headline_metrics(e)}}
+        for p in PHASES.values():
+            side |= p.summary(e)
+        out[e.label] = side
     if report.ab and report.ab.agreement:
         out["ab"] = {"this_run": report.ab.this_run.name, "reference": report.ab.reference.name,
                      **report.ab.agreement.model_dump(), "differences": report.ab.differences}
@@ -47,22 +49,8 @@ def summary_lines(report: BenchReport) -> list[str]:
     lines = []
     for e in report.endpoints:
         lines.append(f"{e.label}: {e.url} ({e.model}), {e.requests} requests")
-        for p in e.latency:
-            warm = f"warm p50 {p.warm_ttft_s.p50 * 1000:.1f} ms" if p.warm_ttft_s else "warm -"
-            cold = f"cold {p.cold_ttft_s.mean * 1000:.1f} ms" if p.cold_ttft_s else "cold -"
-            itl = (f", ITL p50/p90/p99 {p.itl_s.p50 * 1000:.2f}/{p.itl_s.p90 * 1000:.2f}/{p.itl_s.p99 * 1000:.2f} ms"
-                   if p.itl_s else "")
-            lines.append(f"  TTFT {p.prompt_tokens:>7} tokens x{p.concurrency}: {cold}, {warm}{itl}")
-        for d in e.decode:
-            if d.aggregate_tok_s:
-                per = f" (per request p50 {d.per_request_tok_s.p50:.1f} tok/s)" if d.per_request_tok_s else ""
-                lines.append(f"  decode x{d.concurrency}: {d.aggregate_tok_s.p50:.1f} tok/s in all{per}")
-        if e.needle:
-            answered = sum(n.found is not None for n in e.needle)
-            failed = f" ({len(e.needle) - answered} requests failed)" if answered < len(e.needle) else ""
-            lines.append(f"  needle: found {sum(bool(n.found) for n in e.needle)} of {answered} answered{failed}")
-        if e.structured:
-            lines.append(f"  structured: {e.structured.valid} of {e.structured.requests} valid")
+        for p in PHASES.values():
+            lines += p.summary_lines(e)
     ab = report.ab
     if ab:
         this, ref = ab.this_run.name, ab.reference.name

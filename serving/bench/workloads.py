@@ -117,12 +117,8 @@ def structured_prompt(slot: int) -> list[dict]:
                     "landmarks.")
 
 
-# How a server is asked for a schema: OpenAI's (vLLM's) ``json_schema``, or llama.cpp's server's
-# ``json_object`` with a ``schema`` beside it.
-STRUCTURED_FORMATS = ("json_schema", "json_object")
-
-
 def structured_response_format(kind: str = "json_schema") -> dict:
+    """How a server is asked for the schema (``--structured-format``, the structured phase's FORMATS)."""
     if kind == "json_object":
         return {"type": "json_object", "schema": STRUCTURED_SCHEMA}
     return {"type": "json_schema", "json_schema": {"name": "city", "schema": STRUCTURED_SCHEMA, "strict": True}}

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from flashnext import envs
-from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS
+from flashnext.quant.kernels._common import INTERPRETED
+from flashnext.quant.kernels.decode_mma import MMA_MAX_TOKENS as MAX_TOKENS
 from flashnext.quant.kernels.hc_mix import hc_mix
 from flashnext.serving.hooks.int8_modules import Int8LinearMethod
 

@@ -24,10 +24,8 @@ import torch
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
+from flashnext.serving.capacity.rules import HOST_HEADROOM
 from flashnext.serving.host_memory import CGROUP_MEMORY_MAX, MEMINFO, read_host_memory
-
-# Left free beyond the pool: the page cache of the PLE table and the rest of the process.
-DEFAULT_HEADROOM = 4 << 30
 
 
 def available_bytes(meminfo: Path = MEMINFO, cgroup: Path = CGROUP_MEMORY_MAX.parent) -> int:
@@ -50,7 +48,7 @@ def host_pool_lock(path: str | None = None):
 class PinnedHostPool:
     """``nbytes`` of page-locked host memory, exactly (rounded to the page size only)."""
 
-    def __init__(self, nbytes: int, *, register: bool = True, headroom: int = DEFAULT_HEADROOM,
+    def __init__(self, nbytes: int, *, register: bool = True, headroom: int = HOST_HEADROOM,
                  lock_path: str | None = None, meminfo: Path = Path("/proc/meminfo")):
         if nbytes <= 0:
             raise FlashnextError(f"a host pool needs a positive size, got {nbytes}")

@@ -13,10 +13,12 @@ first, and the listed modules get :class:`BitplaneLinearMethod`:
   the original snapshot holds) and vLLM's own INT6 scheme takes over, so the dense path is the
   fallback with the overlay still applied.
 
-Checkpoint and vLLM names differ in their leading parts (``model.language_model.layers.0...``
-against ``language_model.model.layers.0...``) and vLLM merges some projections (``gate_up_proj``
-from ``gate_proj`` and ``up_proj``); a module is matched from its ``layers.N`` part on, and a merged
-layer is bit-plane when all of its parts are listed (some but not all is refused).
+The record lists checkpoint names (``model.language_model.layers.0...``); they are mapped into
+vLLM's (``language_model.model.layers.0...``) by the model's own mapper, as vLLM maps the
+quantization config (:mod:`.vllm_names`), and matched as compressed-tensors matches targets
+(:func:`~flashnext.quant.formats.ct_config.covered_by`): a layer vLLM merges (``gate_up_proj`` from
+``gate_proj`` and ``up_proj``) is bit-plane when all of its parts are listed (some but not all is
+refused).
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ import torch
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
-from flashnext.quant.formats.bitplane import LAYOUT, bitplane_to_codes, bitplane_to_dense6
+from flashnext.quant.formats.bitplane import BitplaneRecord, bitplane_to_codes, bitplane_to_dense6
+from flashnext.quant.formats.ct_config import covered_by, vllm_module_name
 from flashnext.quant.formats.packing import dequantize_groups
-from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, bitplane_matmul, warm_bitplane_matmul
+from flashnext.quant.kernels._common import INTERPRETED
+from flashnext.quant.kernels.decode_mma import MMA_MAX_TOKENS as MAX_TOKENS
+from flashnext.quant.kernels.decode_mma import bitplane_matmul, warm_bitplane_matmul
 from flashnext.serving.hooks.vllm_bases import linear_method_base, loads_with_weight_loader_v2
+from flashnext.serving.hooks.vllm_names import rename_mapper
 
 
 def enabled() -> bool:
@@ -42,38 +48,22 @@ def _compiles_kernels(weights: torch.Tensor) -> bool:
 
 def recorded_modules(hf_config) -> set[str]:
     """The module names config.json's ``flashnext.int6_bitplane`` lists (empty without one); a
-    record of another layout is refused."""
-    section = getattr(hf_config, "flashnext", None)
-    record = section.get("int6_bitplane") if isinstance(section, dict) else None
-    if not record:
-        return set()
-    if record.get("layout") != LAYOUT:
-        raise FlashnextError(f"config.json: flashnext.int6_bitplane has layout {record.get('layout')!r}; this "
-                             f"flashnext serves {LAYOUT!r}. Rebuild the overlay with this version's repack-int6.")
-    return set(record.get("modules", []))
+    record of another layout is refused (:class:`~flashnext.quant.formats.bitplane.BitplaneRecord`)."""
+    record = BitplaneRecord.from_config(hf_config)
+    return set() if record is None else set(record.modules)
 
 
-def _layer_key(name: str) -> str | None:
-    """``name`` from its ``layers.N`` part on (``layers.0.mlp.shared_expert.gate_proj``), with a
-    leading ``mtp.`` kept apart; None for a name with no layer index."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1):
-        if parts[i] == "layers" and parts[i + 1].isdigit():
-            return ("mtp:" if parts[0] == "mtp" else "") + ".".join(parts[i:])
-    return None
+_PARTLY_LISTED = ("{name}: the bit-plane overlay lists only some of {shards}, which vLLM merges into one layer; "
+                  "repack all of them or none")
 
 
-def bitplane_parts(prefix: str, packed_modules_mapping: dict[str, list[str]], recorded: set[str]) -> bool:
-    """Whether vLLM's linear layer ``prefix`` holds bit-plane weights: its checkpoint part (or every
-    part of a merged layer) is listed."""
-    keys = {k for k in map(_layer_key, recorded) if k}
-    head, _, last = prefix.rpartition(".")
-    parts = [f"{head}.{p}" if head else p for p in packed_modules_mapping.get(last, [last])]
-    listed = [_layer_key(p) in keys for p in parts]
-    if any(listed) and not all(listed):
-        raise FlashnextError(f"{prefix}: the bit-plane overlay lists only some of {parts}, which vLLM merges "
-                             "into one layer; repack all of them or none")
-    return all(listed)
+def bitplane_parts(prefix: str, packed_modules_mapping: dict[str, list[str]], recorded: set[str],
+                   mapper=None) -> bool:
+    """Whether vLLM's linear layer ``prefix`` holds bit-plane weights: its checkpoint module (or
+    every part of a merged layer) is listed. ``mapper``: the model's rename mapper, which gives
+    the listed checkpoint names in vLLM's names (None: the same names)."""
+    listed = sorted(vllm_module_name(m, mapper) for m in recorded)
+    return covered_by(listed, prefix, packed_modules_mapping, refusal=_PARTLY_LISTED)
 
 
 def linear_method(quant_config, prefix: str, method):
@@ -85,7 +75,7 @@ def linear_method(quant_config, prefix: str, method):
     model_config = get_current_vllm_config().model_config
     recorded = recorded_modules(model_config.hf_config) if model_config is not None else set()
     if not recorded or not bitplane_parts(prefix, getattr(quant_config, "packed_modules_mapping", {}) or {},
-                                          recorded):
+                                          recorded, rename_mapper(model_config)):
         return method
     return BitplaneLinearMethod(quant_config)
 

@@ -3,7 +3,7 @@ mixers, served as INT8.
 
 The release stores ``embed_tokens`` and ``lm_head`` as compressed-tensors INT8, group 128, and the
 hyper-connection mixers' projections as INT8, group 64 (``weight_packed`` int32 words,
-``weight_scale``, ``weight_shape``; seed 000 §3.3, §7). vLLM 0.33.0 builds all of them without a
+``weight_scale``, ``weight_shape``; seed 000 §3.3, §6). vLLM 0.33.0 builds all of them without a
 quantization method, with a bf16 ``weight``, so its own loader refuses the checkpoint
 (``There is no module or parameter named 'embed_tokens.weight_packed'``; for the mixers an
 AttributeError in the merged layer's loader). With ``VLLM_INT8_MODULES=1`` (the default), where the
@@ -24,38 +24,30 @@ from __future__ import annotations
 import torch
 
 from flashnext import envs
-from flashnext.quant.formats.ct_config import _matches as matches
+from flashnext.quant.formats.ct_config import symmetric_int_group_size, vllm_scheme
 from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
-from flashnext.quant.kernels.decode_mma import INTERPRETED, MAX_TOKENS, int8_mma
+from flashnext.quant.kernels._common import INTERPRETED
+from flashnext.quant.kernels.decode_mma import MMA_MAX_TOKENS as MAX_TOKENS
+from flashnext.quant.kernels.decode_mma import int8_mma
 from flashnext.serving.hooks.vllm_bases import (linear_method_base, loads_with_weight_loader_v2,
                                                 quantization_config_base, quantize_method_base)
+from flashnext.serving.hooks.vllm_names import rename_mapper
 
 
 def enabled() -> bool:
     return envs.VLLM_INT8_MODULES.enabled()
 
 
-def int8_group_size(quant_config, prefix: str) -> int | None:
-    """The group size when ``quant_config`` (compressed-tensors) quantizes ``prefix`` as symmetric
-    INT8 by groups, else None. vLLM's and the checkpoint's names differ in their leading parts
-    (``language_model.model.embed_tokens`` against ``model.language_model.embed_tokens``), so a
-    target matches the name or its trailing parts, as the release's targets are written. Each
-    match is compressed-tensors' (``re:`` entries by ``re.match``, others by equality), through the
-    one matcher that also bounds the patterns (:func:`~flashnext.quant.formats.ct_config.bounded_pattern`)."""
-    schemes = getattr(quant_config, "target_scheme_map", None)
-    if not schemes:
+def int8_group_size(quant_config, prefix: str, mapper=None) -> int | None:
+    """The group size when ``quant_config`` (vLLM's compressed-tensors config, which vLLM has
+    already mapped into its module names) quantizes vLLM's module ``prefix`` as symmetric INT8 by
+    groups, else None: :func:`~flashnext.quant.formats.ct_config.vllm_scheme`, the rule the
+    builders resolve checkpoint names by, with ``mapper`` the model's rename mapper (by default
+    the one vLLM applied: :func:`~.vllm_names.rename_mapper`)."""
+    if not getattr(quant_config, "target_scheme_map", None):
         return None
-    candidates = [prefix] + [prefix.split(".", i)[-1] for i in range(1, prefix.count(".") + 1)]
-    if any(matches(t, name) for t in getattr(quant_config, "ignore", None) or () for name in candidates):
-        return None
-    for target, scheme in schemes.items():
-        if any(matches(target, name) for name in candidates):
-            weights = scheme.get("weights")
-            if (weights is not None and weights.num_bits == 8 and str(weights.type).endswith("int")
-                    and weights.symmetric and str(weights.strategy).endswith("group") and weights.group_size):
-                return int(weights.group_size)
-            return None
-    return None
+    scheme = vllm_scheme(quant_config, prefix, rename_mapper() if mapper is None else mapper)
+    return symmetric_int_group_size(scheme, 8)
 
 
 def embedding_method(quant_config, prefix: str):

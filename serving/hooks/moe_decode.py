@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from flashnext import envs
-from flashnext.quant.kernels.decode_mma import INTERPRETED
+from flashnext.quant.kernels._common import INTERPRETED
 from flashnext.quant.kernels.moe_route import ALIGN_MAX_TOKENS, route
 
 # The largest step this path takes: the profiles' largest CUDA-graph size. The router kernel's
@@ -145,7 +145,7 @@ def route_step(x: torch.Tensor, rows: torch.Tensor, top_k: int, experts: int, ma
 def _shared_expert(mlp: torch.nn.Module, x: torch.Tensor, routed: torch.Tensor, gate_logit: torch.Tensor):
     """``routed + sigmoid(gate_logit) * shared_expert(x)``, as vLLM's ``Qwen2MoeMLP`` and runner
     compute it, or through the bit-plane kernels for a bit-plane shared expert."""
-    from flashnext.quant.kernels.bitplane_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
+    from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS
     from flashnext.serving.hooks.int6_bitplane import BitplaneLinearMethod
 
     up, down = mlp.gate_up_proj, mlp.down_proj

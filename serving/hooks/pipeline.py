@@ -31,7 +31,7 @@ def on_first_rank(make):
     """Patch mem-01: ``make()`` on the first pipeline rank, a ``PPMissingLayer`` elsewhere.
 
     vLLM 0.33.0's qwen4_exp builds ``embed_tokens`` and ``lm_head`` on every rank although only
-    the first embeds and only the last computes logits: 0.60 GiB each at INT8 (seed 000 §5).
+    the first embeds and only the last computes logits: 0.60 GiB each at INT8 (seed 000 §6).
     """
     return _on_rank(make, "is_first_rank")
 

@@ -1,7 +1,7 @@
 """Patch qsa-offload: QSA main K/V rows in pinned host memory, staged prefill, the decode-07 row cache.
 
 vLLM 0.33.0 keeps each QSA layer's main K/V (2 KiB per token at 2 KV heads of 256) in VRAM, which
-limits the 3x3090 system to about 122k tokens of context (seed 000 §2). With
+limits the 3x3090 system to about 122k tokens of context (seed 000 §1). With
 ``VLLM_QSA_KV_OFFLOAD=1``:
 
 * the main attention layer asks for no device KV cache (the patch's ``get_kv_cache_spec``); what stays in VRAM
@@ -63,9 +63,9 @@ def _offload_inputs(vllm_config):
     text = getattr(model_config, "hf_text_config", None)
     if text is None or getattr(text, "indexer_n_heads", None) is None:
         return None
-    from flashnext.serving import capacity
+    from flashnext.serving.capacity.model import TextConfig
 
-    config = capacity.TextConfig.from_dict(text.to_dict(), "the served model's config")
+    config = TextConfig.from_dict(text.to_dict(), "the served model's config")
     from vllm.model_executor.models import ModelRegistry
 
     model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
@@ -84,9 +84,9 @@ def engine_block_size(vllm_config) -> int | None:
     inputs = _offload_inputs(vllm_config)
     if inputs is None:
         return None
-    from flashnext.serving import capacity
+    from flashnext.serving.capacity.kv import offload_block_size
 
-    return capacity.offload_block_size(*inputs)
+    return offload_block_size(*inputs)
 
 
 def align_block_size(vllm_config) -> bool:
@@ -162,11 +162,11 @@ def rank_row_cache(text, pp: int, partition, draft_tokens: int, state_page: int,
     """The arena and row cache of pipeline rank ``rank``: the busiest rank's QSA layers (the draft
     head's included) in blocks of the engine's block size, shared by this rank's QSA layers."""
     from flashnext.quant.kernels.qsa_row_cache import RowCache
-    from flashnext.serving import capacity
+    from flashnext.serving.capacity import kv
 
-    per_rank = capacity.qsa_layers_per_rank(text, pp, partition, draft_tokens)
-    block_size = capacity.offload_block_size(text, pp, partition, draft_tokens, state_page)
-    return RowCache(per_rank[rank], capacity.qsa_arena_blocks(per_rank), block_size, kv_heads, head_dim,
+    per_rank = kv.qsa_layers_per_rank(text, pp, partition, draft_tokens)
+    block_size = kv.offload_block_size(text, pp, partition, draft_tokens, state_page)
+    return RowCache(per_rank[rank], kv.qsa_arena_blocks(per_rank), block_size, kv_heads, head_dim,
                     torch.bfloat16, device)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
-from flashnext.serving.capacity import VIT_SLOT_ALIGN as ALIGN  # `plan` sizes the slots by the same rule
+from flashnext.serving.capacity.vision import VIT_STREAM_SLOTS, slot_layout  # `plan` sizes the slots by it
 
 
 def enabled() -> bool:
@@ -41,12 +41,12 @@ class _Slot:
 
 def block_layout(block: torch.nn.Module) -> tuple[list[_Slot], int]:
     """Where each parameter of a block sits in a slot, and the slot's size in bytes."""
-    layout, offset = [], 0
-    for name, param in block.named_parameters():
-        nbytes = param.numel() * param.element_size()
-        layout.append(_Slot(name, tuple(param.shape), param.dtype, offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return layout, offset
+    params = list(block.named_parameters())
+    sizes = [param.numel() * param.element_size() for _, param in params]
+    offsets, slot_bytes = slot_layout(sizes)
+    layout = [_Slot(name, tuple(param.shape), param.dtype, offset, nbytes)
+              for (name, param), offset, nbytes in zip(params, offsets, sizes)]
+    return layout, slot_bytes
 
 
 class BlockStream:
@@ -54,7 +54,7 @@ class BlockStream:
     ``slots`` buffers on ``device`` (default: where the blocks are). Construct after the weights are
     loaded; the blocks' parameters become views into the slots and their values move to host memory."""
 
-    def __init__(self, blocks: torch.nn.ModuleList, slots: int = 2, device: torch.device | None = None):
+    def __init__(self, blocks: torch.nn.ModuleList, slots: int = VIT_STREAM_SLOTS, device: torch.device | None = None):
         if len(blocks) == 0 or slots < 2:
             # one slot would be overwritten by the next block's copy while its own block still runs
             raise FlashnextError("vit-stream needs at least one block and two slots")
@@ -150,7 +150,7 @@ def build_context():
     return torch.device("cpu") if enabled() else contextlib.nullcontext()
 
 
-def install(model: torch.nn.Module, slots: int = 2) -> BlockStream | None:
+def install(model: torch.nn.Module, slots: int = VIT_STREAM_SLOTS) -> BlockStream | None:
     """After loading: stream ``model.visual.blocks`` into ``slots`` device slots on the device of the
     rest of the model, and move the tower's other modules there."""
     visual = getattr(model, "visual", None)

@@ -48,14 +48,14 @@ class Switch:
 
 
 def switches(patches, profile_env: dict[str, str], ple_table: Path | None) -> list[Switch]:
-    """Each patch's switch (``NAME=OFF`` in series.json) with the value that turns it on here: the
+    """Each patch's switch (``NAME=OFF``, the registry's ``env_switch``) with the value that turns it on here: the
     profile's, the PLE table for ple-mmap, else flashnext's default when that is on, else 1."""
     declared = {v.name: v for v in vars(envs).values() if isinstance(v, envs.EnvVar)}
     out = []
     for p in patches:
         name, sep, off = p.env_switch.partition("=")
         if not sep:
-            raise FlashnextError(f"series.json: patch {p.id}'s env_switch {p.env_switch!r} is not NAME=VALUE")
+            raise FlashnextError(f"serving/patches/series.py: patch {p.id}'s env_switch {p.env_switch!r} is not NAME=VALUE")
         if name in profile_env:
             on = profile_env[name]
         elif name == envs.VLLM_PLE_MMAP_PATH.name:

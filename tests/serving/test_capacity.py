@@ -1,13 +1,16 @@
 """``flashnext plan``: vLLM 0.33.0's own KV cache grouping, checked against seed 000's table and by hand."""
 
+import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from flashnext.errors import FlashnextError
 from flashnext.serving import capacity
-from flashnext.serving.profiles import load_profile
+from flashnext.serving.profiles import available, load_profile
 from flashnext.tools.cli import main as cli
 
 pytest.importorskip("vllm.v1.core.kv_cache_planning", reason="vLLM 0.33.0 is installed by .ci/run")
@@ -103,7 +106,11 @@ def test_bad_inputs(demo_snapshot, tmp_path):
     with pytest.raises(FlashnextError, match="VLLM_QSA_KV_OFFLOAD"):
         capacity.plan(text, capacity.ServingShape(2, 8192, 1_000_000, False, 0, None, False, True))
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4}}))
-    with pytest.raises(FlashnextError, match="the text config has no 'full_attention_interval'"):
+    with pytest.raises(FlashnextError, match="config.json: text_config: full_attention_interval is missing"):
+        capacity.load_text_config(tmp_path)
+    # the same one-line errors as every other reader of a config (flashnext.quant.records.jsonfile)
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": "4"}}))
+    with pytest.raises(FlashnextError, match="text_config: num_hidden_layers must be an integer, got '4'"):
         capacity.load_text_config(tmp_path)
 
 
@@ -138,11 +145,9 @@ def test_serve_prints_the_plan_line():
 def test_the_vision_tower_on_the_first_rank():
     """Seed 000 §6: 27 blocks of width 1152, 0.836 GiB in bf16, streamed through 2 x 29 MiB slots;
     the 3x3090 profiles serve images up to 2 MP with vit-stream on."""
-    import dataclasses
-
     vision = capacity.load_vision_config()
     assert round((vision.other_bytes() + vision.depth * vision.block_bytes()) / GIB, 3) == 0.836
-    assert round(2 * vision.slot_bytes() / 2**20) == 58
+    assert round(2 * capacity.slot_bytes(vision.block_parameter_bytes()) / 2**20) == 58
     profile = load_profile("3x3090")
     p = capacity.plan_profile(profile)
     assert p.vision.streamed and p.vision.max_pixels == 2_097_152
@@ -151,7 +156,106 @@ def test_the_vision_tower_on_the_first_rank():
     resident = capacity.plan_profile(dataclasses.replace(profile, env={**profile.env, "VLLM_VIT_STREAM": "0"}))
     assert resident.vision.weight_bytes == resident.vision.resident_weight_bytes
     text_only = capacity.plan_profile(dataclasses.replace(profile, vllm_args=[*profile.vllm_args,
-                                                                              "--language-model-only"]))
+                                                                               "--language-model-only"]))
     assert text_only.vision is None and text_only.vram_bytes_with_images == []
     r = CliRunner().invoke(cli, ["plan", "--profile", "3x3090"])
     assert "vision tower         rank 0 only: 129.59 MiB streamed (vit-stream; 856.27 MiB resident)" in r.stdout
+
+
+# --- issue 27: one home per capacity rule ---------------------------------------------------------
+
+GOLDEN = Path(__file__).with_name("plan_json_before_issue_27.json")
+
+
+@pytest.mark.parametrize("argv", sorted(json.loads(GOLDEN.read_text())))
+def test_plan_json_is_what_it_was_before_the_split(argv):
+    """`plan --json` of every profile shipped when serving/capacity.py became a package, with each
+    override, as the single module printed it (captured from that code, before the split)."""
+    want = json.loads(GOLDEN.read_text())[argv]
+    assert argv.split()[1] in available()
+    r = CliRunner().invoke(cli, ["plan", *argv.split(), "--json"])
+    if "exit_code" in want:  # a family with no planner: refused, as before
+        assert r.exit_code == want["exit_code"] and r.stdout == ""
+        return
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == want
+
+
+@pytest.mark.parametrize("layers, pp, partition", [
+    (48, 3, None), (48, 3, (16, 17, 15)), (49, 3, None), (50, 4, None), (7, 1, None), (4, 2, (1, 3)), (5, 5, None)])
+def test_rank_layers_is_vllms_split(layers, pp, partition, monkeypatch):
+    """The plan splits the layers as vLLM's get_pp_indices does with the same VLLM_PP_LAYER_PARTITION,
+    without setting that variable for anyone (the plan is for the profile's environment, not ours)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    if partition is None:
+        monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", ",".join(map(str, partition)))
+    vllms = [range(*get_pp_indices(layers, rank, pp)) for rank in range(pp)]
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,1,1,1,1,1,1,1,1")  # this process's: not the profile's
+    assert capacity.rank_layers(layers, pp, partition) == vllms
+    assert os.environ["VLLM_PP_LAYER_PARTITION"] == "1,1,1,1,1,1,1,1,1"
+
+
+def test_the_slot_of_vllms_vision_block_is_the_planned_slot():
+    """vit-stream's slot for a real Qwen3-VL vision block (transformers' module, on the meta device)
+    is the slot `plan` and the preflight count from the pinned config's parameter sizes."""
+    import torch
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionBlock
+
+    from flashnext.serving.hooks.vit_stream import block_layout
+
+    vision = capacity.load_vision_config()
+    config = Qwen3VLVisionConfig(depth=vision.depth, hidden_size=vision.hidden_size, num_heads=16,
+                                 intermediate_size=vision.intermediate_size, out_hidden_size=vision.out_hidden_size)
+    with torch.device("meta"):
+        block = Qwen3VLVisionBlock(config).to(torch.bfloat16)
+    layout, slot = block_layout(block)
+    assert slot == capacity.slot_bytes(vision.block_parameter_bytes()) == 30_479_104
+    assert sorted(s.nbytes for s in layout) == sorted(vision.block_parameter_bytes())
+    assert all(s.offset % capacity.vision.VIT_SLOT_ALIGN == 0 for s in layout)
+
+
+def test_plan_serve_and_the_preflight_ask_the_families_table(monkeypatch, tmp_path):
+    """A family is planned where FAMILIES has a planner for it, by that planner, everywhere."""
+    from flashnext.serving import preflight
+    from flashnext.serving.run import summary_line
+
+    hisparse = load_profile("8xh200-glm53-hisparse")
+    assert hisparse.model_family not in capacity.FAMILIES
+    assert [f.check for f in preflight.preflight(hisparse, None, [], None, "native", [])].count("host-ram") == 0
+    asked = []
+
+    def planner(profile, kv_cache_memory_bytes=None, prefix_caching=None, model=None):
+        asked.append((profile.name, kv_cache_memory_bytes, prefix_caching, model))
+        return capacity.plan_profile(load_profile("3x3090"), kv_cache_memory_bytes, prefix_caching, model)
+
+    monkeypatch.setitem(capacity.FAMILIES, hisparse.model_family, planner)
+    r = CliRunner().invoke(cli, ["plan", "--profile", hisparse.name, "--kv-cache-memory-bytes", "550000000", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["blocks"] == 171
+    assert summary_line(hisparse).startswith("plan: 244 blocks per rank")
+    findings = preflight.preflight(hisparse, None, [], None, "native", [])
+    assert [f.check for f in findings].count("host-ram") == 1
+    assert [a[0] for a in asked] == [hisparse.name] * 3 and asked[0][1:3] == (550_000_000, None)
+
+
+def test_serve_plans_the_snapshot_the_preflight_checks(demo_snapshot, tmp_path):
+    """`serve --model S` prints the plan of S, the one `plan --model S` prints and the preflight's
+    host-RAM check counts (before issue 27 serve's line was the pinned checkpoint's)."""
+    from flashnext.serving import preflight
+    from flashnext.serving.run import summary_line
+
+    profile = load_profile("3x3090")
+    r = CliRunner().invoke(cli, ["plan", "--profile", "3x3090", "--model", str(demo_snapshot), "--json"])
+    assert r.exit_code == 0, r.output
+    planned = json.loads(r.stdout)
+    base = capacity.plan_profile(profile)
+    assert planned["blocks"] != base.blocks  # the demo config is another model: the difference shows
+    assert summary_line(profile, demo_snapshot).startswith(f"plan: {planned['blocks']} blocks per rank")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {125 * GIB // 1024} kB\nMemAvailable: {118 * GIB // 1024} kB\n")
+    finding = preflight.check_host_ram(profile, meminfo, tmp_path / "absent", model=demo_snapshot,
+                                       ple_table=tmp_path / "table.bin")
+    assert finding.terms["QSA K/V"] == planned["pinned_host_bytes_needed"] != base.pinned_host_bytes_needed

@@ -20,19 +20,8 @@ from flashnext.tools.cli import main as cli
 
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
-SERIES = ["mtp-03", "pp-ple", "ple-mmap", "decode-06", "ttft-01", "host-pool", "mem-01", "mtp-01", "mtp-02",
-          "decode-03", "qsa-indexer-quant", "qsa-offload", "int8-modules", "decode-04", "int6-bitplane", "decode-05",
-          "vit-stream"]
-
-
-def test_series_metadata_is_complete():
-    series = load_series()
-    assert [p.id for p in series] == SERIES
-    for p in series:
-        assert p.env_switch.split("=")[0] in {v.name for v in __import__("flashnext.envs", fromlist=["ALL"]).ALL}
-        assert p.path.is_file() and p.probe and p.upstream
-    listing = CliRunner().invoke(cli, ["patches", "list", "--json"])
-    assert listing.exit_code == 0 and json.loads(listing.stdout)[0]["id"] == "mtp-03"
+# the registry's own agreement tests are tests/serving/patches/test_registry.py
+SERIES = [p.id for p in load_series()]
 
 
 def test_check_applies_with_zero_fuzz_and_probes_without_touching_the_install():
@@ -243,23 +232,6 @@ def test_decode03_overlaps_preparation_with_the_previous_rank():
     _, stock = two_ranks({"VLLM_PP_DEFER_RECV": "0"}, "pp_recv_scenario.py")
     assert not stock["deferred"] and stock["equal"]
     assert stock["returned_after_s"] >= 0.9 and stock["forward_ready_after_s"] >= 1.5
-
-
-def test_the_readme_table_is_generated_from_the_series():
-    from click.testing import CliRunner
-
-    from flashnext.serving.patch_series import README_FILE, load_series, readme_with_table
-    from flashnext.tools.cli import main as cli
-
-    series = load_series()
-    text = README_FILE.read_text()
-    assert readme_with_table(text, series) == text, "run `flashnext patches readme --write`"
-    for p in series:
-        assert f"| {p.order} | {p.id} | {p.details} |" in text
-        assert f"| {p.id} | {p.coverage['vllm_cpu']} |" in text
-    result = CliRunner().invoke(cli, ["patches", "readme"])
-    # Two tables: a header and a rule each, one row a patch, one blank line between them.
-    assert result.exit_code == 0 and result.output.count("\n") == 2 * (len(series) + 2) + 1
 
 
 # --- int6-bitplane: the bit-plane overlay served ---------------------------------------------------

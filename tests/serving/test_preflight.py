@@ -26,6 +26,54 @@ def test_gpu_findings():
     assert not finding.ok and "GPU 1" in finding.detail and "nvidia-smi" in finding.fix
 
 
+@pytest.mark.parametrize("args, share", [
+    ([], 0.92),  # vLLM 0.33.0's default (the preflight's own parse assumed 0.9 before issue 27)
+    (["--gpu-memory-utilization=0.95"], 0.95),  # the `=` form vLLM's parser reads
+    (["--gpu-memory-utilization", "0.5"], 0.5),
+])
+def test_the_gpu_check_takes_the_share_vllm_reads(args, share):
+    """What the preflight requires free on each GPU is what vLLM's EngineArgs makes of the profile."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    profile = load_profile("3x3090")
+    rest = list(profile.vllm_args)
+    at = rest.index("--gpu-memory-utilization")
+    del rest[at:at + 2]
+    profile = dataclasses.replace(profile, vllm_args=rest + args)
+    parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_known_args(profile.vllm_args)[0]
+    assert parsed.gpu_memory_utilization == share
+    just_under = [pf.GpuInfo(i, "NVIDIA GeForce RTX 3090", 24 * GIB, int(share * 24 * GIB) - 1) for i in range(3)]
+    refused = pf.check_gpus(profile, just_under)
+    assert not refused.ok and f"takes {share:.0%}" in refused.detail
+    just_free = [pf.GpuInfo(i, "NVIDIA GeForce RTX 3090", 24 * GIB, int(share * 24 * GIB) + 1) for i in range(3)]
+    assert pf.check_gpus(profile, just_free).ok
+
+
+def test_the_host_ram_check_reads_the_pipeline_size_as_vllm_does(tmp_path):
+    """`-pp 3` is the profile's pipeline as much as `--pipeline-parallel-size 3`: the MTP draft's
+    embedding is pinned either way (the preflight's own parse saw only the long form before issue 27)."""
+    profile = load_profile("3x3090-mtp")
+    rest = list(profile.vllm_args)
+    at = rest.index("--pipeline-parallel-size")
+    short = dataclasses.replace(profile, vllm_args=[*rest[:at], "-pp", rest[at + 1], *rest[at + 2:]])
+    for p in (profile, short):
+        finding = pf.check_host_ram(p, meminfo_file(tmp_path, 125, 118), tmp_path / "absent",
+                                    ple_table=tmp_path / "table.bin")
+        assert finding.terms["MTP draft embedding"] == DRAFT_EMBED
+
+
+def test_the_headroom_is_the_host_pools():
+    """The preflight leaves the headroom the exact-size pool (patch host-pool) refuses by at start."""
+    import inspect
+
+    from flashnext.serving import capacity
+    from flashnext.serving.hooks.host_pool import PinnedHostPool
+
+    default = inspect.signature(PinnedHostPool).parameters["headroom"].default
+    assert default == capacity.HOST_HEADROOM == 4 * GIB
+
+
 # The release's pinned allocations, by hand: 244 blocks x 12,144 tokens x 2 KiB x 12 QSA layers; the
 # PLE table 320,001,536 padded rows x 160 bf16; 27 ViT blocks of 30,479,104 B (each parameter of a
 # 30,479,008 B block rounded up to vit-stream's slot alignment); the draft's INT8 embedding, 248,320

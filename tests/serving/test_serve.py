@@ -349,8 +349,8 @@ COMPOSE_CASES = [
 def stand_ins(tmp_path, monkeypatch):
     """A PATH of nothing but the stand-ins a case installs; the preflight (logged, GO) and readiness
     supplied; the state folder under tmp_path."""
-    import flashnext.tools.serve as serve_tool
     from flashnext.serving import preflight as pf
+    from flashnext.serving import run
 
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
@@ -363,7 +363,7 @@ def stand_ins(tmp_path, monkeypatch):
         return [pf.Finding("gpus", True, "3 x RTX 3090 (supplied)")]
 
     monkeypatch.setattr(pf, "preflight", preflight)
-    monkeypatch.setattr(serve_tool, "wait_ready", lambda *a, **k: {"data": [{"id": "flash-next"}]})
+    monkeypatch.setattr(run, "wait_ready", lambda *a, **k: {"data": [{"id": "flash-next"}]})
     model, table = tmp_path / "snap", tmp_path / "table.bin"
     model.mkdir()
     table.write_bytes(b"")

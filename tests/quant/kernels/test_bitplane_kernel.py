@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from flashnext.quant.formats.bitplane import codes_to_bitplane
-from flashnext.quant.kernels.bitplane_gemv import (GemvLaunch, bitplane_down_combine, bitplane_gate_up_silu,
-                                                   bitplane_gemv)
+from flashnext.quant.kernels.bitplane_gemv import bitplane_down_combine, bitplane_gate_up_silu, bitplane_gemv
+from flashnext.quant.kernels.configs import GemvConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -38,7 +38,7 @@ SHAPES = [(48, 256, 64), (32, 512, 128)] if DEVICE == "cpu" else [(1280, 2560, 6
 def loads(request):
     """Both decode paths at the test shapes: four weights per load (the small matrices' default)
     and eight (the large matrices' default), as a launch configuration to pass."""
-    return None if request.param == "quad" else GemvLaunch(block_n=8, block_k=512, wide=True)
+    return None if request.param == "quad" else GemvConfig(block_n=8, block_k=512, wide=True)
 
 
 @pytest.mark.parametrize("n,k,gs", SHAPES)

@@ -6,7 +6,8 @@ import torch
 
 from flashnext.quant.formats.bitplane import codes_to_bitplane
 from flashnext.quant.formats.packing import pack_int32
-from flashnext.quant.kernels.decode_mma import INTERPRETED, bitplane_matmul, bitplane_mma, int8_mma
+from flashnext.quant.kernels._common import INTERPRETED
+from flashnext.quant.kernels.decode_mma import bitplane_matmul, bitplane_mma, int8_mma
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -71,3 +72,22 @@ def test_refuses_what_it_cannot_run():
 def test_real_shapes(n, k, m):
     x, planes, scales, ref = case(n, k, 64, m, seed=n + m)
     check(bitplane_mma(x, planes, scales), ref)
+
+
+@pytest.mark.parametrize("m", [3, 20])
+def test_int8_matmul_takes_any_batch(m):
+    """Decode batches through the kernel, a larger batch over a small weight through the GEMM over
+    the dequantized weights; both within one bf16 rounding of the fp32 product."""
+    from flashnext.quant.kernels.decode_mma import int8_matmul
+
+    g = torch.Generator().manual_seed(40 + m)
+    q = torch.randint(-128, 128, (32, 256), generator=g, dtype=torch.int8)
+    s = (torch.rand(32, 2, generator=g) * 0.01).to(torch.bfloat16)
+    x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
+    w = q.float() * s.float().repeat_interleave(128, 1)
+    if m > 16:  # the GEMM multiplies the weights rounded to x's dtype; the kernel scales exact products
+        w = w.to(torch.bfloat16).float()
+    ref = x.float() @ w.T
+    got = int8_matmul(x.to(DEVICE), pack_int32(q, 8).to(DEVICE), s.to(DEVICE))
+    assert got.shape == (m, 32) and got.dtype == torch.bfloat16
+    check(got, ref.to(DEVICE))

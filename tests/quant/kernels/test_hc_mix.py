@@ -6,9 +6,9 @@ import triton
 import triton.language as tl
 
 from flashnext.quant.formats.packing import pack_int32
-from flashnext.quant.kernels.decode_mma import INTERPRETED
-from flashnext.quant.kernels.hc_mix import (hc_down_inject_silu, hc_mix, hc_up_gate_mix, reference_mix,
-                                           round_toward_zero)
+from flashnext.quant.kernels._common import INTERPRETED
+from flashnext.quant.kernels.hc_mix import hc_down_inject_silu, hc_mix, hc_up_gate_mix
+from flashnext.quant.kernels.reference import reference_mix, round_toward_zero
 
 HC = 4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,9 +3,9 @@ interpreter in CI, at the real shape on the GPU (``-m gpu``)."""
 import pytest
 import torch
 
-from flashnext.quant.kernels.decode_mma import INTERPRETED
-from flashnext.quant.kernels.hc_mix import round_toward_zero
-from flashnext.quant.kernels.moe_route import reference_route, route
+from flashnext.quant.kernels._common import INTERPRETED
+from flashnext.quant.kernels.moe_route import route
+from flashnext.quant.kernels.reference import reference_align, reference_route, round_toward_zero
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROUND = round_toward_zero if INTERPRETED else None  # how the kernel's bf16 stores round
@@ -61,8 +61,6 @@ def test_route_checks_its_inputs():
 def test_real_shape(m):
     """512 experts + the shared gate over hidden 2560, top 10 (Qwen3.8-Flash-Next), with Marlin's
     decode block alignment (8)."""
-    from flashnext.quant.kernels.moe_route import reference_align
-
     x, w = case(m, 512, 2560, seed=50 + m, exact=True, ties=True)
     x[-1] = x[0]
     want = reference_route(x, w, 10)
@@ -78,8 +76,6 @@ def test_real_shape(m):
 def test_marlin_block_alignment_in_the_same_launch(m, align):
     """vLLM's moe_align_block_size layout, from the router's own picks (the last token repeats the
     first, so experts are shared between tokens)."""
-    from flashnext.quant.kernels.moe_route import reference_align
-
     x, w = case(m, 64, 256, seed=30 + m, exact=True, ties=True)
     x[-1] = x[0]
     logits, gate, ids, weights, sorted_ids, expert_ids, total = route(x.to(DEVICE), w.to(DEVICE), 6, align_block=align)

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from flashnext.quant.kernels import qsa_row_cache as rc
+from flashnext.quant.kernels import reference
+from flashnext.quant.kernels.configs import AttentionConfig
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -67,21 +69,21 @@ class Cache:
         return [t.to(DEVICE) for t in (q, indices, table, token_to_req, gate)]
 
 
-CONFIG = rc.LaunchConfig(block=16, splits=2, warps=2, stages=1)
+CONFIG = AttentionConfig(block=16, splits=2, warps=2, stages=1)
 
 
 def test_host_attention_matches_the_reference():
     c = Cache()
     q, indices, table, token_to_req, gate = c.step([[3, 7, 1], [5, 0, 9]], [40, 33], rows_per_request=2)
     got = rc.host_attention(q, c.host_kv, indices, table, token_to_req, gate, config=CONFIG)
-    ref = rc.reference_attention(q, c.host_kv, indices, table, token_to_req, gate)
+    ref = reference.reference_attention(q, c.host_kv, indices, table, token_to_req, gate)
     assert (got.float() - ref.float()).abs().max() <= 2 ** -6
 
 
 def test_invalidate_drops_exactly_the_stored_slots():
     tags = torch.tensor([16, -1, 2, 35, 4, 21, 6, 7], dtype=torch.int64, device=DEVICE)
     stored = torch.tensor([2, 3, 21, 99, -1, 35 + 8], device=DEVICE)
-    expected = rc.reference_invalidate(tags.clone().cpu(), stored.cpu())
+    expected = reference.reference_invalidate(tags.clone().cpu(), stored.cpu())
     rc.invalidate_slots(tags, stored)
     assert tags.tolist() == expected.tolist() == [16, -1, -1, 35, 4, -1, 6, 7]  # 3, 99, 43 were not cached
 
@@ -98,16 +100,16 @@ def test_row_cache_steps_are_bit_exact_and_keep_the_protocol():
         q, indices, table, token_to_req, gate = c.step(tables, [45, 40], rows_per_request=2,
                                                       previous=previous, overlap=0.8)
         if step in (4, 9):  # a store rewrites rows, then invalidates them
-            stored = rc.reference_slots(indices, table, token_to_req, 10, 16)[0, :5].cpu()
+            stored = reference.reference_slots(indices, table, token_to_req, 10, 16)[0, :5].cpu()
             stored = stored[stored >= 0]
             c.rewrite(stored)
             cache.invalidate(0, stored.to(DEVICE))
-            rc.reference_invalidate(tags_ref, stored)
+            reference.reference_invalidate(tags_ref, stored)
         got = cache.attend(0, q, c.host_kv, indices, table, token_to_req, gate, config=CONFIG)
         plain = rc.host_attention(q, c.host_kv, indices, table, token_to_req, gate, config=CONFIG)
         assert torch.equal(got, plain), step
-        slots = rc.reference_slots(indices, table, token_to_req, 10, 16).cpu().reshape(-1)
-        _, hits = rc.reference_row_cache_step(slots, tags_ref, c.pinned, arena_ref)
+        slots = reference.reference_slots(indices, table, token_to_req, 10, 16).cpu().reshape(-1)
+        _, hits = reference.reference_row_cache_step(slots, tags_ref, c.pinned, arena_ref)
         hits_seen += int(hits.sum())
         assert torch.equal(cache.tags[0].cpu(), tags_ref), step
         assert torch.equal(cache.layer_rows[0].cpu(), arena_ref), step
@@ -122,7 +124,7 @@ def test_a_shared_prefix_block_hits_for_the_other_request():
     cache.attend(0, q, c.host_kv, indices, table, token_to_req, gate, config=CONFIG)
     # the second request shares block 5 as its first block: the same slots, so the same rows
     table2 = torch.tensor([[5, 3]], dtype=torch.int32, device=DEVICE)
-    slots = rc.reference_slots(indices, table2, token_to_req, 12, 16).reshape(-1)
+    slots = reference.reference_slots(indices, table2, token_to_req, 12, 16).reshape(-1)
     assert (cache.tags[0][slots[slots >= 0] % cache.sets] == slots[slots >= 0]).all()
 
 
@@ -163,7 +165,7 @@ def test_staged_prefill_matches_the_reference_and_empties_the_cache():
     q, indices, table, token_to_req, gate = c.step(tables, [60, 50], rows_per_request=3)
     seq_lens = torch.tensor([60, 50], device=DEVICE)
     got = cache.staged(q, c.host_kv, indices, table, token_to_req, seq_lens, gate, config=CONFIG)
-    ref = rc.reference_attention(q, c.host_kv, indices, table, token_to_req, gate)
+    ref = reference.reference_attention(q, c.host_kv, indices, table, token_to_req, gate)
     assert (got.float() - ref.float()).abs().max() <= 2 ** -6
     assert (cache.tags == rc.EMPTY_TAG).all()
 
@@ -175,7 +177,7 @@ SM86_COMPILE = textwrap.dedent('''
     import json, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from flashnext.quant.kernels import qsa_row_cache as rc
+    from flashnext.quant.kernels import configs, qsa_row_cache as rc
 
     signature = {name: "*bf16" for name in ("q_ptr", "host_ptr", "arena_ptr")}
     signature.update({"indices_ptr": "*i32", "block_table_ptr": "*i32", "token_to_req_ptr": "*i32",
@@ -184,7 +186,7 @@ SM86_COMPILE = textwrap.dedent('''
     for name in ("stride_q_row", "stride_q_head", "stride_host_block", "stride_host_token", "stride_indices_row",
                  "stride_table_req", "num_rows", "num_requests", "num_blocks", "split_offset"):
         signature[name] = "i32"
-    config = rc.LaunchConfig()
+    config = configs.config_for("qsa_attention", family="sm86")
     shared = {}
     for use_cache in (True, False):
         constexprs = {"TOPK": 2048, "PAGE_SIZE": 12144, "TABLE_WIDTH": 22, "GROUP": 12, "HEAD_DIM": 256,
@@ -221,7 +223,7 @@ def test_real_shapes_on_pinned_host_memory():
                                                       overlap=0.72)
         got = cache.attend(1, q, c.host_kv, indices, table, token_to_req, gate)
         assert torch.equal(got, rc.host_attention(q, c.host_kv, indices, table, token_to_req, gate))
-        ref = rc.reference_attention(q, c.host_kv, indices, table, token_to_req, gate)
+        ref = reference.reference_attention(q, c.host_kv, indices, table, token_to_req, gate)
         assert (got.float() - ref.float()).abs().max() <= 2 ** -5
         previous = indices.cpu()
     seq_lens = torch.tensor([70000], device=DEVICE)

@@ -80,9 +80,9 @@ def test_the_registry_names_each_quantizer(demo_snapshot, tmp_path):
     from flashnext.quant.overlays.mtp_int4 import MtpInt4Options, make_mtp_int4
     from flashnext.quant.quantizers.base import available_quantizers, get_quantizer
 
-    assert available_quantizers() == ["mse", "rtn"]
-    with pytest.raises(FlashnextError, match="no quantizer 'gptq'; available: mse, rtn"):
-        get_quantizer("gptq")
+    assert available_quantizers() == ["gptq", "mse", "rtn"]
+    with pytest.raises(FlashnextError, match="no quantizer 'gptq4'; available: gptq, mse, rtn"):
+        get_quantizer("gptq4")
     w = torch.randn(8, 256)
     assert torch.equal(get_quantizer("rtn").quantize(w, 4, 128, torch.bfloat16).codes,
                        quantize_absmax_rtn(w, 4, 128, torch.bfloat16).codes)

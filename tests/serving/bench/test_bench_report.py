@@ -219,7 +219,7 @@ def ab_run(tmp_path_factory) -> tuple[Path, list[str]]:
     """A run of every phase against a second server, and the legend texts of every plot it drew."""
     out = tmp_path_factory.mktemp("ab") / "run"
     legends: list[str] = []
-    original = plots._png
+    original = plots.png
 
     def keep_legends(plt, fig):
         legends.extend(t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts())
@@ -228,7 +228,7 @@ def ab_run(tmp_path_factory) -> tuple[Path, list[str]]:
     # Every fourth request of this run fails: its failure tables are drawn, its decode rounds (requests 10 and 11) work.
     with pytest.MonkeyPatch.context() as mp, FaultServer(schedule=("ok", "ok", "ok", "http_500")) as a, \
             FaultServer(schedule=("ok",)) as b:
-        mp.setattr(plots, "_png", keep_legends)
+        mp.setattr(plots, "png", keep_legends)
         done = bench(a.url, out, "--against", b.url)
     assert done.exit_code == 0, done.output
     return out, legends

@@ -40,10 +40,10 @@ def test_every_request_the_bench_builds_is_a_valid_vllm_request():
     ep = _endpoint()
     scale = ep.text_scale
     bodies = [
-        bench._body(ep, workloads.latency_prompt(64, scale, 0, 0), 4),
-        bench._body(ep, workloads.decode_prompt(0), 8, run_to_length=True, logprobs=True),
-        bench._body(ep, workloads.needle_prompt(128, 0.5, scale, 0).prompt, 8),
-        bench._body(ep, workloads.structured_prompt(0), 64,
+        bench.body(ep, workloads.latency_prompt(64, scale, 0, 0), 4),
+        bench.body(ep, workloads.decode_prompt(0), 8, run_to_length=True, logprobs=True),
+        bench.body(ep, workloads.needle_prompt(128, 0.5, scale, 0).prompt, 8),
+        bench.body(ep, workloads.structured_prompt(0), 64,
                     response_format=workloads.structured_response_format("json_schema")),
     ]
     for body in bodies:

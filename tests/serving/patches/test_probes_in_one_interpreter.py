@@ -1,42 +1,54 @@
 """`flashnext patches check` runs every probe in one interpreter that imports the shadow tree: a
 failing probe among passing ones is named by its own patch, and the tree is what it imports."""
 
-import json
+import dataclasses
+import os
+import sys
+import textwrap
 
 import pytest
 
 from flashnext.errors import FlashnextError
 from flashnext.serving import patch_series as ps
+from flashnext.serving.patches.series import SERIES
 
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
 
-def _series_with(tmp_path, probes: dict[str, str]):
-    data = json.loads(ps.SERIES_FILE.read_text())
-    for entry in data["patches"]:
-        entry["probe"] = probes.get(entry["id"], entry["probe"])
-    series = tmp_path / "series.json"
-    series.write_text(json.dumps(data))
-    return series
+def _series_with(tmp_path, monkeypatch, probes: dict[str, str]):
+    """The series with some probes replaced by functions of a module written to ``tmp_path``, which
+    the probe interpreter finds on its path as it finds ``serving/patches/probes.py``."""
+    source = "import inspect\n" + "".join(
+        f"\n\ndef {pid.replace('-', '_')}():\n{textwrap.indent(body, '    ')}\n" for pid, body in probes.items())
+    (tmp_path / "other_probes.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("other_probes", None)
+    import other_probes
+
+    real_env = ps._probe_env
+    monkeypatch.setattr(ps, "_probe_env", lambda root: {
+        **real_env(root), "PYTHONPATH": real_env(root)["PYTHONPATH"] + os.pathsep + str(tmp_path)})
+    return [dataclasses.replace(p, probe=getattr(other_probes, p.id.replace("-", "_"))) if p.id in probes else p
+            for p in SERIES]
 
 
-def test_a_failing_probe_among_passing_ones_is_named_with_its_error(tmp_path):
+def test_a_failing_probe_among_passing_ones_is_named_with_its_error(tmp_path, monkeypatch):
     # mem-01's probe asks the opposite of what the patched tree has; its neighbours are unchanged
-    wrong = ("import inspect\nimport vllm.models.qwen4_exp.nvidia.model as m\n"
+    wrong = ("import vllm.models.qwen4_exp.nvidia.model as m\n"
              "assert 'on_first_rank(' not in inspect.getsource(m.Qwen4ExpModel.__init__), 'the patched source'")
     with pytest.raises(FlashnextError) as failed:
-        ps.check_series(series_file=_series_with(tmp_path, {"mem-01": wrong}))
+        ps.check_series(series=_series_with(tmp_path, monkeypatch, {"mem-01": wrong}))
     assert str(failed.value) == ("patch mem-01 applied but its probe failed: AssertionError: the patched source "
-                                 "(probe line 3: assert 'on_first_rank(' not in "
+                                 "(other_probes.py line 6: assert 'on_first_rank(' not in "
                                  "inspect.getsource(m.Qwen4ExpModel.__init__), 'the patched source')")
 
 
-def test_probes_after_a_failing_one_still_run_and_each_is_named(tmp_path):
+def test_probes_after_a_failing_one_still_run_and_each_is_named(tmp_path, monkeypatch):
     probes = {"pp-ple": "raise RuntimeError('first')", "decode-05": "import vllm.no_such_module"}
     with pytest.raises(FlashnextError) as failed:
-        ps.check_series(series_file=_series_with(tmp_path, probes))
-    assert str(failed.value) == ("patch pp-ple applied but its probe failed: RuntimeError: first (probe line 1: "
-                                 "raise RuntimeError('first')) (and 1 more failed: decode-05)")
+        ps.check_series(series=_series_with(tmp_path, monkeypatch, probes))
+    assert str(failed.value) == ("patch pp-ple applied but its probe failed: RuntimeError: first (other_probes.py "
+                                 "line 5: raise RuntimeError('first')) (and 1 more failed: decode-05)")
 
 
 def test_the_probes_refuse_a_vllm_that_is_not_the_shadow_tree(tmp_path, monkeypatch):

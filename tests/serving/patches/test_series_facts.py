@@ -1,8 +1,7 @@
 """Facts about the patch series that live in one place and are named elsewhere: the tests each
-entry of series.json cites, and the programs the serving image needs to apply the series."""
+entry of the registry cites, and the programs the serving image needs to apply the series."""
 
 import ast
-import json
 import re
 import shlex
 
@@ -10,13 +9,14 @@ import pytest
 
 from support import ROOT
 
-SERIES = json.loads((ROOT / "serving" / "patches" / "series.json").read_text())["patches"]
+from flashnext.serving.patches.series import SERIES
+
 # a repository path in backticks, optionally ::test_name (pytest's node id)
 REFERENCE = re.compile(r"`((?:tests|benchmarks)/[^`\s:]+)(?:::([A-Za-z_][A-Za-z0-9_]*))?`")
 
 
-def cited(entry: dict) -> list[tuple[str, str | None]]:
-    return [(path, name or None) for path, name in REFERENCE.findall(entry["test"])]
+def cited(tests: str) -> list[tuple[str, str | None]]:
+    return [(path, name or None) for path, name in REFERENCE.findall(tests)]
 
 
 def defines(path, name: str) -> bool:
@@ -26,14 +26,14 @@ def defines(path, name: str) -> bool:
 
 
 def test_the_reference_pattern_reads_both_forms():
-    entry = {"test": "`tests/a/test_b.py::test_c`: words; `tests/d.py` and `benchmarks/e.py` in `docs/x.md`"}
-    assert cited(entry) == [("tests/a/test_b.py", "test_c"), ("tests/d.py", None), ("benchmarks/e.py", None)]
+    tests = "`tests/a/test_b.py::test_c`: words; `tests/d.py` and `benchmarks/e.py` in `docs/x.md`"
+    assert cited(tests) == [("tests/a/test_b.py", "test_c"), ("tests/d.py", None), ("benchmarks/e.py", None)]
 
 
-@pytest.mark.parametrize("entry", SERIES, ids=[p["id"] for p in SERIES])
-def test_every_test_a_patch_cites_exists(entry):
-    refs = cited(entry)
-    assert refs, f"{entry['id']}: its `test` field names no test file"
+@pytest.mark.parametrize("patch", SERIES, ids=[p.id for p in SERIES])
+def test_every_test_a_patch_cites_exists(patch):
+    refs = cited(patch.tests)
+    assert refs, f"{patch.id}: its `tests` field names no test file"
     missing = []
     for path, name in refs:
         file = ROOT / path
@@ -41,7 +41,7 @@ def test_every_test_a_patch_cites_exists(entry):
             missing.append(path)
         elif name and not defines(file, name):
             missing.append(f"{path}::{name}")
-    assert missing == [], f"{entry['id']} cites what does not exist"
+    assert missing == [], f"{patch.id} cites what does not exist"
 
 
 # --- the serving image ---------------------------------------------------------------------------

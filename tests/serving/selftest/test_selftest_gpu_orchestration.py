@@ -5,7 +5,7 @@ CUDA kernels), so the process the selftest launches is ``tests/support/selftest_
 an OpenAI-compatible stand-in on loopback. Only the process boundary is replaced: the launcher
 records the exact ``vllm serve`` command line and environment the selftest asked for and starts the
 stand-in with that environment. Everything else is the selftest's own code: the switches from
-series.json, the profile's layout, flashnext bench as a library with its baseline A/B, the A/A
+the patch registry (serving/patches/series.py), the profile's layout, flashnext bench as a library with its baseline A/B, the A/A
 floor, the verdicts, the report.
 """
 

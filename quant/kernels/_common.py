@@ -1,0 +1,68 @@
+"""What every decode kernel here shares: whether Triton interprets, the bf16 dot that survives it,
+the SM count, the split-K counters, INT8 code loads, and "can this kernel take this batch".
+
+One home for these because each kernel module used to carry its own copy (two ``INTERPRETED``,
+two counter caches) or reached into another module's private helpers; a fix to one (the
+interpreter's bf16 dot, a counter buffer's lifetime) now reaches them all.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashnext import envs
+
+# Triton 3.8's interpreter multiplies bf16 dot operands as their raw 16-bit integers; interpreted
+# runs widen them to fp32 first, which is exact (the product of two bf16 is exact in fp32).
+INTERPRETED = envs.TRITON_INTERPRET.get() == "1"
+
+
+@triton.jit
+def dot(a, b, DOT_FP32: tl.constexpr):
+    """``a @ b.T`` in bf16, accumulated in fp32; in fp32 under the interpreter, whose bf16 dot is wrong."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+    return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+
+
+@triton.jit
+def int8_codes(w_ptr, rows, n_mask, stride_wn, g, GROUP: tl.constexpr):
+    """Group ``g``'s INT8 codes for ``rows`` from compressed-tensors' packed words viewed as bytes
+    (``q + 128`` in k order), as int32."""
+    columns = tl.arange(0, GROUP)
+    row_base = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    return tl.load(row_base + g * GROUP + columns[None, :], mask=n_mask[:, None], other=128).to(tl.int32) - 128
+
+
+def sm_count(device) -> int:
+    """The device's streaming multiprocessors; 4 off CUDA, so interpreted runs split K a little."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def can_launch(x: torch.Tensor, max_tokens: int) -> bool:
+    """Whether a decode kernel taking 1..``max_tokens`` rows can run on ``x`` here: Triton needs a
+    CUDA tensor, or the interpreter."""
+    return 1 <= x.shape[0] <= max_tokens and (x.is_cuda or INTERPRETED)
+
+
+# (device, kernel) -> zeroed int32 counters. Per kernel, as before there was one cache: two kernels
+# launched on different streams must not count in the same words.
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+# Buffers a grown cache replaced. A CUDA graph captured the old buffer's address and replays into
+# it, so it must stay allocated for the process's life (a few KiB).
+_RETIRED: list[torch.Tensor] = []
+
+
+def splitk_counters(device, n: int, kernel: str) -> torch.Tensor:
+    """At least ``n`` zeroed split-K counters for ``kernel`` on ``device``; the kernel leaves every
+    counter it used at zero again, so launches on one stream share them."""
+    have = _COUNTERS.get((device, kernel))
+    if have is None or have.numel() < n:
+        if have is not None:
+            _RETIRED.append(have)
+        have = _COUNTERS[(device, kernel)] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have

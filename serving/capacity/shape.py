@@ -1,0 +1,113 @@
+"""What a serving profile asks of vLLM, read the way vLLM reads it.
+
+This module is the only reader of a profile's vLLM arguments, and it reads them with vLLM 0.33.0's
+own ``EngineArgs`` parser: a hand parse would miss the short forms (``-pp 3``), the ``=`` forms and
+the defaults vLLM applies, and then the plan, the preflight and the served engine would each see a
+different profile.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+from flashnext import envs
+from flashnext.errors import FlashnextError
+from flashnext.serving.capacity.vision import DEFAULT_MAX_PIXELS
+
+# vLLM's own knob for an uneven pipeline split; a profile sets it in its environment.
+PP_LAYER_PARTITION = "VLLM_PP_LAYER_PARTITION"
+
+
+def import_vllm() -> None:
+    """Import vLLM for planning only: no device is used, so any machine can plan for another."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        importlib.import_module("vllm")
+    except ImportError:
+        raise FlashnextError("planning asks vLLM 0.33.0 for its KV cache rules: pip install 'flashnext[serve]'") from None
+
+
+def engine_args(profile):
+    """``profile.vllm_args`` as vLLM's ``EngineArgs`` command line parses them (a namespace of
+    every engine argument, vLLM's defaults for those the profile leaves out)."""
+    import_vllm()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args, _ = parser.parse_known_args(list(profile.vllm_args))
+    return args
+
+
+def gpu_memory_utilization(profile) -> float:
+    """The share of each GPU's memory the profile's engine takes (``--gpu-memory-utilization``)."""
+    return float(engine_args(profile).gpu_memory_utilization)
+
+
+def layer_partition(profile) -> tuple[int, ...] | None:
+    """The profile's ``VLLM_PP_LAYER_PARTITION``: decoder layers per pipeline rank, or None (vLLM's even split)."""
+    text = profile.env.get(PP_LAYER_PARTITION, "").strip()
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise FlashnextError(f"profile {profile.name}: {PP_LAYER_PARTITION} {text!r} is not a comma-separated "
+                             "list of layer counts") from None
+
+
+@dataclass(frozen=True)
+class ServingShape:
+    """What the plan needs from a profile's vLLM arguments and environment."""
+
+    pipeline_parallel_size: int
+    max_model_len: int
+    kv_cache_memory_bytes: int
+    prefix_caching: bool
+    num_speculative_tokens: int
+    layer_partition: tuple[int, ...] | None
+    qsa_kv_offload: bool
+    exact_host_pool: bool
+    images: bool = True  # not --language-model-only
+    vit_stream: bool = True
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    speculative_method: str | None = None  # --speculative-config's method ("mtp")
+    engram_cpu_offload: bool = True  # --engram-config's cpu_offload: vLLM pins the PLE table on the host
+    mtp_slim_draft: bool = True  # patch mtp-02 (VLLM_MTP_SLIM_DRAFT)
+    ple_table_file: bool = False  # the profile's environment names a PLE table file (VLLM_PLE_MMAP_PATH)
+
+    @classmethod
+    def from_profile(cls, profile, kv_cache_memory_bytes: int | None = None,
+                     prefix_caching: bool | None = None) -> "ServingShape":
+        """Read the profile's arguments with vLLM's own engine-argument parser."""
+        args = engine_args(profile)
+        kv_bytes = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else args.kv_cache_memory_bytes
+        if not kv_bytes:
+            raise FlashnextError(
+                f"profile {profile.name} sets no --kv-cache-memory-bytes; pass --kv-cache-memory-bytes N")
+        if not args.max_model_len:
+            raise FlashnextError(f"profile {profile.name} sets no --max-model-len")
+        spec = args.speculative_config or {}  # the parser has read the JSON of these two into dicts
+        mm_kwargs = args.mm_processor_kwargs or {}
+        engram = args.engram_config  # an EngramConfig where given; vLLM's default offloads the table
+        enabled = prefix_caching if prefix_caching is not None else bool(args.enable_prefix_caching)
+        return cls(
+            pipeline_parallel_size=int(args.pipeline_parallel_size),
+            max_model_len=int(args.max_model_len),
+            kv_cache_memory_bytes=int(kv_bytes),
+            prefix_caching=enabled,
+            num_speculative_tokens=int(spec.get("num_speculative_tokens", 0) or 0),
+            layer_partition=layer_partition(profile),
+            qsa_kv_offload=envs.VLLM_QSA_KV_OFFLOAD.enabled_in(profile.env),
+            exact_host_pool=envs.VLLM_EXACT_HOST_POOL.enabled_in(profile.env),
+            images=not args.language_model_only,
+            vit_stream=envs.VLLM_VIT_STREAM.enabled_in(profile.env),
+            max_pixels=int(mm_kwargs.get("max_pixels", DEFAULT_MAX_PIXELS)),
+            speculative_method=spec.get("method"),
+            engram_cpu_offload=True if engram is None else bool(engram.cpu_offload),
+            mtp_slim_draft=envs.VLLM_MTP_SLIM_DRAFT.enabled_in(profile.env),
+            ple_table_file=bool(profile.env.get(envs.VLLM_PLE_MMAP_PATH.name, "").strip()),
+        )

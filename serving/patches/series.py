@@ -1,0 +1,337 @@
+"""The vLLM patch series, one entry a patch, in the order the patches apply.
+
+After vLLM's own model registry (``vllm/model_executor/models/registry.py``): each fact about a
+patch lives in its entry here, as code (the switch is the ``flashnext.envs`` variable itself, the
+probe a function in ``probes.py``), and its prose in ``<id>.md`` beside its ``<id>.patch``. The
+READMEs' tables and lists, ``docs/serving.md``'s patch sections and ``flashnext patches list`` are
+generated from this module (``flashnext patches readme --write``), and a test keeps them equal to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from flashnext import envs
+from flashnext.serving.patches import probes
+
+PATCH_DIR = Path(__file__).resolve().parent
+# The vLLM release every diff is taken against; `patches check` applies them with zero fuzz.
+VLLM_VERSION = "0.33.0"
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What the tests of a patch really drive (the patches README's second table)."""
+
+    vllm_cpu: str  # vLLM's own code that the tests run on the CPU
+    gpu: str  # what ran on a GPU
+    stand_in: str  # what a stand-in replaces, and why
+    gap: str  # what a real serve meets that no test drives
+
+
+@dataclass(frozen=True)
+class Patch:
+    id: str
+    order: int
+    file: str  # the unified diff against vllm==VLLM_VERSION, in PATCH_DIR
+    seed: str | None  # the seed 000 item it ports, where the seed named one
+    switch: envs.EnvVar  # the variable that turns it off
+    hooks: tuple[str, ...]  # the dotted paths of the flashnext code the patched vLLM calls
+    touches: tuple[str, ...]  # the files of the vllm package the diff changes
+    probe: Callable[[], None]  # raises unless the patched tree it runs in has the patch
+    upstream: str
+    seed_effect: str  # seed 000's measured effect
+    tests: str  # the tests that drive it, each path in backticks
+    coverage: Coverage
+    switch_off: str = "0"  # the switch's value that turns the patch off
+
+    @property
+    def path(self) -> Path:
+        return PATCH_DIR / self.file
+
+    @property
+    def prose_path(self) -> Path:
+        return PATCH_DIR / f"{self.id}.md"
+
+    @property
+    def env_switch(self) -> str:
+        """``NAME=OFF``: the switch set to turn the patch off."""
+        return f"{self.switch.name}={self.switch_off}"
+
+
+SERIES: tuple[Patch, ...] = (
+    Patch(
+        id="mtp-03", order=1, file="mtp-03.patch", seed="mtp-03",
+        switch=envs.VLLM_MTP_DRAFTS_PER_REQUEST,
+        hooks=("flashnext.serving.hooks.draft_tokens.LatestDraftTokens",),
+        touches=("vllm/v1/worker/gpu/spec_decode/utils.py", "vllm/v1/worker/gpu/model_runner.py",),
+        probe=probes.mtp_03,
+        upstream="not upstream in 0.33.0 (verified); drop when vLLM's DraftTokensHandler returns drafts per request.",
+        seed_effect="2 concurrent: 9 of 16 structured requests failed before, 45 of 45 succeeded after; acceptance rate unchanged (§8)",
+        tests="`tests/serving/test_patch_series.py::test_mtp03_scenario_rejects_before_and_not_after`: two requests alternating batches under PP=2, replayed against stock 0.33.0 (7 of 7 lookups miss), the patched tree (0), and the patched tree with the switch off (7)",
+        coverage=Coverage(
+            vllm_cpu="vLLM's own DraftTokensHandler (patched v1/worker/gpu/spec_decode/utils.py) is built in a subprocess and its real get_draft_tokens() -> DraftTokenIds is called after each of 8 alternating PP=2 steps, against stock, patched and switch-off trees; the patched drop() is called directly.",
+            gpu="none (the H200 machine has no vLLM build; selftest's GPU A/B has only run against a stand-in server)",
+            stand_in="torch.cuda.Stream/Event replaced by a no-op class (no CUDA runtime); set_draft_tokens' async D2H copy is bypassed: the scenario writes req_ids/num_draft_tokens/draft_tokens_np itself; 'rejected' is the scenario's own comparison, not accept_tokens.",
+            gap="Never driven: EngineCore.step_with_batch_queue -> Scheduler.update_draft_token_ids_in_output -> grammar bitmask -> StructuredOutputManager/xgrammar accept_tokens (the HTTP 500 itself); GPUModelRunner.finish_requests calling drop(); PP=3 batch queue with async scheduling. 9/16 -> 45/45 is the seed's figure only.",
+        ),
+    ),
+    Patch(
+        id="pp-ple", order=2, file="pp-ple.patch", seed=None,
+        switch=envs.VLLM_PP_PLE,
+        hooks=("flashnext.serving.hooks.pipeline",),
+        touches=("vllm/model_executor/models/config.py", "vllm/models/qwen4_exp/nvidia/model_state.py", "vllm/v1/core/kv_cache_planning.py",),
+        probe=probes.pp_ple,
+        upstream="not upstream in 0.33.0 (verified); drop when vLLM accepts PP for qwen4_exp and projects empty KV cache groups per worker.",
+        seed_effect="makes the seed's PP3 system start at all (seed 000 §10)",
+        tests="`tests/serving/test_patch_series.py::test_pp_ple_scenario`: vLLM's own `VllmConfig` on the demo checkpoint at PP=3 (stock: refused; patched: accepted; switch off: refused), and rank 1 of the 3x3090 layout from `flashnext plan` through vLLM's `get_kv_cache_config_from_groups` and `allocate_kv_cache` on the CPU (stock: StopIteration; patched: a view for every layer of the rank)",
+        coverage=Coverage(
+            vllm_cpu="vLLM's VllmConfig (Qwen4ExpForConditionalGenerationConfig.verify_and_update_config) on the demo config at PP=3: refused/accepted; vLLM's get_kv_cache_groups, _project_kv_cache_groups_to_worker, patched get_kv_cache_config_from_groups and allocate_kv_cache (V2's) on CPU for rank 1; a PP=2 gloo model build.",
+            gpu="none",
+            stand_in="the per-rank KV cache specs come from flashnext's capacity.kv_cache_layout (a model of each worker's get_kv_cache_spec), not from 3 built models; CPU tensors; the engine core's cross-worker get_kv_cache_configs is not run at PP=3.",
+            gap="Qwen4ExpModelState.__init__'s PP refusal (the model_state.py hunk) is only string-probed, never constructed; no PP=3 engine start (3 workers, NCCL, real get_kv_cache_spec from each model, ranks 0 and 2 allocated); no PP>1 forward through the V2 runner with the PLE layer on rank 0.",
+        ),
+    ),
+    Patch(
+        id="ple-mmap", order=3, file="ple-mmap.patch", seed=None,
+        switch=envs.VLLM_PLE_MMAP_PATH, switch_off="",
+        hooks=("flashnext.serving.hooks.ple_file",),
+        touches=("vllm/models/qwen4_exp/nvidia/ngram_embedding.py", "vllm/models/qwen4_exp/nvidia/model_state.py",),
+        probe=probes.ple_mmap,
+        upstream="not upstream in 0.33.0 (verified: no VLLM_PLE_MMAP_PATH; upstream's VLLM_PLE_MMAP maps the safetensors in place, with no MADV_RANDOM); drop when vLLM serves the table from a file with random-access advice.",
+        seed_effect="the 262k-context 3x3090 system needs it (seed 000 §1); `MADV_RANDOM` keeps NVMe reads to the rows (readahead: 23x; the AutoRound card: 922 KiB -> 39.5 KiB per token)",
+        tests="`tests/serving/test_patch_series.py::test_ple_file_backend_matches_vllm_and_obeys_its_switches`: vLLM's own `Qwen4ExpNGramEmbedding` built on the CPU for the demo checkpoint, weights loaded from its shards; stock (device table) and patched (file) embeddings are bit-identical, the weight is the mapping, an empty path gives the stock backend; `tests/serving/hooks/test_ple_file.py`",
+        coverage=Coverage(
+            vllm_cpu="vLLM's Qwen4ExpNGramEmbedding built on CPU for the demo (patched __init__ picks FileBackedPLEEmbedding, a Qwen4ExpPLEEmbedding subclass), loaded by its own load_weights (shard spot-check), vLLM's Triton ngram-id kernel (interpreter) and its forward: bit-identical to stock Qwen4ExpPLEDeviceEmbedding.",
+            gpu="none of the patched path; benchmarks/ple_ids_sync.py on the H200 timed the per-step ids D2H sync in plain torch (an elementwise stand-in for vLLM's hash kernel)",
+            stand_in="Qwen4ExpModelState is never built: the scenario calls attach()/ngram_ids()/stage() itself 'as the patched model state drives it'; stock comparison forces engram cpu_offload off; on CPU staged_rows is a CPU tensor, so stage() takes its non-GPU branch.",
+            gap="Patched Qwen4ExpModelState.__init__/prepare_inputs never run; stage()'s GPU branch (pinned staging, non_blocking H2D, CUDA event) and forward under FULL_DECODE_ONLY capture never run; a 95 GiB table on NVMe next to pinned K/V (page cache pressure) unmeasured (bench: 8.7 GB file, virtio disk).",
+        ),
+    ),
+    Patch(
+        id="decode-06", order=4, file="decode-06.patch", seed="decode-06",
+        switch=envs.VLLM_PLE_DECODE_ADVICE,
+        hooks=("flashnext.serving.hooks.ple_file.PleFileServing.advise",),
+        touches=("vllm/models/qwen4_exp/nvidia/model_state.py",),
+        probe=probes.decode_06,
+        upstream="not upstream in 0.33.0 (verified: no process_madvise anywhere in vLLM); drop with ple-mmap.",
+        seed_effect="8k: p90 ITL 16 -> 12.4-13.0 ms, mean 72-74 -> 80-82 tok/s (§3.4)",
+        tests="the same test: a one-token step is advised, a 24-token step is not, nothing with the switch off; `tests/serving/hooks/test_ple_file.py::test_decode_advice_only_for_small_steps`",
+        coverage=Coverage(
+            vllm_cpu="vLLM's Qwen4ExpNGramEmbedding on CPU; its Triton ngram-id kernel gives the step's row ids, then PleFileServing.advise (what patched prepare_inputs calls) advises a 1-token step and not a 24-token one, with real process_madvise/madvise syscalls on the demo table file.",
+            gpu="none",
+            stand_in="the patched Qwen4ExpModelState.prepare_inputs call site is replaced by the scenario calling advise() directly; the demo table is small and page-cache warm, so no fault latency exists to hide.",
+            gap="The ITL effect (p90 16 -> 12.4 ms, seed) is never measured; cold NVMe faults during a real decode step, and process_madvise inside the container (seccomp + CAP_SYS_PTRACE) on the rig untested; DecodeAdvisor timed only on the dev VM (19.6 us).",
+        ),
+    ),
+    Patch(
+        id="ttft-01", order=5, file="ttft-01.patch", seed="ttft-01",
+        switch=envs.VLLM_PLE_PREFETCH,
+        hooks=("flashnext.serving.hooks.ple_file.PleFileServing.admitted",),
+        touches=("vllm/models/qwen4_exp/nvidia/model_state.py",),
+        probe=probes.ttft_01,
+        upstream="not upstream in 0.33.0 (verified); drop with ple-mmap.",
+        seed_effect="cold 37k-token prompts: 44 s to first token without; 4,430 tok/s prefill with it; warm unchanged (§1)",
+        tests="the same test: a 3,000-token prompt is advised in 3 windows, none with the switch off; `tests/quant/ple/test_ple_prefetch.py` for the prefetcher itself",
+        coverage=Coverage(
+            vllm_cpu="The loaded hash buffers of vLLM's Qwen4ExpNGramEmbedding feed PleFileServing.admitted (what patched Qwen4ExpModelState.add_request calls): the PromptPrefetcher thread hashes a 3,000-token prompt and advises 3 windows; the numpy twin is checked bit-identical to vLLM's PLE kernel.",
+            gpu="none",
+            stand_in="Qwen4ExpModelState.add_request/remove_request are never called: the scenario calls admitted() and drains the prefetcher; finished()/cancel only in test_ple_prefetch's unit test; the cold-disk benchmark ran on the dev VM's virtio disk (5.5x, 10x target missed).",
+            gap="No real add_request from V2 GPUModelRunner (NewRequestData with image placeholders, prefix-cache hits, preemption -> remove_request); prefetch thread's GIL contention with rank 0's step loop; cold 37k-token TTFT on real NVMe unmeasured.",
+        ),
+    ),
+    Patch(
+        id="host-pool", order=6, file="host-pool.patch", seed=None,
+        switch=envs.VLLM_EXACT_HOST_POOL,
+        hooks=("flashnext.serving.hooks.host_pool.pinned_empty",),
+        touches=("vllm/models/qwen4_exp/common/ngram_embedding.py",),
+        probe=probes.host_pool,
+        upstream="not upstream in 0.33.0 for qwen4_exp (verified: torch.empty(pin_memory=True); vLLM registers exact sizes only for its own CPU KV offload, v1/kv_offload/cpu/host_register.py); drop when vLLM allocates pinned weights at exact size.",
+        seed_effect="at 590 MB, 112 GiB used and 13 GiB free; each 4.24 GiB pool pinned as 8 GiB (§2)",
+        tests="`tests/serving/hooks/test_host_pool.py` (CPU: exact size, the RAM check, the lock; H200: pinned, read by a CUDA kernel through unified addressing as vLLM's pinned lookup reads it, and 32 MiB taken by PyTorch for 20 MiB with the switch off); `benchmarks/host_pool.py` in `docs/benchmarks.md`",
+        coverage=Coverage(
+            vllm_cpu="None at the patched call site: every scenario sets engram cpu_offload=False, so Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight is never built; pinned_empty itself runs under vLLM's init_kv_cache via qsa-offload's bind (register=False on CPU).",
+            gpu="test_host_pool.py on the H200: test_pinned_on_the_gpu, test_pinned_empty_on_the_gpu (UVA gather; 32 MiB taken by PyTorch for 20 MiB), test_draft_embedding_read_through_uva; benchmarks/host_pool.py (1.5/4.24/20 GiB). No vLLM there.",
+            stand_in="CPU tests pass register=False (no cudaHostRegister) and a fake /proc/meminfo; on the H200 the UVA read is flashnext's uva_view + torch indexing, not vLLM's get_accelerator_view_from_cpu_tensor / lookup_from_pinned.",
+            gap="vLLM's pinned PLE embedding over the pool is never built or read (and 3x3090 profiles refuse to start without --ple-table, so that call site is off there); the rig's real load, ~48-68 GiB of pools registered by 3 ranks under the lock with memlock/cgroup limits, untested.",
+        ),
+    ),
+    Patch(
+        id="mem-01", order=7, file="mem-01.patch", seed="mem-01",
+        switch=envs.VLLM_PP_MISSING_LAYERS,
+        hooks=("flashnext.serving.hooks.pipeline.on_first_rank", "flashnext.serving.hooks.pipeline.on_last_rank",),
+        touches=("vllm/models/qwen4_exp/nvidia/model.py",),
+        probe=probes.mem_01,
+        upstream="not upstream in 0.33.0 (verified: unconditional VocabParallelEmbedding and ParallelLMHead); drop when qwen4_exp uses PPMissingLayer.",
+        seed_effect="weights per rank [21.58, 21.55, 21.55] -> [20.98, 20.44, 21.05] GiB, 2.2 GiB freed, which lets 16/17/15 and the MTP head fit (§6; the split and the MTP head's fit: §7)",
+        tests="`tests/serving/patches/test_draft_head_under_pp.py::test_mem01_embed_on_the_first_rank_and_lm_head_on_the_last`: vLLM's own `Qwen4ExpForConditionalGeneration` for the demo checkpoint on two gloo ranks (vLLM's pipeline groups), the release's INT8 embed_tokens and lm_head loaded by the model's own loader: the embedding (int8-modules' method) on rank 0 only and the LM head on rank 1 only, each loaded there and skipped elsewhere; both on both ranks with the switch off",
+        coverage=Coverage(
+            vllm_cpu="vLLM's Qwen4ExpForConditionalGeneration built by initialize_model on each of two gloo ranks (vLLM's pipeline groups), INT8 embed_tokens/lm_head loaded by its load_weights: VocabParallelEmbedding on rank 0 only, ParallelLMHead on rank 1 only, PPMissingLayer skipped by AutoWeightsLoader.",
+            gpu="none",
+            stand_in="quant config narrowed by hf_overrides to its INT8 groups (PLE key/value and indexer projections dropped: Marlin only); routed experts' post-load set-up stubbed; PP=2 on gloo/CPU instead of PP=3 on NCCL; load only, no forward.",
+            gap="The 2.2 GiB per-rank saving and 16/17/15 fitting with the MTP head are never measured on GPUs; no 3-rank forward (rank 0 embed -> NCCL -> rank 2 compute_logits), nor V2's dummy/profile runs on middle ranks holding PPMissingLayers.",
+        ),
+    ),
+    Patch(
+        id="mtp-01", order=8, file="mtp-01.patch", seed="mtp-01",
+        switch=envs.VLLM_MTP_PP,
+        hooks=("flashnext.serving.hooks.mtp.draft_embedding_method", "flashnext.serving.hooks.mtp.draft_takes_embedding_branch",),
+        touches=("vllm/models/qwen4_exp/nvidia/mtp.py",),
+        probe=probes.mtp_01,
+        upstream="not upstream in 0.33.0 (verified: `if get_pp_group().is_first_rank:` in the draft's forward, and `VocabParallelEmbedding(self.vocab_size, self.hidden_size)` with no quantization); drop when the draft decides by its own stage and builds its embedding with the checkpoint's quantization.",
+        seed_effect="MTP under PP at all: stock failed at startup (§7)",
+        tests="`tests/serving/patches/test_draft_head_under_pp.py`: vLLM's own `Qwen4ExpMTP` made by vLLM's `load_eagle_model` (default loader over the demo snapshot, then the drafter's sharing) on the last of two gloo ranks: the draft's embedding loads the INT8 rows, `embed_input_ids` equals the checkpoint's rows dequantized by compressed-tensors' unpacker, and the draft's forward embeds them and runs through; with the switch off it takes the stock branch and stops on the assert. Today's tree refused `embed_tokens.weight_packed` at PP=1 and PP=2",
+        coverage=Coverage(
+            vllm_cpu="vLLM's Qwen4ExpMTP made by V2's load_eagle_model (get_model, default loader over the demo snapshot, Qwen4ExpMTP.load_weights, drafter sharing) on the last of two gloo ranks: the draft's VocabParallelEmbedding gets Int8EmbeddingMethod, embed_input_ids = dequantized rows; Qwen4ExpMultiTokenPredictor.forward embeds.",
+            gpu="none",
+            stand_in="the draft forward runs under set_forward_context(None) (no attention metadata, so its QSA layer does the profile no-op); routed experts' kernel and CPUUnquantizedExperts post-load stubbed; dispatch_cpu_unquantized_gemm -> F.linear; quant config narrowed to INT8 groups.",
+            gap="No real propose step: V2's MTP drafter on rank 2 at PP=3 with real attention metadata, target hidden states via NCCL, its CUDA-graph capture, and acceptance rate are never run; the make-mtp-int4 INT4 experts under Marlin are not loaded in these tests.",
+        ),
+    ),
+    Patch(
+        id="mtp-02", order=9, file="mtp-02.patch", seed="mtp-02",
+        switch=envs.VLLM_MTP_SLIM_DRAFT,
+        hooks=("flashnext.serving.hooks.mtp.draft_lm_head", "flashnext.serving.hooks.mtp.draft_embedding", "flashnext.serving.hooks.mtp.finish_draft_embedding",),
+        touches=("vllm/models/qwen4_exp/nvidia/mtp.py",),
+        probe=probes.mtp_02,
+        upstream="not upstream in 0.33.0 (verified); drop when vLLM's drafter stops building heads it replaces and offers host-resident draft embeddings.",
+        seed_effect="with mem-01, what fits the MTP head on the third 3090: the copy's load-time repack OOMed rank 2 (0.6 GiB), and the embedding moved 0.60 GiB to the host (§7)",
+        tests="`tests/serving/patches/test_draft_head_under_pp.py`: at PP=2 the draft on the last rank builds and loads no lm_head and gets the target's; the INT8 bytes it would pin equal `draft_embedding_pinned_bytes`; at PP=1 it builds neither and shares both of the target's INT8 layers; with the switch off the copies are built and loaded (INT8) and then replaced, as stock. On the H200 the pinning itself: `tests/serving/patches/test_draft_embedding_uva.py` (the INT8 words and scales in one pinned pool of exactly `draft_embedding_pinned_bytes`, no device memory but the 16-byte shape, rows gathered through UVA equal to the codes times scales) and `tests/serving/hooks/test_host_pool.py::test_draft_embedding_read_through_uva` (bf16)",
+        coverage=Coverage(
+            vllm_cpu="Same vLLM build as mtp-01: Qwen4ExpMTP's lm_head is PPMissingLayer, skipped by the loader and replaced by the target's ParallelLMHead in load_eagle_model; at PP=1 embed_tokens too; at PP=2 the draft's INT8 embedding loads and its would-be pinned bytes equal draft_embedding_pinned_bytes.",
+            gpu="test_host_pool.py::test_draft_embedding_read_through_uva (bf16) and test_draft_embedding_uva.py::test_int8_draft_embedding_read_through_uva (the release's INT8 layout) passed on the H200, 2026-12-02 (docs/benchmarks.md); no vLLM there.",
+            stand_in="On CPU draft_embedding skips its torch.device('cpu') branch and finish_draft_embedding returns early (no CUDA): pinning is only counted; the GPU tests use a bare nn.Module/nn.Embedding and flashnext's dequantize, not VocabParallelEmbedding/Int8EmbeddingMethod.embedding.",
+            gap="Never run end to end: a CPU-built embedding inside a CUDA-built Qwen4ExpMTP through vLLM's process_weights_after_loading (device_loading_context), the UVA swap, then Int8EmbeddingMethod.embedding gathering over PCIe in the drafter's CUDA graph on a 3090; rank 2's 0.6 GiB saving.",
+        ),
+    ),
+    Patch(
+        id="decode-03", order=10, file="decode-03.patch", seed="decode-03",
+        switch=envs.VLLM_PP_DEFER_RECV,
+        hooks=("flashnext.serving.hooks.pipeline.deferred_intermediate_tensors",),
+        touches=("vllm/v1/worker/gpu_worker.py",),
+        probe=probes.decode_03,
+        upstream="not upstream in 0.33.0 (verified: AsyncIntermediateTensors defers only the tensor wait; the metadata recv still blocks at the start of execute_model); drop when vLLM defers the whole receive.",
+        seed_effect="short-context steps were floored at ~12.5 ms by host-side serial work (§3.2)",
+        tests="`tests/serving/test_patch_series.py::test_decode03_overlaps_preparation_with_the_previous_rank`: two gloo ranks with vLLM's own `isend_tensor_dict` / `irecv_tensor_dict`; rank 0 sends after 1.0 s, rank 1 prepares for 0.6 s: ready at 1.01 s deferred against 1.61 s stock, same tensors",
+        coverage=Coverage(
+            vllm_cpu="vLLM's GroupCoordinator.isend_tensor_dict/irecv_tensor_dict on two gloo ranks with vLLM's pipeline groups; rank 1 receives through DeferredRecvIntermediateTensors (a vLLM IntermediateTensors subclass) from the hook the patched Worker.execute_model calls.",
+            gpu="none",
+            stand_in="Worker.execute_model and the V2 runner are not run: sleeps stand in for rank 0's forward (1.0 s) and rank 1's input preparation (0.6 s); the scenario reads .tensors and calls wait_for_comm() as runner and worker would; gloo instead of NCCL.",
+            gap="The patched Worker.execute_model never executes; V2 GPUModelRunner's copy out of intermediate_tensors.tensors, NCCL device-tensor receives on CUDA streams, PP=3 batch queue with several batches in flight, and the ~12.5 ms ITL floor (seed) are unmeasured.",
+        ),
+    ),
+    Patch(
+        id="qsa-indexer-quant", order=11, file="qsa-indexer-quant.patch", seed=None,
+        switch=envs.VLLM_QSA_INDEXER_OWN_SCHEME,
+        hooks=("flashnext.serving.hooks.qsa_indexer_quant.fuse_indexer_projection",),
+        touches=("vllm/models/qwen4_exp/nvidia/qsa.py",),
+        probe=probes.qsa_indexer_quant,
+        upstream="not upstream in 0.33.0 (verified: `_match_fused_layer` returns the first part's target without comparing the parts' schemes, and the merge is skipped only under LoRA); drop when vLLM builds a merged layer only from parts of one scheme.",
+        seed_effect="the release's QSA layers load at all (stock vLLM 0.33.0 stops in its loader with an AssertionError), the indexer's keys from its own INT8 weights; seed 000 reports no number of its own for this",
+        tests="`tests/serving/patches/test_qsa_indexer_quant.py`: vLLM's own demo model on the CPU with the checkpoint's whole quantization config and sm86 kernel choice, one QSA layer loaded by vLLM's own loader: stock builds the merged layer INT6 group 64 and refuses the indexer's tensors; patched, q/k/v (INT6, Humming) and the indexer (INT8 group 128) hold exactly the checkpoint's weights, and the indexer projection through its own scheme matches an fp32 reference from the checkpoint; switch off: stock again",
+        coverage=Coverage(
+            vllm_cpu="vLLM's demo model on CPU with the checkpoint's full CompressedTensorsConfig and vLLM's kernel chooser: stock Qwen4ExpQSAQKVIndexerLinear (Humming uint6b32 g64) fails in vLLM's loader; patched, QKVParallelLinear (Humming INT6) and ReplicatedLinear (Marlin INT8) load exact checkpoint words.",
+            gpu="none",
+            stand_in="kernels_see_capability(86) makes vLLM's chooser see an sm86 GPU; the INT8 indexer GEMM runs vLLM's batch-invariant dequant+matmul (fp32 inputs) instead of Marlin; the INT6 q/k/v GEMM (Humming) is not run at all; only layer 3's tensors loaded.",
+            gap="Marlin/Humming process_weights_after_loading repacks and GEMMs on a 3090, the unmerged QSA forward (one extra launch) feeding the real indexer and fused qsa_prepare at release shapes, and the release's QSA layers loading whole, never run.",
+        ),
+    ),
+    Patch(
+        id="qsa-offload", order=12, file="qsa-offload.patch", seed="decode-07",
+        switch=envs.VLLM_QSA_KV_OFFLOAD,
+        hooks=("flashnext.serving.hooks.qsa_offload",),
+        touches=("vllm/models/qwen4_exp/nvidia/qsa.py", "vllm/platforms/interface.py", "vllm/models/qwen4_exp/common/qsa_cache.py",),
+        probe=probes.qsa_offload,
+        upstream="not upstream in 0.33.0 (verified: the QSA main K/V is a FullAttentionSpec in VRAM; HiSparse's host-resident groups are a separate block space for MLA); drop when vLLM offloads QSA K/V rows to host memory.",
+        seed_effect="262,144 x 4 tokens at 550-783 MB of KV VRAM instead of ~122k without offload (§1, §2, §10); decode-07: one layer 174 -> 78 us at 72% overlap on a 3090, hit rate 86-91% (§5)",
+        tests="`tests/serving/patches/test_qsa_offload.py`: vLLM's own demo model on the CPU, its KV cache planned (`get_kv_cache_configs`), allocated and bound by Model Runner V2's `init_attn_backend` / `init_kv_cache`: the arena exists after model build and the host pools after KV allocation, to the byte of `flashnext plan` (544,772 B and 113,770,496 B at 4 MB), no step allocates; `_run_qsa` with the metadata vLLM's `QSAMetadataBuilder` built, K/V stored by `FlashAttentionImpl.do_kv_cache_update` (vLLM's Triton writer for the CUDA op; the indexer, CUDA-only, stood in for) into the host rows the block ids give, attention against a torch reference for a staged prefill and a row-cache decode; the seed's per-rank arena split against the plan; the kernels in `tests/quant/kernels/test_qsa_row_cache.py`",
+        coverage=Coverage(
+            vllm_cpu="vLLM's demo model on CPU: patched Platform._align_hybrid_block_size, get_kv_cache_spec/get_kv_cache_configs, V2's init_attn_backend/init_kv_cache binding _QSAStateCache (host pool created), _run_qsa with QSAMetadataBuilder metadata, K/V stored by FlashAttentionImpl.do_kv_cache_update.",
+            gpu="test_qsa_row_cache.py on the H200 (9 passed, rows pinned and read via UVA, incl. test_real_shapes_on_pinned_host_memory); benchmarks/qsa_offload.py (warm 1.76-9.2x all-VRAM, 1.3x target missed). Kernels only, not through vLLM.",
+            stand_in="QSA indexer (CUDA-only) replaced by a random causal selection; reshape_and_cache_flash by vLLM's Triton twin; quant config dropped, seeded weights, torch F.linear projection; hand-written block table; get_device_capability mocked (8,6); host rows unpinned.",
+            gap="The release's indexer (head_dim 128, 1 KV head, ratio 4) makes vLLM use the fused qsa_prepare writer, storing K/V into the UVA host view: never driven (the demo takes the unfused writer). Also untested: real indexer, CUDA-graph capture of attend, profile_cudagraph_memory's double bind, 262k prefill.",
+        ),
+    ),
+    Patch(
+        id="int8-modules", order=13, file="int8-modules.patch", seed=None,
+        switch=envs.VLLM_INT8_MODULES,
+        hooks=("flashnext.serving.hooks.int8_modules",),
+        touches=("vllm/models/qwen4_exp/nvidia/model.py", "vllm/models/qwen4_exp/nvidia/hyperconnection.py",),
+        probe=probes.int8_modules,
+        upstream="not upstream in 0.33.0 (verified: vLLM's own loader refuses the demo checkpoint's INT8 embed_tokens); drop when vLLM's qwen4_exp builds these layers with the checkpoint's quantization config.",
+        seed_effect="the release's INT8 embed_tokens, lm_head and HC mixers load at all (0.60 GiB each for embed_tokens and lm_head as INT8, half of bf16; seed 000 §3.3, §6)",
+        tests="`tests/serving/test_patch_series.py::test_int8_modules_load_and_serve_the_release_tensors`: vLLM's own demo model on the CPU and its own weight loader: stock refuses `embed_tokens.weight_packed` and fails on the mixers; patched, the embedding's rows equal the dequantized checkpoint rows exactly, the logits match the reference, and every mixer projection holds the checkpoint's words and computes its output; switch off: refused again",
+        coverage=Coverage(
+            vllm_cpu="vLLM's demo model and its load_weights on CPU: VocabParallelEmbedding/ParallelLMHead get Int8EmbeddingMethod, hyper-connection MergedColumnParallelLinear/ReplicatedLinear get Int8LinearMethod; embedding rows exact, compute_logits within 2^-6 of reference; stock and switch-off refuse.",
+            gpu="flashnext's int8_mma only: test_decode_mma.py::test_int8_from_compressed_tensors_words (small shapes, in the H200 kernels run) and benchmarks/int6_vs_bf16.py --int8 at the LM head's shape (1.28x bf16). Not through vLLM.",
+            stand_in="quant config narrowed to INT8 groups with PLE key/value and indexer projections dropped (Marlin, no CPU kernel); int8_mma runs under Triton's CPU interpreter; 3-token inputs only.",
+            gap="The mixers' prefill path (>16 tokens: bf16 GEMM over dequantized weights) is not driven through vLLM; int8_mma never compiled or run on sm86; the full model's INT8 layers at PP=3 (embed on rank 0, LM head on rank 2) and inside captured decode graphs untested.",
+        ),
+    ),
+    Patch(
+        id="decode-04", order=14, file="decode-04.patch", seed="decode-04",
+        switch=envs.VLLM_HC_FUSED_DECODE,
+        hooks=("flashnext.serving.hooks.hc_decode.mix",),
+        touches=("vllm/models/qwen4_exp/nvidia/hyperconnection.py",),
+        probe=probes.decode_04,
+        upstream="not upstream in 0.33.0 (verified: its only fused HC kernel is the bf16 CuTe down+SiLU for sm90+); drop when vLLM fuses the INT8 mix.",
+        seed_effect="GatedResidual 32 -> 13.3 us, about 1.8 ms per token on the 3090 (seed 000 §3.3)",
+        tests="`tests/quant/kernels/test_hc_mix.py`: bit-identical to the unfused path in torch on exactly representable inputs (Triton interpreter; H200 at the real shapes, `-m gpu`); `tests/serving/test_patch_series.py::test_int8_modules_load_and_serve_the_release_tensors`: vLLM's own GatedResidual on the demo checkpoint gives the same block input and injection fused, unfused (switch off) and by the reference",
+        coverage=Coverage(
+            vllm_cpu="vLLM's own GatedResidual (hyperconnection.py) of the demo model, INT8 mixers loaded by vLLM's loader: patched mix()/combine_and_mix call hc_decode.mix for 1-16 tokens; fused output bit-identical to vLLM's unfused path (switch off) and to the torch reference.",
+            gpu="tests/quant/kernels/test_hc_mix.py::test_real_shapes (m=1..16) on the H200 (in the 34-passed -m gpu run, 2026-12-01); benchmarks/decode_fusions.py: 12.9 us vs 17.7 us for the INT8 GEMMs alone. Kernel only, no vLLM.",
+            stand_in="hc_mix and vLLM's unfused HC ops run under Triton's CPU interpreter; 3-token inputs; quant config narrowed to INT8 groups; on the H200 the unfused side is a torch model of vLLM's Triton kernels (Triton sigmoid, FMA).",
+            gap="Never compiled or timed on sm86 (the seed's 32 -> 13.3 us is a 3090 figure, not reproduced); the fused mix inside vLLM's FULL_DECODE_ONLY capture and its bit-equality to vLLM's real GPU hc_silu/hc_gate_mix untested (1 of 10,240 elements differed at 4 tokens vs the model).",
+        ),
+    ),
+    Patch(
+        id="int6-bitplane", order=15, file="int6-bitplane.patch", seed=None,
+        switch=envs.VLLM_INT6_BITPLANE,
+        hooks=("flashnext.serving.hooks.int6_bitplane.linear_method",),
+        touches=("vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py",),
+        probe=probes.int6_bitplane,
+        upstream="not upstream in 0.33.0 (the bit-plane layout is flashnext's overlay); drop with the overlay.",
+        seed_effect="the bit-plane layout of seed 000 §3.3 is served at all; there, the INT6 shared expert through it (gate_up + SiluAndMul in one kernel, down + the final sum in another) went 13.4 / 7.0 -> 7.8 / 5.3 us on the 3090; the layout is the seed's, the kernels are flashnext's (docs/benchmarks.md)",
+        tests="`tests/serving/test_patch_series.py::test_int6_bitplane_overlay_is_served`: vLLM's own demo model on the CPU with the overlay applied: stock refuses the planes on shape; patched, the shared experts load the planes and their outputs match the original dense weights; switch off: the words are the original snapshot's again and vLLM's own INT6 path (batch-invariant mode on the CPU) gives the same outputs; `tests/serving/patches/test_no_new_triton_variants.py::test_int6_bitplane_layers_are_warmed_at_load`: the load-time launch covers every Triton variant of 1..16 tokens",
+        coverage=Coverage(
+            vllm_cpu="Patched CompressedTensorsConfig.get_quant_method gives the demo's shared-expert MergedColumnParallelLinear/RowParallelLinear BitplaneLinearMethod; vLLM's loader loads the overlay's planes; gate_up output matches the dense weights; switch off: planes -> original words for CompressedTensorsWNA16.",
+            gpu="Kernels only: test_bitplane_kernel.py::test_real_shapes_on_the_gpu / test_large_shape_on_the_gpu and test_decode_mma.py::test_real_shapes on the H200; benchmarks/bitplane_kernel.py, int6_vs_bf16.py (slower than bf16 at 28 of 32 points).",
+            stand_in="quant config narrowed to the INT6 group on shared experts only (no CPU INT6 kernel elsewhere); kernels under the Triton interpreter; the switch-off layer is built alone under VLLM_BATCH_INVARIANT=1 and its INT6 GEMM (Marlin on a GPU) is not run; sm86 variants only as Triton cache keys.",
+            gap="Prefill via bf16 GEMM over dequantized planes, load-time warm_bitplane_matmul inside vLLM's memory profiling, sm86 compile and speed of the bit-plane kernels, and the fallback's Marlin INT6 path at release shapes never run; no whole-model serve of the overlay view.",
+        ),
+    ),
+    Patch(
+        id="decode-05", order=16, file="decode-05.patch", seed="decode-05",
+        switch=envs.VLLM_MOE_FUSED_DECODE,
+        hooks=("flashnext.serving.hooks.moe_decode.forward",),
+        touches=("vllm/models/qwen4_exp/nvidia/model.py", "vllm/model_executor/layers/fused_moe/experts/marlin_moe.py",),
+        probe=probes.decode_05,
+        upstream="not upstream in 0.33.0 (verified: the router, the shared gate, topk_softmax and moe_align_block_size are separate launches); drop when vLLM fuses decode routing.",
+        seed_effect="the small kernels around a one-token MoE block's experts on the 3090: router GEMV 12 us, topk_softmax 7 us (one CTA), moe_align_block_size 7 us (two kernels), the shared expert's gate 7 us (four kernels), now one launch (seed 000 §3.3; the seed gives no time for it; the H200's in docs/benchmarks.md). The seed's 13.4 / 7.0 -> 7.8 / 5.3 us is the INT6 bit-plane shared expert's kernels (patch int6-bitplane), which this hook calls",
+        tests="`tests/serving/test_patch_series.py::test_decode05_routes_vllms_moe_block_through_the_fused_router`: vLLM's own MoE block for the demo checkpoint on the CPU (plain, and with the bit-plane overlay's shared expert): the fused path for 1 to 4 tokens, the same experts, outputs within one bf16 step of vLLM's path, vLLM's router agreeing with the kernel given its logits, the switch off equal to stock; `tests/serving/patches/test_decode05_cuda_router.py::test_decode05_serves_vllms_cuda_router_and_declines_every_other`: the same block built with the router vLLM's factory builds on CUDA (`FusedTopKRouter`; `topk_softmax`, a CUDA op, stood in for): the fused path against the switch off, and every other router flavour declined without an exception; `tests/serving/patches/test_no_new_triton_variants.py`: the router's Triton cache keys at 1..4 tokens are those of the captured sizes; `tests/quant/kernels/test_moe_route.py` (router and alignment, interpreter and H200)",
+        coverage=Coverage(
+            vllm_cpu="vLLM's own Qwen4ExpSparseMoeBlock for the demo (patched forward), FusedMoE built by vLLM's FusedMoEFactory, RoutedExperts.forward_modular and vLLM's router (CPURouter; FusedTopKRouter from router_factory under a CUDA platform enum): fused path at 1-4 tokens, same experts, select_experts agrees.",
+            gpu="flashnext's route kernel only: tests/quant/kernels/test_moe_route.py::test_real_shape (m=1,2,4, with alignment) on the H200; benchmarks/decode_fusions.py (6.1 us fused vs 9.7 us GEMMs alone). Marlin never run.",
+            stand_in="routed experts' kernel (quant_method.apply) replaced by a torch loop (no CPU MoE kernels); topk_softmax (CUDA op) by its arithmetic; experts bf16 (quant config deleted), so the Marlin alignment hand-off is only unit-tested via alignment_for; Triton interpreter.",
+            gap="The patched fused_marlin_moe taking route's alignment instead of moe_align_block_size never ran anywhere, and the alignment is checked against flashnext's reference_align, not vLLM's CUDA op; INT4 Marlin experts, CUDA-graph capture of the 1/2/4-token path, sm86 timing untested.",
+        ),
+    ),
+    Patch(
+        id="vit-stream", order=17, file="vit-stream.patch", seed=None,
+        switch=envs.VLLM_VIT_STREAM,
+        hooks=("flashnext.serving.hooks.vit_stream.install",),
+        touches=("vllm/models/qwen4_exp/nvidia/model.py",),
+        probe=probes.vit_stream,
+        upstream="not upstream in 0.33.0 (verified: the tower's weights are ordinary resident parameters); drop when vLLM offloads encoder weights with prefetch.",
+        seed_effect="images beside 783 MB of K/V on the first rank: 2 x 29 MiB slots, 1.16 ms a block, 2 MP TTFT 0.85 s, 45 of 45 image requests answered (seed 000 §6)",
+        tests="`tests/serving/test_patch_series.py::test_vit_stream_runs_vllms_tower_from_two_slots`: vLLM's own vision tower for the demo checkpoint (5 blocks) on the CPU: stock keeps 60 parameter storages; patched, the post-load hook moves them into one two-slot buffer and three runs of the same two images in a row give the resident tower's output bit for bit; the switch off keeps it resident. `tests/serving/hooks/test_vit_stream.py` (H200: a tower built on the CPU streams on the GPU); `benchmarks/vit_stream.py`: overlap on the H200",
+        coverage=Coverage(
+            vllm_cpu="vLLM's own Qwen3_VisionTransformer (5 blocks) built by the demo model under vit_stream.build_context(); the patched model-level process_weights_after_loading installs BlockStream; three runs of two images bit-identical to the resident tower; switch off stays resident.",
+            gpu="tests/serving/hooks/test_vit_stream.py -m gpu passed on the H200 (plain torch LayerNorm/Linear blocks, side-stream copies); benchmarks/vit_stream.py: 27 synthetic torch blocks, 784.8 -> 58.1 MiB, copies hidden from 2048 patches. Not vLLM's tower.",
+            stand_in="quant config dropped, seeded weights; qwen3_vl.HAS_TRITON=False (pure-torch position interpolation); finish_layers sets vLLM's _cpu_skip_gemm_dispatch (vllm._C convert_weight_packed absent) -> F.linear; the scenario calls model.process_weights_after_loading() itself; no pinning or copy stream.",
+            gap="Never run: vLLM's loader on a CUDA target with a CPU-built tower (device_loading_context), vLLM's GPU encoder attention over 27 streamed blocks, the encoder profile run, rank 0 avoiding the Marlin-repack OOM, and 2 MP TTFT over a 3090's PCIe 4.0.",
+        ),
+    ),
+)

@@ -1,0 +1,113 @@
+"""The patch registry (serving/patches/series.py) against what it names: the diffs and prose beside
+it, the hooks and probes it points to, the envs switches, the vLLM pin, and the documents generated
+from it."""
+
+import importlib
+import inspect
+import re
+import tomllib
+
+import pytest
+from click.testing import CliRunner
+
+from support import ROOT
+
+from flashnext import envs
+from flashnext.serving.patch_series import load_series
+from flashnext.serving.patches import docs, probes
+from flashnext.serving.patches.series import PATCH_DIR, SERIES, VLLM_VERSION
+from flashnext.tools.cli import main as cli
+
+
+def resolve(dotted: str):
+    """The object a dotted path names: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name is None or not module.startswith(e.name):
+                raise  # the module exists; something it imports does not
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_ids_are_unique_and_orders_count_up_in_the_listed_order():
+    assert len({p.id for p in SERIES}) == len(SERIES)
+    assert [p.order for p in SERIES] == list(range(1, len(SERIES) + 1))
+    assert [p.id for p in load_series()] == [p.id for p in SERIES]
+
+
+def test_the_diffs_and_prose_beside_the_registry_are_exactly_its_patches():
+    ids = {p.id for p in SERIES}
+    assert {f.stem for f in PATCH_DIR.glob("*.patch")} == ids
+    assert {f.stem for f in PATCH_DIR.glob("*.md")} - {"README"} == ids
+    for p in SERIES:
+        assert p.file == f"{p.id}.patch"
+        text = docs.prose(p)
+        assert text.title and len(text.summary) > 80
+
+
+def test_the_vllm_the_diffs_are_against_is_the_one_the_serve_extra_pins():
+    serve = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    assert f"vllm=={VLLM_VERSION}" in serve
+
+
+@pytest.mark.parametrize("patch", SERIES, ids=[p.id for p in SERIES])
+def test_every_hook_a_patch_names_is_importable(patch):
+    for hook in patch.hooks:
+        assert resolve(hook) is not None, hook
+        assert hook.startswith("flashnext.serving.hooks.")
+
+
+def test_every_probe_is_a_function_of_the_probes_module_used_by_one_patch():
+    functions = {name for name, f in inspect.getmembers(probes, inspect.isfunction) if f.__module__ == probes.__name__}
+    used = [p.probe.__name__ for p in SERIES]
+    assert sorted(used) == sorted(functions)
+    for p in SERIES:
+        assert p.probe.__module__ == probes.__name__ and getattr(probes, p.probe.__name__) is p.probe
+
+
+def test_every_switch_is_a_serving_variable_of_envs_whose_help_names_its_patch():
+    declared = {v.name: v for v in envs.DECLARED}
+    assert len({p.switch.name for p in SERIES}) == len(SERIES)
+    for p in SERIES:
+        assert declared[p.switch.name] is p.switch and p.switch in envs.ALL
+        assert p.switch.help.startswith(f"Patch {p.id}: "), p.switch.help
+    # and every variable whose help names a patch names one of the series
+    named = {v.name: re.match(r"Patch ([a-z0-9-]+)", v.help).group(1) for v in envs.DECLARED if v.help.startswith("Patch ")}
+    assert set(named.values()) <= {p.id for p in SERIES}, named
+
+
+def test_the_generated_documents_are_up_to_date():
+    for path, (current, text) in docs.wanted(SERIES).items():
+        assert current == text, f"{path}: run `flashnext patches readme --write`"
+    assert set(docs.wanted(SERIES)) == set(docs.PARTS)  # a source checkout has them all
+    result = CliRunner().invoke(cli, ["patches", "readme"])
+    # Two tables: a header and a rule each, one row a patch, one blank line between them.
+    assert result.exit_code == 0 and result.output.count("\n") == 2 * (len(SERIES) + 2) + 1
+
+
+def test_the_readme_and_the_docs_list_every_patch_in_order():
+    readme = (ROOT / "README.md").read_text()
+    listed = readme.split(docs.begin_marker("patch list"), 1)[1].split(docs.end_marker("patch list"), 1)[0]
+    assert re.split(r",\s*|\s+and\s+", " ".join(listed.split()).rstrip(".")) == [p.id for p in SERIES]
+    for path, heading in ((docs.SERVING_DOC, r"^## .* \(patch `([a-z0-9-]+)`\)$"),
+                          (docs.PATCHES_README, r"^### \d+\. `([a-z0-9-]+)`: ")):
+        assert re.findall(heading, path.read_text(), re.M) == [p.id for p in SERIES], path
+    table = docs.PATCHES_README.read_text()
+    for p in SERIES:
+        assert f"| {p.id} | {p.coverage.vllm_cpu} |" in table
+
+
+def test_the_list_command_reads_the_registry():
+    import json
+
+    listing = CliRunner().invoke(cli, ["patches", "list", "--json"])
+    assert listing.exit_code == 0
+    rows = json.loads(listing.stdout)
+    assert [(r["id"], r["env_switch"]) for r in rows] == [(p.id, f"{p.switch.name}={p.switch_off}") for p in SERIES]
