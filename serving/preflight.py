@@ -89,7 +89,7 @@ def check_gpus(profile: Profile, devices: list[GpuInfo]) -> Finding:
         util = gpu_memory_utilization(profile)
     except FlashnextError as e:  # no vLLM here to read the profile with: the count is all that is known
         return Finding("gpus", False, f"{profile.gpus} x {models}; free VRAM not checked ({e})",
-                       "install vLLM beside flashnext to check it here", Exit.GPU, blocking=False)
+                       "install vLLM 0.33.0 beside flashnext (the `serve` extra) to check it here", Exit.GPU, blocking=False)
     busy = [d for d in devices[:profile.gpus] if d.free_bytes < util * d.total_bytes]
     if busy:
         d = busy[0]
@@ -332,7 +332,9 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
     whether the file is the one ``ple build`` wrote (size, mtime and inode as recorded), and points
     to ``ple verify --full`` for the rest."""
     from flashnext.errors import FlashnextError
-    from flashnext.quant.ple.table import find_ple_source, read_sidecar, verify_table
+    from flashnext.quant.ple.sidecar import read_sidecar
+    from flashnext.quant.ple.source import find_ple_source
+    from flashnext.quant.ple.table import verify_table
     from flashnext.quant.checkpoint.snapshot import Snapshot
 
     rebuild = f"flashnext ple build --src {model or 'SNAPSHOT'} --out {table} --force"
@@ -341,12 +343,10 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
         result = verify_table(table, seconds=seconds)
         if model is not None:
             source = find_ple_source(Snapshot.open(model), sidecar.dense_layer_id)
-            layout = source.layout
-            if (sidecar.rows, sidecar.row_bytes, sidecar.dtype, sidecar.layout.multipliers,
-                    sidecar.layout.head_sizes) != (layout.padded_rows, source.row_bytes, source.dtype,
-                                                   list(layout.multipliers), list(layout.head_sizes)):
-                return Finding("ple-table", False, f"{table} was built from another checkpoint than {model}",
-                               rebuild, Exit.PLE)
+            differ = sidecar.mismatches(source)
+            if differ:
+                return Finding("ple-table", False, f"{table} was built from another checkpoint than {model} "
+                               f"(its {', '.join(differ)} differ)", rebuild, Exit.PLE)
     except FlashnextError as e:
         return Finding("ple-table", False, str(e), rebuild, Exit.PLE)
     covered = result["coverage"]

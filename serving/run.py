@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from flashnext import envs
 from flashnext.errors import FlashnextError
 from flashnext.sizes import format_size
 
@@ -30,7 +31,7 @@ STATE_FILE = "compose.yaml"
 
 
 def state_dir(profile: str) -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flashnext" / "serve" / profile
+    root = Path(envs.XDG_CACHE_HOME.get() or Path.home() / ".cache") / "flashnext" / "serve" / profile
     return root
 
 

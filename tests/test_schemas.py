@@ -1,11 +1,9 @@
-"""Every JSON schema flashnext ships is generated from the record it describes, and is equal to it.
-
-``SCHEMAS`` is the one table of them: ``python tests/test_schemas.py`` rewrites every file from it
-(after a change to a record), and the test below fails until that is done.
+"""Every JSON schema flashnext ships is generated from the record it describes, and is equal to it
+(``flashnext.manifests.schemas.SCHEMAS``, the one table of them; ``python -m flashnext.manifests.schemas``
+regenerates).
 """
 
 import json
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -15,25 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def schemas() -> dict:
-    """Shipped file under ``manifests/`` -> (the record, the schema's title)."""
-    from flashnext.quant.overlays.manifest import OverlayManifest
-    from flashnext.serving.bench.report import BenchReport
-    from flashnext.serving.profiles import Profile
-    from flashnext.serving.selftest.report import SelftestReport
+    from flashnext.manifests.schemas import SCHEMAS
 
-    return {
-        "overlay.schema.json": (OverlayManifest, "flashnext overlay manifest (overlay.json), schema version 1"),
-        "bench-report.schema.json": (BenchReport, "flashnext bench report"),
-        "selftest-report.schema.json": (SelftestReport, "flashnext selftest report"),
-        "profile.schema.json": (Profile, "flashnext serving profile (serving/profiles/NAME.json)"),
-    }
+    return SCHEMAS
 
 
 def generated(name: str) -> dict:
-    from flashnext.quant.records.strict import record_schema
+    from flashnext.manifests.schemas import generated as from_record
 
-    model, title = schemas()[name]
-    return record_schema(model, title)
+    return from_record(name)
 
 
 NAMES = ["overlay.schema.json", "bench-report.schema.json", "selftest-report.schema.json", "profile.schema.json"]
@@ -49,7 +37,7 @@ def test_the_table_names_every_generated_schema():
 @pytest.mark.parametrize("name", NAMES)
 def test_the_shipped_schema_is_its_records_own(name):
     shipped = json.loads((ROOT / "manifests" / name).read_text())
-    assert shipped == generated(name), f"regenerate manifests/{name}: python tests/test_schemas.py"
+    assert shipped == generated(name), f"regenerate manifests/{name}: python -m flashnext.manifests.schemas"
 
 
 def test_the_schemas_agree_with_their_models_on_real_files(demo_overlay):
@@ -78,12 +66,3 @@ def test_the_profile_schema_refuses_what_the_loader_refuses(tmp_path):
         (tmp_path / "3x3090.json").write_text(json.dumps(bad))
         with pytest.raises(FlashnextError):
             load_profile("3x3090", tmp_path)
-
-
-if __name__ == "__main__":
-    sys.path[:0] = [str(ROOT)]
-    for name in schemas():
-        path, schema = ROOT / "manifests" / name, generated(name)
-        if not path.exists() or json.loads(path.read_text()) != schema:
-            path.write_text(json.dumps(schema, indent=2, ensure_ascii=False) + "\n")
-            print(f"wrote manifests/{name}")

@@ -72,7 +72,7 @@ def ids(config_path: Path, tokens: str, context: str | None, dense_layer_id: int
 @user_errors
 def layout_cmd(src: Path, dense_layer_id: int, as_json: bool) -> None:
     """Show the table layout, with the checkpoint's buffers winning over the formulas."""
-    from flashnext.quant.ple.table import find_ple_source
+    from flashnext.quant.ple.source import find_ple_source
     from flashnext.quant.checkpoint.snapshot import Snapshot
 
     source = find_ple_source(Snapshot.open(src), dense_layer_id)

@@ -310,10 +310,3 @@ def _read_regular(path: Path) -> bytes:
         raise FlashnextError(f"{path}: empty, not a report.json of flashnext bench")
     return raw
 
-
-def json_schema() -> dict:
-    """The schema shipped as ``manifests/bench-report.schema.json``."""
-    schema = BenchReport.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "flashnext bench report"
-    return schema

@@ -141,10 +141,3 @@ def load_report(path: Path) -> SelftestReport:
         raise FlashnextError(f"{path}: not a flashnext selftest report (schema {SCHEMA_VERSION}): "
                              f"{first['msg']} at {where}")
 
-
-def json_schema() -> dict:
-    """The schema shipped as ``manifests/selftest-report.schema.json``."""
-    schema = SelftestReport.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "flashnext selftest report"
-    return schema

@@ -250,7 +250,7 @@ SWAPS = [
     Swap("demo-parent-to-snapshot", swap_parent("flashnext.quant.checkpoint.fsutil"),
          lambda w: ((w.root / "p").mkdir(), ["demo-checkpoint", "--out", str(w.root / "p" / "demo")])[1],
          lambda w: (w.root / "p.moved" / "demo" / "config.json").is_file()),
-    Swap("ple-parent-to-snapshot", swap_parent("flashnext.quant.ple.table"), in_p(ple_build, "new.bin"),
+    Swap("ple-parent-to-snapshot", swap_parent("flashnext.quant.checkpoint.fsutil"), in_p(ple_build, "new.bin"),
          lambda w: CliRunner().invoke(cli, ["ple", "verify", "--full", str(w.root / "p.moved" / "new.bin")]).exit_code == 0),
     Swap("ple-partial-to-source-shard", swap_ple_partial, ple_build,
          lambda w: ple_done(w) and (w.root / "new.bin").stat().st_nlink == 1),

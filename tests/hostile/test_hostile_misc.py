@@ -356,11 +356,10 @@ def _rewrite_when(condition: Callable[..., bool]) -> Callable:
 
 
 # Runs once every source has been read for the last time and just before the output is renamed into
-# place: an overlay build's read-back of what it made; ple build's sidecar, once the table has its
-# stat (the call before the copy has none).
+# place: an overlay build's read-back of what it made; for ple build, the moment the table has its
+# copy statistics, made once after the last read of the snapshot.
 BEFORE_OVERLAY_COMMIT = ("flashnext.quant.overlays.builder", "check_readable", _rewrite_when(lambda *a: True))
-BEFORE_PLE_COMMIT = ("flashnext.quant.ple.table", "_sidecar_document",
-                     _rewrite_when(lambda snap, source, shards, st: st is not None))
+BEFORE_PLE_COMMIT = ("flashnext.quant.ple.table", "CopyStats", _rewrite_when(lambda *a: True))
 
 COMMIT_SOURCES = [  # the command, the source someone rewrites, the hook that rewrites it
     ("mtp-shard", mtp, MTP_SHARD, BEFORE_OVERLAY_COMMIT),
