@@ -1,5 +1,12 @@
-"""decode-04 and decode-05's kernels against the unfused path, side by side in one run, at the
-real shapes. CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median, us).
+"""decode-04 and decode-05's kernels against the unfused path and against stock vLLM's own path
+(:mod:`benchmarks.stock_kernels`), side by side in one run, at the real shapes. CUDA-graph replays
+(``triton.testing.do_bench_cudagraph``, median, us). ``patched_over_stock`` <= 1 is issue 28's
+target: stock, not bf16, is what a user runs without the patch.
+
+decode-04's ``stock``: Humming INT8 for both GEMMs with vLLM's own ``hc_silu`` and ``hc_gate_mix``
+(the column holds the reason where those cannot be imported); decode-05's shared expert
+(``shared_expert``): gate_up + SiLU-and-mul + down + gated combine, patched against Humming INT6
+and the elementwise steps as vLLM's compiled graph runs them.
 
 decode-04, the INT8 hyper-connection mix (hidden 2560, 4 streams, low rank 320, merged down/inject
 rows padded to 336):
@@ -34,8 +41,10 @@ import json
 import torch
 import triton
 
+from benchmarks.stock_kernels import elementwise_steps, hc_elementwise, stock_linear
 from flashnext.quant.formats.packing import pack_int32
-from flashnext.quant.kernels.decode_mma import int8_mma
+from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS, bitplane_down_combine, bitplane_gate_up_silu
+from flashnext.quant.kernels.decode_mma import bitplane_matmul, int8_mma
 from flashnext.quant.kernels.hc_mix import hc_mix
 from flashnext.quant.kernels.moe_route import route
 from flashnext.quant.kernels.reference import reference_mix, reference_route
@@ -48,11 +57,12 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50) * 1000
 
 
-def weights(rows: int, cols: int, g: torch.Generator):
-    codes = torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int16).to(torch.int8)
+def weights(rows: int, cols: int, g: torch.Generator, with_codes: bool = False):
+    codes = torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int16).to(torch.int8)
     scales = (torch.rand(rows, cols // 64, generator=g) * 2e-3 + 1e-4).to(torch.bfloat16)
     dense = (codes.float().view(rows, -1, 64) * scales.float().unsqueeze(-1)).view(rows, cols).to(torch.bfloat16)
-    return pack_int32(codes, 8).cuda(), scales.cuda(), dense.cuda()
+    packed = (pack_int32(codes, 8).cuda(), scales.cuda(), dense.cuda())
+    return packed + (codes.cuda(),) if with_codes else packed
 
 
 EXPERTS, TOP_K = 512, 10
@@ -85,8 +95,8 @@ def route_point(m: int) -> dict:
 
 def point(m: int) -> dict:
     g = torch.Generator().manual_seed(m)
-    down_packed, down_scales, down_dense = weights(ROWS, HC * HIDDEN, g)
-    up_packed, up_scales, up_dense = weights(HC * HIDDEN, LOWRANK, g)
+    down_packed, down_scales, down_dense, down_codes = weights(ROWS, HC * HIDDEN, g, with_codes=True)
+    up_packed, up_scales, up_dense, up_codes = weights(HC * HIDDEN, LOWRANK, g, with_codes=True)
     down, up = (down_packed, down_scales), (up_packed, up_scales)
     xn = torch.randn(m, HC * HIDDEN, generator=g).to(torch.bfloat16).cuda()
 
@@ -116,6 +126,80 @@ def point(m: int) -> dict:
         "injection_bit_exact": bool(torch.equal(injection.cpu(), want_injection)),
     }
     row["fused_read_GBps"] = weight_bytes / row["fused"] / 1e3
+    row.update(stock_hc_step(down_codes, down_scales, up_codes, up_scales, xn, row["fused"]))
+    return row
+
+
+def stock_hc_step(down_codes, down_scales, up_codes, up_scales, xn, fused_us: float) -> dict:
+    """decode-04's stock path: the two INT8 GEMMs through stock vLLM's kernel (Humming) and
+    vLLM's own ``hc_silu`` and ``hc_gate_mix`` between and after them."""
+    down, missing = stock_linear(down_codes, down_scales, 8)
+    up, _ = stock_linear(up_codes, up_scales, 8) if down is not None else (None, None)
+    hc_silu, hc_gate_mix, hc_missing = hc_elementwise()
+    if down is None:
+        return {"stock": missing}
+    out = {"stock_int8_gemms": bench(lambda: (down(xn), up(xn[:, :LOWRANK].contiguous())))}
+    if hc_missing:
+        out["stock"] = hc_missing
+        return out
+
+    def stock_step():
+        low = hc_silu(down(xn)[:, :LOWRANK], HC)
+        return hc_gate_mix(xn, up(low), HC)
+
+    out["stock"] = bench(stock_step)
+    out["patched_over_stock"] = round(fused_us / out["stock"], 3)
+    return out
+
+
+SHARED_INTERMEDIATE = 640  # the shared expert: gate_up 1280 x 2560, down 2560 x 640
+
+
+def shared_expert_point(m: int) -> dict:
+    """decode-05's shared expert as one step, ``routed + sigmoid(gate) * down(silu_and_mul(gate_up(x)))``:
+    patched (int6-bitplane + decode-05: the fused GEMVs up to 4 tokens, above that
+    ``bitplane_matmul`` and the same elementwise steps) against stock vLLM (Humming INT6 for both
+    GEMMs, vLLM's SiLU-and-mul and combine as its compiled graph runs them)."""
+    from benchmarks.int6_vs_bf16 import int6_weights
+
+    up_codes, up_planes, up_scales, up_dense = int6_weights(2 * SHARED_INTERMEDIATE, HIDDEN, 7)
+    down_codes, down_planes, down_scales, down_dense = int6_weights(HIDDEN, SHARED_INTERMEDIATE, 8)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+    routed = torch.randn(m, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+    gate = torch.randn(m, 1, device="cuda", generator=g).to(torch.bfloat16)
+    hidden = torch.randn(m, 2 * SHARED_INTERMEDIATE, device="cuda", generator=g).to(torch.bfloat16)
+    silu_and_mul, combine, mode = elementwise_steps(hidden, routed, gate)
+
+    if m <= GEMV_MAX_TOKENS:
+        def patched():
+            h = bitplane_gate_up_silu(x, up_planes, up_scales)
+            return bitplane_down_combine(h, down_planes, down_scales, routed, gate)
+    else:
+        def patched():
+            h = silu_and_mul(bitplane_matmul(x, up_planes, up_scales))
+            return combine(bitplane_matmul(h, down_planes, down_scales), gate, routed)
+
+    def dense_step():
+        h = silu_and_mul(torch.nn.functional.linear(x, up_dense))
+        return combine(torch.nn.functional.linear(h, down_dense), gate, routed)
+
+    want = dense_step().float()
+    row = {"tokens": m, "elementwise": mode, "patched": bench(patched), "bf16": bench(dense_step),
+           "patched_max_abs_error": float((patched().float() - want).abs().max())}
+    stock_up, missing = stock_linear(up_codes, up_scales, 6)
+    stock_down, _ = stock_linear(down_codes, down_scales, 6) if stock_up is not None else (None, None)
+    if stock_up is None:
+        row["stock"] = missing
+        return row
+
+    def stock_step():
+        return combine(stock_down(silu_and_mul(stock_up(x))), gate, routed)
+
+    row["stock"] = bench(stock_step)
+    row["stock_gemms"] = bench(lambda: (stock_up(x), stock_down(hidden[:, :SHARED_INTERMEDIATE].contiguous())))
+    row["stock_max_abs_error"] = float((stock_step().float() - want).abs().max())
+    row["patched_over_stock"] = round(row["patched"] / row["stock"], 3)
     return row
 
 
@@ -129,8 +213,10 @@ def main() -> None:
         return sweep()
     rows = [point(m) for m in args.tokens]
     routes = [route_point(m) for m in args.tokens]
+    shared = [shared_expert_point(m) for m in args.tokens]
     if args.json:
-        print(json.dumps({"device": torch.cuda.get_device_name(), "hc_mix": rows, "route": routes}, indent=1))
+        print(json.dumps({"device": torch.cuda.get_device_name(), "hc_mix": rows, "route": routes,
+                          "shared_expert": shared}, indent=1))
         return
     print(f"# {torch.cuda.get_device_name()}; hidden {HIDDEN}, {HC} streams, low rank {LOWRANK}; us")
     print("tokens  fused  int8_gemms  bf16_gemms  int8_unfused_torch  fused GB/s  block max rel err  injection exact")

@@ -1,11 +1,21 @@
-"""The INT6 bit-plane kernels against a bf16 GEMV (cuBLAS) and PyTorch's int4 g128 GEMV (tinygemm),
-side by side in one run, at 1, 2, 4 and 8 tokens, at the served shapes and at 8192² and 16384².
+"""The INT6 bit-plane kernels against the kernel stock vLLM 0.33.0 runs for the same INT6 g64 layer
+(Humming, :mod:`benchmarks.stock_kernels`), a bf16 GEMM (cuBLAS) and PyTorch's int4 g128 GEMV
+(tinygemm), side by side in one run, at 1, 2, 4, 8 and 16 tokens and at 512 (prefill), at the
+served shapes and at 8192² and 16384²; ``--int8`` does the same for the INT8 modules (LM head and
+tied embedding, the HC GEMMs) against bf16 and Humming INT8 (Marlin, stock's other INT8 kernel,
+needs vLLM's CUDA build: the output says so).
+
+The baseline is stock vLLM's kernel, not bf16: that is what a user runs without flashnext's
+patches, so ``patched_over_stock`` (<= 1 is the issue-28 target) is the number that decides whether
+a patch stays. Where Humming cannot run, its column holds the reason.
 
 Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median, us). "read GB/s" is
-each kernel's own weight and scale bytes over its time; the issue's bandwidth target compares the
-INT6 kernel's against the bf16 GEMV's. Needs a CUDA GPU.
+each kernel's own weight and scale bytes over its time. Prints one JSON document (rows also go to
+stderr as they finish). Needs a CUDA GPU.
 
-    python benchmarks/int6_vs_bf16.py [--json] [--shapes 1280x2560 ...] [--tokens 1 2 4 8]
+    python -m benchmarks.int6_vs_bf16 [--shapes 1280x2560 ...] [--tokens 1 2 4 8 16 512]
+    python -m benchmarks.int6_vs_bf16 --int8 [--shapes 248320x2560x128 ...]
+    python -m benchmarks.int6_vs_bf16 --sweep --shapes 2560x640 --tokens 4 8
 """
 
 from __future__ import annotations
@@ -13,15 +23,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 
 import torch
 import triton
 
-from flashnext.quant.formats.bitplane import codes_to_bitplane
+from benchmarks.stock_kernels import MARLIN_MISSING, stock_linear
+from flashnext.quant.formats.bitplane import bitplane_to_codes, codes_to_bitplane
+from flashnext.quant.formats.packing import dequantize_groups, pack_int32
 from flashnext.quant.kernels import configs
 from flashnext.quant.kernels._common import sm_count
 from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS, bitplane_gemv
-from flashnext.quant.kernels.decode_mma import bitplane_mma
+from flashnext.quant.kernels.decode_mma import (MMA_MAX_TOKENS, bitplane_matmul, bitplane_mma, int8_matmul, int8_mma,
+                                                matmul_variant)
 
 # The served INT6 matrices (N x K) of Qwen3.8-Flash-Next at hidden 2560 (manifests/qwen3.8-flash-next.json):
 # the shared expert's gate_up and down; the linear attention's in_proj_qkv (16 + 16 key heads and 48
@@ -29,6 +43,11 @@ from flashnext.quant.kernels.decode_mma import bitplane_mma
 # heads); QSA's o_proj is out_proj's shape.
 SERVED = [(1280, 2560), (2560, 640), (10240, 2560), (6144, 2560), (2560, 6144), (13312, 2560)]
 LARGE = [(8192, 8192), (16384, 16384)]
+# The INT8 modules (int8-modules): LM head / tied embedding (vocab 248320, g128), the HC merged
+# down/inject (336 x 10240) and up (10240 x 320) GEMMs (g64).
+INT8_SHAPES = [(248320, 2560, 128), (336, 10240, 64), (10240, 320, 64)]
+DECODE_TOKENS = [1, 2, 4, 8, 16]
+PREFILL_TOKENS = 512
 
 
 def bench(fn) -> float:
@@ -48,55 +67,92 @@ def tinygemm(n: int, k: int, x: torch.Tensor):
         return None, 0
 
 
-def point(n: int, k: int, m: int) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(n + m)
-    codes = torch.randint(-32, 32, (n, k), dtype=torch.int8, device="cuda", generator=g)
-    planes = codes_to_bitplane(codes)
-    scales = (torch.randn(n, k // 64, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+def _error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return round(float(((y.float() - ref).abs() / ref.abs().clamp_min(1.0)).max()), 5)
+
+
+def _stock_columns(out: dict, stock, missing: str | None, x: torch.Tensor, ref: torch.Tensor, patched: float) -> None:
+    """The stock-vLLM column (Humming), or the reason it is absent, and patched / stock."""
+    if stock is None:
+        out["stock_humming"] = missing
+        return
+    out["stock_humming_max_rel_error"] = _error(stock(x), ref)
+    out["stock_humming_us"] = round(bench(lambda: stock(x)), 2)
+    out["patched_over_stock"] = round(patched / out["stock_humming_us"], 3)
+
+
+def int6_weights(n: int, k: int, seed: int):
+    """Random symmetric INT6 g64 codes (-31..31, what a symmetric quantizer writes), their planes,
+    scales and dense bf16 weights."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(-31, 32, (n, k), dtype=torch.int8, device="cuda", generator=g)
+    scales = (torch.rand(n, k // 64, device="cuda", generator=g) * 0.02 + 0.001).to(torch.bfloat16)
     weight = (codes.float() * scales.float().repeat_interleave(64, 1)).to(torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    int6_bytes = planes.numel() + scales.numel() * 2
-    bf16_bytes = weight.numel() * 2
-    ref = x.float() @ weight.float().T
-    y = bitplane_mma(x, planes, scales)
-    error = float(((y.float() - ref).abs() / ref.abs().clamp_min(1.0)).max())
-    out = {"n": n, "k": k, "tokens": m, "max_rel_error": round(error, 5),
-           "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
-           "int6_mma_us": round(bench(lambda: bitplane_mma(x, planes, scales)), 2)}
-    if m <= GEMV_MAX_TOKENS:
-        out["int6_gemv_us"] = round(bench(lambda: bitplane_gemv(x, planes, scales)), 2)
-    fn, int4_bytes = tinygemm(n, k, x)
-    if fn is not None:
-        out["int4_tinygemm_us"] = round(bench(fn), 2)
-    best = min(v for key, v in out.items() if key in ("int6_mma_us", "int6_gemv_us"))
-    out["int6_best_us"] = best
-    out["bf16_read_gbps"] = round(bf16_bytes / out["bf16_us"] / 1e3, 1)
-    out["int6_read_gbps"] = round(int6_bytes / best / 1e3, 1)
-    out["int6_vs_bf16_bandwidth"] = round(out["int6_read_gbps"] / out["bf16_read_gbps"], 3)
-    out["speedup_vs_bf16"] = round(out["bf16_us"] / best, 2)
-    return out
+    return codes, codes_to_bitplane(codes), scales, weight
 
 
-def int8_point(n: int, k: int, m: int) -> dict:
-    """The INT8 kernel (patch int8-modules' LM head) against bf16 at one shape."""
-    from flashnext.quant.formats.packing import pack_int32
-    from flashnext.quant.kernels.decode_mma import int8_mma
+def shape_points(n: int, k: int, tokens) -> list[dict]:
+    """bf16, flashnext's INT6 kernels and stock vLLM's (Humming) at one shape, every token count;
+    above 16 tokens (prefill) flashnext's path is the int6-bitplane module's: dequantize, bf16 GEMM."""
+    codes, planes, scales, weight = int6_weights(n, k, n + k)
+    stock, missing = stock_linear(codes, scales, 6)
+    g = torch.Generator(device="cuda").manual_seed(k)
+    rows = []
+    for m in tokens:
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        ref = x.float() @ weight.float().T
+        out = {"n": n, "k": k, "tokens": m,
+               "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2)}
+        if m > MMA_MAX_TOKENS:
+            def prefill():
+                dense = dequantize_groups(bitplane_to_codes(planes, k), scales, x.dtype)
+                return torch.nn.functional.linear(x, dense)
+            out["max_rel_error"] = _error(prefill(), ref)
+            out["int6_prefill_us"] = patched = round(bench(prefill), 2)
+        else:
+            out["max_rel_error"] = _error(bitplane_matmul(x, planes, scales), ref)
+            out["int6_mma_us"] = round(bench(lambda: bitplane_mma(x, planes, scales)), 2)
+            if m <= GEMV_MAX_TOKENS:
+                out["int6_gemv_us"] = round(bench(lambda: bitplane_gemv(x, planes, scales)), 2)
+            out["int6_matmul_us"] = patched = round(bench(lambda: bitplane_matmul(x, planes, scales)), 2)
+            out["int6_matmul_picks"] = matmul_variant(m, n, k, x.device)
+            out["int6_best_us"] = min(out["int6_mma_us"], out.get("int6_gemv_us", float("inf")))
+            int6_bytes = planes.numel() + scales.numel() * 2
+            out["int6_read_gbps"] = round(int6_bytes / out["int6_best_us"] / 1e3, 1)
+            if m <= 8:
+                fn, _ = tinygemm(n, k, x)
+                if fn is not None:
+                    out["int4_tinygemm_us"] = round(bench(fn), 2)
+        out["bf16_read_gbps"] = round(weight.numel() * 2 / out["bf16_us"] / 1e3, 1)
+        _stock_columns(out, stock, missing, x, ref, patched)
+        rows.append(out)
+        print(json.dumps(out), file=sys.stderr, flush=True)
+    return rows
 
-    g = torch.Generator(device="cuda").manual_seed(n + m)
-    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
-    scales = (torch.rand(n, k // 128, device="cuda", generator=g) * 0.01).to(torch.bfloat16)
+
+def int8_points(n: int, k: int, group: int, tokens) -> list[dict]:
+    """The INT8 kernel (int8-modules: the LM head, the embedding's tied weight, the HC GEMMs)
+    against bf16 and stock vLLM's kernel at one shape; above 16 tokens through ``int8_matmul``, the
+    module's prefill path."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
+    scales = (torch.rand(n, k // group, device="cuda", generator=g) * 0.01 + 1e-4).to(torch.bfloat16)
     packed = pack_int32(codes, 8)
-    weight = (codes.float() * scales.float().repeat_interleave(128, 1)).to(torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    ref = x.float() @ weight.float().T
-    error = float(((int8_mma(x, packed, scales).float() - ref).abs() / ref.abs().clamp_min(1.0)).max())
-    out = {"n": n, "k": k, "tokens": m, "max_rel_error": round(error, 5),
-           "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
-           "int8_us": round(bench(lambda: int8_mma(x, packed, scales)), 2)}
-    out["int8_read_gbps"] = round((packed.numel() * 4 + scales.numel() * 2) / out["int8_us"] / 1e3, 1)
-    out["bf16_read_gbps"] = round(weight.numel() * 2 / out["bf16_us"] / 1e3, 1)
-    out["speedup_vs_bf16"] = round(out["bf16_us"] / out["int8_us"], 2)
-    return out
+    weight = (codes.float() * scales.float().repeat_interleave(group, 1)).to(torch.bfloat16)
+    stock, missing = stock_linear(codes, scales, 8)
+    rows = []
+    for m in tokens:
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        ref = x.float() @ weight.float().T
+        kernel = int8_mma if m <= MMA_MAX_TOKENS else int8_matmul
+        out = {"n": n, "k": k, "group": group, "tokens": m, "max_rel_error": _error(kernel(x, packed, scales), ref),
+               "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
+               "int8_us": round(bench(lambda: kernel(x, packed, scales)), 2), "marlin": MARLIN_MISSING}
+        out["int8_read_gbps"] = round((packed.numel() * 4 + scales.numel() * 2) / out["int8_us"] / 1e3, 1)
+        _stock_columns(out, stock, missing, x, ref, out["int8_us"])
+        rows.append(out)
+        print(json.dumps(out), file=sys.stderr, flush=True)
+    return rows
 
 
 def sweep(shapes, tokens) -> list[dict]:
@@ -125,7 +181,7 @@ def sweep(shapes, tokens) -> list[dict]:
             row["configs"].sort()
             row["best"] = row["configs"][:5]
             del row["configs"]
-            print(json.dumps(row), flush=True)
+            print(json.dumps(row), file=sys.stderr, flush=True)
             out.append(row)
     return out
 
@@ -133,32 +189,21 @@ def sweep(shapes, tokens) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=None, help="NxK, default: served shapes, 8192², 16384²")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tokens", type=int, nargs="+", default=DECODE_TOKENS + [PREFILL_TOKENS])
     parser.add_argument("--sweep", action="store_true", help="time the tensor-core kernel's launch parameters")
-    parser.add_argument("--int8", action="store_true", help="the INT8 kernel instead, default shape: the LM head")
+    parser.add_argument("--int8", action="store_true", help="the INT8 modules' shapes instead (NxKxGROUP)")
     args = parser.parse_args()
+    if args.int8:
+        shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else INT8_SHAPES)
+        rows = [r for n, k, group in shapes for r in int8_points(n, k, group, args.tokens)]
+        print(json.dumps({"device": torch.cuda.get_device_name(), "int8": rows}, indent=1))
+        return
     shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SERVED + LARGE)
     if args.sweep:
-        sweep(shapes, args.tokens)
+        print(json.dumps({"device": torch.cuda.get_device_name(), "sweep": sweep(shapes, args.tokens)}, indent=1))
         return
-    if args.int8:
-        for n, k in ([tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else [(248320, 2560)]):
-            for m in args.tokens:
-                print(json.dumps(int8_point(n, k, m)), flush=True)
-        return
-    results = []
-    for n, k in shapes:
-        for m in args.tokens:
-            r = point(n, k, m)
-            results.append(r)
-            if not args.json:
-                print(f"{n:6d}x{k:<6d} m={m}: bf16 {r['bf16_us']:8.2f}  int6 mma {r['int6_mma_us']:8.2f}  "
-                      f"gemv {r.get('int6_gemv_us', '-')!s:>8}  int4 {r.get('int4_tinygemm_us', '-')!s:>8}  "
-                      f"x{r['speedup_vs_bf16']}  bw {r['int6_vs_bf16_bandwidth']}  err {r['max_rel_error']}",
-                      flush=True)
-    if args.json:
-        print(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
+    rows = [r for n, k in shapes for r in shape_points(n, k, args.tokens)]
+    print(json.dumps({"device": torch.cuda.get_device_name(), "int6": rows}, indent=1))
 
 
 if __name__ == "__main__":

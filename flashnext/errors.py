@@ -9,6 +9,8 @@ that every non-zero exit of every command comes from the one table below.
 
 from __future__ import annotations
 
+import enum
+
 
 class FlashnextError(Exception):
     """An error a user can act on. The message is one line and says what to do."""
@@ -41,8 +43,21 @@ class SlowDrive(FlashnextError):
     printed = True
 
 
+class NoGoCode(enum.IntEnum):
+    """The preflight's exit status per kind of blocking finding (``flashnext doctor``, ``serve``)."""
+
+    GO = 0
+    GPU = 10
+    MEMORY = 11
+    PTRACE = 12
+    PLE = 13  # the PLE table or its drive
+    OVERLAY = 14
+    IMAGE = 15
+
+
 class NoGo(FlashnextError):
-    """The preflight's verdict: a blocking finding; ``exit_code`` is that finding's (10-15)."""
+    """The preflight's verdict: a blocking finding; ``exit_code`` is that finding's
+    (:class:`NoGoCode`)."""
 
     printed = True
 
@@ -58,8 +73,7 @@ EXIT_CODES: dict[type[FlashnextError], int] = {
     UsageError: 2,  # click's own exit status for its usage errors
     SlowDrive: 2,
     VerificationMismatch: 3,
-    # NoGo: 10 GPUs, 11 memory, 12 ptrace, 13 PLE table or drive, 14 overlay, 15 image
-    # (serving/preflight.py's Exit), carried by the error itself.
+    # NoGo: its NoGoCode (10-15), carried by the error itself.
 }
 EXIT_INTERNAL = 70  # EX_SOFTWARE: a flashnext bug, not the user's input
 EXIT_INTERRUPTED = 130

@@ -9,7 +9,6 @@ image. Each failing check has its own exit code.
 """
 from __future__ import annotations
 
-import enum
 import os
 import resource
 import subprocess
@@ -17,19 +16,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from flashnext.errors import NoGoCode
 from flashnext.serving.host_memory import CGROUP_MEMORY_MAX, MEMINFO, read_host_memory
 from flashnext.serving.profiles import Profile
 from flashnext.sizes import format_size
-
-
-class Exit(enum.IntEnum):
-    GO = 0
-    GPU = 10
-    MEMORY = 11
-    PTRACE = 12
-    PLE = 13
-    OVERLAY = 14
-    IMAGE = 15
 
 
 @dataclass
@@ -38,7 +28,7 @@ class Finding:
     ok: bool
     detail: str
     fix: str | None = None
-    exit: int = Exit.GO
+    exit: int = NoGoCode.GO
     blocking: bool = True
     terms: dict[str, int] | None = None  # host-ram: each pinned allocation's bytes
 
@@ -80,7 +70,7 @@ def check_gpus(profile: Profile, devices: list[GpuInfo]) -> Finding:
     if len(devices) < profile.gpus:
         return Finding("gpus", False, f"{len(devices)} GPU(s) visible, the profile needs {profile.gpus}",
                        "expose the GPUs to this process (drivers installed, CUDA_VISIBLE_DEVICES, "
-                       f"compose `deploy.resources.reservations.devices: count: {profile.gpus}`)", Exit.GPU)
+                       f"compose `deploy.resources.reservations.devices: count: {profile.gpus}`)", NoGoCode.GPU)
     from flashnext.errors import FlashnextError
     from flashnext.serving.capacity import gpu_memory_utilization
 
@@ -89,14 +79,14 @@ def check_gpus(profile: Profile, devices: list[GpuInfo]) -> Finding:
         util = gpu_memory_utilization(profile)
     except FlashnextError as e:  # no vLLM here to read the profile with: the count is all that is known
         return Finding("gpus", False, f"{profile.gpus} x {models}; free VRAM not checked ({e})",
-                       "install vLLM 0.33.0 beside flashnext (the `serve` extra) to check it here", Exit.GPU, blocking=False)
+                       "install vLLM 0.33.0 beside flashnext (the `serve` extra) to check it here", NoGoCode.GPU, blocking=False)
     busy = [d for d in devices[:profile.gpus] if d.free_bytes < util * d.total_bytes]
     if busy:
         d = busy[0]
         return Finding("gpus", False,
                        f"GPU {d.index} ({d.name}) has {format_size(d.free_bytes)} free of {format_size(d.total_bytes)}; "
                        f"the profile takes {util:.0%}", f"stop what holds GPU {d.index}'s memory (see nvidia-smi)",
-                       Exit.GPU)
+                       NoGoCode.GPU)
     return Finding("gpus", True, f"{profile.gpus} x {models}, free VRAM ≥ {util:.0%} on each")
 
 
@@ -107,7 +97,7 @@ def check_memlock(profile: Profile) -> Finding:
                        else f"locked memory limit {soft} B (the profile does not pin)")
     return Finding("memlock", False, f"`ulimit -l` is {soft // 1024} KiB; pinned host K/V pools need it unlimited",
                    "compose: `ulimits: {memlock: {soft: -1, hard: -1}}` (serve writes it); natively: `ulimit -l unlimited`",
-                   Exit.MEMORY)
+                   NoGoCode.MEMORY)
 
 
 def _parse_size(text: str) -> int:
@@ -122,12 +112,12 @@ def check_shm(profile: Profile, path: str = "/dev/shm") -> Finding:
         st = os.statvfs(path)
     except OSError:
         return Finding("shm", False, f"{path} is missing", f"compose: `shm_size: {profile.container.shm_size}`",
-                       Exit.MEMORY)
+                       NoGoCode.MEMORY)
     size = st.f_frsize * st.f_blocks
     if size < need:
         return Finding("shm", False, f"{path} is {format_size(size)}; the profile wants {format_size(need)}",
                        f"compose: `shm_size: {profile.container.shm_size}` (serve writes it) or `ipc: host`",
-                       Exit.MEMORY)
+                       NoGoCode.MEMORY)
     return Finding("shm", True, f"{path}: {format_size(size)}")
 
 
@@ -141,7 +131,7 @@ def check_cgroup(memory_max: Path = CGROUP_MEMORY_MAX, meminfo: Path = MEMINFO) 
     if limit < 0.9 * total:
         return Finding("cgroup", False, f"cgroup memory.max is {format_size(limit)} of {format_size(total)} RAM; pinned pools "
                                         "and the PLE page cache need the host's memory",
-                       "raise the container's memory limit (compose `mem_limit`, podman `--memory`)", Exit.MEMORY)
+                       "raise the container's memory limit (compose `mem_limit`, podman `--memory`)", NoGoCode.MEMORY)
     return Finding("cgroup", True, f"cgroup memory.max {format_size(limit)} of {format_size(total)}")
 
 
@@ -251,7 +241,7 @@ def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path =
         terms = pinned_host_terms(shape, plan, model, ple_table)
     except FlashnextError as e:
         return Finding("host-ram", False, f"no plan for this profile ({e})", "`flashnext plan --profile "
-                       f"{profile.name}` says why", Exit.MEMORY, blocking=False)
+                       f"{profile.name}` says why", NoGoCode.MEMORY, blocking=False)
     available = read_host_memory(meminfo, memory_max).allowance
     headroom = capacity.HOST_HEADROOM
     need = sum(t.bytes for t in terms)
@@ -264,7 +254,7 @@ def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path =
     finding.terms = {t.name: t.bytes for t in terms}
     if need + headroom <= available:
         return finding
-    finding.ok, finding.exit = False, Exit.MEMORY
+    finding.ok, finding.exit = False, NoGoCode.MEMORY
     others = need - plan.pinned_host_bytes_needed
     table = next((t for t in terms if t.name == "PLE table"), None)
     per_block = plan.pinned_host_bytes_needed / plan.blocks
@@ -301,7 +291,7 @@ def check_process_madvise() -> Finding:
         return Finding("ptrace", True, f"process_madvise allowed{scope_text}")
     return Finding("ptrace", False, f"process_madvise is refused here{scope_text}: the PLE prefetcher falls back "
                                     "to per-range madvise (same pages, ~20x its CPU time)",
-                   "compose: `cap_add: [SYS_PTRACE]` (the 3x3090 profiles set it)", Exit.PTRACE, blocking=False)
+                   "compose: `cap_add: [SYS_PTRACE]` (the 3x3090 profiles set it)", NoGoCode.PTRACE, blocking=False)
 
 
 def check_ple_drive(table: Path, seconds: float = 3.0) -> Finding:
@@ -311,12 +301,12 @@ def check_ple_drive(table: Path, seconds: float = 3.0) -> Finding:
     try:
         r = drive_check(table, seconds)
     except FlashnextError as e:
-        return Finding("ple-drive", False, str(e), "check the path given to --ple-table", Exit.PLE)
+        return Finding("ple-drive", False, str(e), "check the path given to --ple-table", NoGoCode.PLE)
     q = r["qd1"]
     detail = f"{table}: QD1 p50 {q['p50_ms']:.3f} ms, p99 {q['p99_ms']:.3f} ms, max {q['max_ms']:.1f} ms; deep queue {r['deep']['iops']:.0f} IOPS"
     if not r["ok"]:
         return Finding("ple-drive", False, detail, "move the PLE table to a drive with a short tail "
-                       "(seed 000 §3.7: a DRAM-less QLC drive stalled decode for seconds)", Exit.PLE)
+                       "(seed 000 §3.7: a DRAM-less QLC drive stalled decode for seconds)", NoGoCode.PLE)
     return Finding("ple-drive", True, detail)
 
 
@@ -346,9 +336,9 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
             differ = sidecar.mismatches(source)
             if differ:
                 return Finding("ple-table", False, f"{table} was built from another checkpoint than {model} "
-                               f"(its {', '.join(differ)} differ)", rebuild, Exit.PLE)
+                               f"(its {', '.join(differ)} differ)", rebuild, NoGoCode.PLE)
     except FlashnextError as e:
-        return Finding("ple-table", False, str(e), rebuild, Exit.PLE)
+        return Finding("ple-table", False, str(e), rebuild, NoGoCode.PLE)
     covered = result["coverage"]
     detail = (f"{table}: {result['file_size']:,} bytes; {result['bytes_checked']:,} ({covered:.1%}) hashed "
               f"against its sidecar in {result['seconds']:.1f} s" + (f", built from {model}" if model else ""))
@@ -361,7 +351,7 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
     if result["unchanged_since_build"]:
         return Finding("ple-table", True, f"{detail}; size, mtime and inode are as `ple build` left them; {rest}")
     return Finding("ple-table", False, f"{detail}; the file was written or copied since `ple build` made it, "
-                   f"and {rest}", full, Exit.PLE, blocking=False)
+                   f"and {rest}", full, NoGoCode.PLE, blocking=False)
 
 
 def check_overlays(model: Path, overlays: list[Path]) -> Finding:
@@ -372,10 +362,10 @@ def check_overlays(model: Path, overlays: list[Path]) -> Finding:
         try:
             problems = verify_overlay(model, overlay)
         except FlashnextError as e:
-            return Finding("overlay", False, str(e), "pass an overlay directory made by flashnext", Exit.OVERLAY)
+            return Finding("overlay", False, str(e), "pass an overlay directory made by flashnext", NoGoCode.OVERLAY)
         if problems:
             return Finding("overlay", False, f"{overlay.name}: {problems[0]}",
-                           f"rebuild it against this snapshot (e.g. make-mtp-int4 --src {model} --out NEW)", Exit.OVERLAY)
+                           f"rebuild it against this snapshot (e.g. make-mtp-int4 --src {model} --out NEW)", NoGoCode.OVERLAY)
     return Finding("overlay", True, f"{len(overlays)} overlay(s) match the snapshot" if overlays else "no overlays")
 
 
@@ -390,11 +380,11 @@ def check_image(engine: str, image: str) -> Finding:
         found = image_built(engine, image)
     except FileNotFoundError:
         return Finding("image", False, f"{engine} is not installed", f"install {engine}, or `serve --engine native`",
-                       Exit.IMAGE)
+                       NoGoCode.IMAGE)
     if not found:
         return Finding("image", False, f"{image} is not built", f"`serve` builds it (serving/Dockerfile: vLLM 0.33.0 "
                        "with the patch series); to build now: `docker build -f serving/Dockerfile -t "
-                       f"{image} .`", Exit.IMAGE, blocking=False)
+                       f"{image} .`", NoGoCode.IMAGE, blocking=False)
     return Finding("image", True, f"{image} present")
 
 
@@ -423,4 +413,4 @@ def verdict(findings: list[Finding]) -> int:
     for f in findings:
         if not f.ok and f.blocking:
             return int(f.exit)
-    return int(Exit.GO)
+    return int(NoGoCode.GO)

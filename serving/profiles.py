@@ -76,3 +76,39 @@ def load_profile(name: str, directory: Path = PROFILE_DIR) -> Profile:
     if profile.name != name:
         raise FlashnextError(f"{path}: name {profile.name!r} does not match the file name")
     return dataclasses.replace(profile, path=path)
+
+
+_SPECULATIVE_CONFIG = ("--speculative-config", "-sc")
+
+
+def speculative_method(profile: Profile) -> str | None:
+    """The method of the profile's ``--speculative-config`` (``"mtp"``), None where it sets none.
+
+    Read without vLLM, unlike the plan's reading (``capacity/shape.py``), because the Hub model card
+    asks it on a base install, which has no vLLM; tests/quant/overlays/test_hub.py checks that it
+    agrees with vLLM's own parser. The last occurrence wins, as with argparse; a form it cannot read
+    (vLLM's dotted ``--speculative-config.method``) is refused rather than guessed."""
+    import json
+
+    text = None
+    args = list(profile.vllm_args)
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        flag = flag.replace("_", "-") if flag.startswith("--") else flag
+        if flag.startswith("--speculative-config."):
+            raise FlashnextError(f"profile {profile.name}: {flag} is not read here; give the speculative "
+                                 "config as one JSON --speculative-config")
+        if flag in _SPECULATIVE_CONFIG:
+            if not eq and i + 1 >= len(args):
+                raise FlashnextError(f"profile {profile.name}: {flag} has no value")
+            text = value if eq else args[i + 1]
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise FlashnextError(f"profile {profile.name}: --speculative-config is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise FlashnextError(f"profile {profile.name}: --speculative-config is not a JSON object")
+    method = config.get("method")
+    return method if isinstance(method, str) else None

@@ -12,7 +12,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from flashnext.errors import EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED
+from flashnext.errors import EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, NoGoCode
 from flashnext.sizes import format_size
 from flashnext.tools.cli import main as flashnext
 from support import ROOT
@@ -186,6 +186,19 @@ def test_the_readme_lists_the_exit_code_table():
     assert listed == {0, *EXIT_CODES.values(), 10, EXIT_INTERNAL, EXIT_INTERRUPTED}, text
     three = text.split("; 3 ", 1)[1].split(";", 1)[0]
     assert "`overlay verify`" in three and "`ple verify`" in three
+    nogo = [c for c in NoGoCode if c]
+    assert f"{nogo[0].value}–{nogo[-1].value} the preflight's NO-GO" in text
+    assert [c.value for c in nogo] == list(range(nogo[0].value, nogo[-1].value + 1))
+
+
+def test_doctor_names_every_no_go_code():
+    """`flashnext doctor --help` restates the preflight's codes: the same numbers, each with its kind."""
+    from flashnext.tools.doctor import main as doctor
+
+    text = " ".join(doctor.help.split())
+    for code in NoGoCode:
+        word = {"GO": "go", "GPU": "GPU", "PLE": "PLE table"}.get(code.name, code.name.lower())
+        assert f"{code.value} {word}" in text or f"{code.value} ({word})" in text, (code, text)
 
 
 # --- sizes --------------------------------------------------------------------------------------------

@@ -233,11 +233,7 @@ def within(module: str, *packages: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-KNOWN_LIBRARY_VIOLATIONS = {
-    # Its model card's serve snippet asks the serving profiles (and the preflight's flag parser, and
-    # compose's image name) which profile an overlay kind is for: requested to move out of quant/.
-    "quant/overlays/hub.py": "hub.py imports flashnext.serving for its model card's serve command",
-}
+KNOWN_LIBRARY_VIOLATIONS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("path", [

@@ -45,6 +45,18 @@ def hub_hints(fn):
     return wrapper
 
 
+def card_serving():
+    """What the serving system offers an overlay, for its model card: the library cannot ask serving
+    itself (it never imports it), so the command hands it in."""
+    from flashnext.quant.overlays.hub import CardServing, ServeTarget
+    from flashnext.serving.compose import IMAGE
+    from flashnext.serving.profiles import available, load_profile, speculative_method
+
+    profiles = [load_profile(name) for name in available()]
+    return CardServing(IMAGE, tuple(ServeTarget(p.name, p.model_family, speculative_method(p), p.uses_ple_table)
+                                    for p in profiles))
+
+
 @click.group("overlay")
 def main() -> None:
     """Overlays: check them against a base snapshot, and apply them without copying."""
@@ -125,7 +137,7 @@ def upload(overlay: Path, repo_id: str, private: bool, revision: str | None, dry
     from flashnext.quant.overlays.hub import upload_overlay
 
     result = upload_overlay(overlay, repo_id, private=private, revision=revision, dry_run=dry_run,
-                            endpoint=endpoint)
+                            endpoint=endpoint, serving=card_serving())
     if as_json:
         emit_json(result)
         return

@@ -14,16 +14,19 @@ from flashnext.tools._common import emit_json, json_option, user_errors
 @click.option("--src", type=click.Path(path_type=Path), required=True, help="The snapshot (never modified).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="The overlay directory to create.")
 @click.option("--targets", default=DEFAULT_INT6_TARGETS, show_default=True,
-              help="Regular expression (re.match) over module names.")
+              help="Regular expression (re.match) over module names; bit planes outside the shared experts "
+                   "are refused (measured slower than stock vLLM's kernel) unless --force-slower.")
 @click.option("--reverse", is_flag=True, help="Turn bit-plane tensors of SRC (overlay applied) back into dense 6-bit.")
 @click.option("--to", "to", type=click.Choice(["int8"]), default=None,
               help="Widen losslessly to INT8 (q+128) instead, for stock vLLM's 8-bit path (+33% bytes).")
+@click.option("--force-slower", is_flag=True,
+              help="Repack --targets outside the shared experts too, where bit planes measured slower.")
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr.")
 @json_option
 @user_errors
-def main(src: Path, out: Path, targets: str, reverse: bool, to: str | None, force: bool, progress: bool,
-         as_json: bool) -> None:
+def main(src: Path, out: Path, targets: str, reverse: bool, to: str | None, force_slower: bool, force: bool,
+         progress: bool, as_json: bool) -> None:
     """Repack compressed-tensors dense INT6 modules into the bit-plane layout the serving kernel reads
     (a 4-bit and a 2-bit plane, same bytes), or widen them to INT8, or reverse the bit-plane overlay."""
     if reverse and to:
@@ -34,7 +37,7 @@ def main(src: Path, out: Path, targets: str, reverse: bool, to: str | None, forc
     from flashnext.quant.overlays.int6_repack import repack_int6
 
     mode = "reverse" if reverse else ("int8" if to == "int8" else "bitplane")
-    report = repack_int6(src, out, targets, mode, force=force, progress=progress)
+    report = repack_int6(src, out, targets, mode, force=force, progress=progress, force_slower=force_slower)
     if as_json:
         emit_json(report)
     else:

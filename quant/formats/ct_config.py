@@ -196,11 +196,6 @@ def matches(name: str, target: str, fused: Mapping[str, Iterable[str]] | None = 
     return match_name(name, target, fused)
 
 
-def _matches(entry: str, name: str) -> bool:
-    """:func:`matches` with its arguments in the old order, for callers not yet moved to it."""
-    return matches(name, entry)
-
-
 def shard_names(name: str, fused: Mapping[str, Iterable[str]] | None) -> list[str] | None:
     """The checkpoint modules vLLM's fused layer ``name`` is made of (``...gate_up_proj`` ->
     ``...gate_proj``, ``...up_proj``), by the rule compressed-tensors' ``match_name`` expands them

@@ -137,7 +137,7 @@ FAMILIES = ("h200", "sm86", DEFAULT)
 # kernel -> ((class, least N * K), ...) ascending; a kernel not listed has one class, "any"
 SHAPE_CLASSES: dict[str, tuple[tuple[str, int], ...]] = {
     "bitplane_gemv": (("small", 0), ("large", 1 << 24)),
-    "bitplane_mma": (("small", 0), ("large", 1 << 26)),
+    "bitplane_mma": (("shared", 0), ("small", 1 << 22), ("large", 1 << 26)),
     "bitplane_matmul": (("small", 0), ("large", 1 << 22)),
 }
 
@@ -146,6 +146,7 @@ CONFIGS: dict[tuple[str, str, str], object] = {
     ("bitplane_gemv", "small", DEFAULT): GemvConfig(block_n=4),
     ("bitplane_gemv", "large", DEFAULT): GemvConfig(block_n=8, wide=True),
     # H200 sweeps (2026-12-01): 256 columns a step, 64-row blocks from 2^26 weights, split at least 2
+    ("bitplane_mma", "shared", DEFAULT): MmaConfig(block_n=32, min_split_k=2, steps=(256, 128)),
     ("bitplane_mma", "small", DEFAULT): MmaConfig(block_n=32, min_split_k=2, steps=(256, 128)),
     ("bitplane_mma", "large", DEFAULT): MmaConfig(block_n=64, min_split_k=2, steps=(256, 128)),
     ("int8_mma", ANY, DEFAULT): MmaConfig(block_n=64),
@@ -155,6 +156,15 @@ CONFIGS: dict[tuple[str, str, str], object] = {
     # the GEMV wins for one token everywhere and up to four below 2^22 weights (2026-12-01)
     ("bitplane_matmul", "small", DEFAULT): MatmulChoice(gemv_max_tokens=4),
     ("bitplane_matmul", "large", DEFAULT): MatmulChoice(gemv_max_tokens=1),
+    # H200, 2026-12-02 (docs/benchmarks.md, against stock vLLM): at 4 tokens the tensor-core kernel
+    # wins at both shared-expert shapes (2560x640: 4.33 against the GEMV's 5.77 us, stock 4.79;
+    # 1280x2560: 6.48 against 9.61), so the GEMV keeps 1-2 tokens only
+    ("bitplane_matmul", "small", "h200"): MatmulChoice(gemv_max_tokens=2),
+    # H200 sweep, 2026-12-02: below 2^22 weights (the shared expert's shapes) 64-row blocks and K
+    # split down to one step a program (about 4 programs per SM, capped by the steps): 1280x2560 at
+    # 4 tokens 6.48 -> 5.49 us, 2560x640 4.33 -> 4.07; at 6144x2560 and 10240x2560 the same launch
+    # was 7-17% slower, hence the separate class
+    ("bitplane_mma", "shared", "h200"): MmaConfig(block_n=64, programs_per_sm=4, min_split_k=2, steps=(256, 128)),
     ("moe_route", ANY, DEFAULT): RouteConfig(block_n=16, block_k=128),
     ("qsa_attention", ANY, DEFAULT): AttentionConfig(block=32, splits=16, warps=4, stages=2),
 }

@@ -118,12 +118,6 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, str
             tl.store(count_ptr + pid_n, 0)
 
 
-def _sms(device) -> int:
-    # The patch point tests/serving/patches/test_no_new_triton_variants.py sets to the 3090's SM
-    # count; the kernel otherwise asks _common, like every other kernel here.
-    return _common.sm_count(device)
-
-
 def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int, config: configs.MmaConfig,
          silu_columns: int = 0, silu_div: int = 1) -> torch.Tensor:
     M, K = x.shape
@@ -136,7 +130,7 @@ def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int
     step = config.step(K, group) if bits == 6 else group
     block_n = config.block_n
     blocks = triton.cdiv(N, block_n)
-    split = config.splits(blocks, K // step, _sms(x.device))
+    split = config.splits(blocks, K // step, _common.sm_count(x.device))
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -195,16 +189,27 @@ def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> 
     if x.shape[0] and (x.is_cuda or INTERPRETED) and (x.shape[0] <= MMA_MAX_TOKENS
                                                       or packed.numel() * 4 > INT8_DEQUANTIZE_LIMIT):
         return torch.cat([int8_mma(chunk, packed, scales) for chunk in x.split(MMA_MAX_TOKENS)])
-    weights = dequantize_groups(unpack_int32(packed, 8, packed.shape[1] * 4), scales, x.dtype)
-    return torch.nn.functional.linear(x, weights)
+    return torch.nn.functional.linear(x, int8_weights(packed, scales, x.dtype))
+
+
+def int8_weights(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weights ``q * s`` of compressed-tensors INT8 words (``int32 [rows, K/4]``) in ``dtype``,
+    each rounded once: what :func:`int8_mma` multiplies by, for a GEMM or a row gather."""
+    return dequantize_groups(unpack_int32(packed, 8, packed.shape[1] * 4), scales, dtype)
+
+
+def matmul_variant(M: int, N: int, K: int, device=None, family: str | None = None) -> str:
+    """``"gemv"`` or ``"mma"``: the kernel :func:`bitplane_matmul` runs for ``M`` tokens over an
+    ``[N, K]`` weight on ``device`` (or device ``family``), from ``configs``' ``bitplane_matmul`` rows."""
+    choice = configs.config_for("bitplane_matmul", N, K, device, family)
+    return "gemv" if M <= min(choice.gemv_max_tokens, GEMV_MAX_TOKENS) else "mma"
 
 
 def bitplane_matmul(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for 1..16 tokens over bit-plane weights, with the kernel that measured faster
-    (``configs``' ``bitplane_matmul`` rows)."""
+    (:func:`matmul_variant`)."""
     M, K = x.shape
-    choice = configs.config_for("bitplane_matmul", planes.shape[0], K, x.device)
-    if M <= min(choice.gemv_max_tokens, GEMV_MAX_TOKENS):
+    if matmul_variant(M, planes.shape[0], K, x.device) == "gemv":
         return bitplane_gemv(x, planes, scales)
     return bitplane_mma(x, planes, scales)
 

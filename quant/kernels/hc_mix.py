@@ -133,12 +133,3 @@ def hc_mix(xn: torch.Tensor, down: tuple[torch.Tensor, torch.Tensor], up: tuple[
     low, injection = hc_down_inject_silu(xn, *down, lowrank, hc_count)
     return hc_up_gate_mix(low, *up, xn, hc_count), injection
 
-
-def __getattr__(name: str):
-    # tests/support/int8_modules_scenario.py still imports the torch references from here; they
-    # live in .reference now (issue 27). Remove this once it imports them from there.
-    if name in ("reference_mix", "round_toward_zero"):
-        from flashnext.quant.kernels import reference
-
-        return getattr(reference, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -144,12 +144,6 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, partial_ptr, ids_ptr, weights_ptr, c
                               tl.reshape(pick_mask, [A]), M * TOP_K, sorted_ptr, blocks_ptr, total_ptr, ALIGN, A)
 
 
-def _sms(device) -> int:
-    # The patch point tests/serving/patches/test_no_new_triton_variants.py sets to the 3090's SM
-    # count; the kernel otherwise asks _common, like every other kernel here.
-    return _common.sm_count(device)
-
-
 def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_block: int = 0,
           block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
           num_warps: int | None = None, config: configs.RouteConfig | None = None) -> tuple[torch.Tensor, ...]:
@@ -183,7 +177,7 @@ def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_bloc
     if x.stride(1) != 1:
         x = x.contiguous()
     blocks = triton.cdiv(E + 1, config.block_n)
-    split = config.splits(blocks, H // block_k, _sms(x.device))
+    split = config.splits(blocks, H // block_k, _common.sm_count(x.device))
     logits = torch.empty(M, E + 1, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, 16, E + 1, dtype=torch.float32, device=x.device) if split > 1 else logits
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)

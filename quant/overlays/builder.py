@@ -5,17 +5,17 @@ new tensors (:meth:`OverlayBuilder.fill`), and says what becomes of the index an
 skeleton does the rest the same way for all of them: the free-space check, the atomic output with
 its guards (:func:`~flashnext.quant.checkpoint.fsutil.atomic_directory`), every untouched tensor of a
 rewritten shard copied byte for byte, the shards closed only when complete, the index's
-``total_size``, and ``overlay.json`` pinning each replaced base file by hash. A builder also writes
-its section of the Hub model card (:meth:`OverlayBuilder.card_section`), found by the overlay's kind
-in :data:`BUILDERS`::
+``total_size``, and ``overlay.json`` pinning each replaced base file by hash.
 
-    @register_builder
-    class Int6Repack(OverlayBuilder):
-        kinds = ("int6-bitplane", "int6-to-int8", "int6-dense")
-        tool = "repack-int6"
-        ...
+:data:`OVERLAY_KINDS` is the one table of overlay kinds: for each, the builder as a ``"module:Class"``
+path (imported only when the kind is asked for, as vLLM's model registry does, so that reading a
+manifest never imports torch-heavy builders), the tags its Hub model card carries, and the
+speculative method that loads it where it is a draft head's. Everything that acts on a kind (the
+model card, its Use section) reads it there, so a new kind is one row plus its builder module::
 
-    report = Int6Repack(snapshot, ...).build(out, force=False)
+    OVERLAY_KINDS["my-kind"] = OverlayKind("my_package.my_module:MyBuilder", card_tags=("int4",))
+
+    report = builder_for_kind("my-kind")(snapshot, ...).build(out, force=False)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import importlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -33,22 +34,45 @@ from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapsho
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, copy_tensor_bytes, read_header, shard_size
 from flashnext.quant.overlays.manifest import OverlayManifest
 
-BUILDERS: dict[str, type["OverlayBuilder"]] = {}
-_BUILTIN = ("flashnext.quant.overlays.mtp_int4", "flashnext.quant.overlays.int6_repack")
+
+@dataclass(frozen=True)
+class OverlayKind:
+    """One overlay kind (``overlay.json``'s ``"kind"``): what builds it and what its model card says."""
+
+    builder: str  # "package.module:Class", a subclass of OverlayBuilder whose ``kinds`` include the kind
+    card_tags: tuple[str, ...] = ()  # the card's tags after "flashnext", "overlay" and the kind
+    # The --speculative-config method that loads the overlay, for a draft head's: the card names only
+    # the profiles that speculate with it. None: every profile of the base model's family loads it.
+    draft_method: str | None = None
 
 
-def register_builder(cls: type["OverlayBuilder"]) -> type["OverlayBuilder"]:
-    """Class decorator: the builder of each of ``cls.kinds``."""
-    for kind in cls.kinds:
-        BUILDERS[kind] = cls
-    return cls
+OVERLAY_KINDS: dict[str, OverlayKind] = {
+    "mtp-int4": OverlayKind("flashnext.quant.overlays.mtp_int4.builder:MtpInt4Builder",
+                            card_tags=("int4", "w4a16", "compressed-tensors", "mtp", "speculative-decoding"),
+                            draft_method="mtp"),
+    "int6-bitplane": OverlayKind("flashnext.quant.overlays.int6_repack:Int6Repack"),
+    "int6-to-int8": OverlayKind("flashnext.quant.overlays.int6_repack:Int6Repack"),
+    "int6-dense": OverlayKind("flashnext.quant.overlays.int6_repack:Int6Repack"),
+}
 
 
 def builder_for_kind(kind: str) -> type["OverlayBuilder"] | None:
-    """The builder that makes overlays of ``kind`` (None for a kind no builder here makes)."""
-    for module in _BUILTIN:  # they register themselves on import
-        importlib.import_module(module)
-    return BUILDERS.get(kind)
+    """The builder that makes overlays of ``kind``, imported now (None for a kind no row names)."""
+    entry = OVERLAY_KINDS.get(kind)
+    if entry is None:
+        return None
+    module, _, name = entry.builder.partition(":")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, OverlayBuilder) and kind in cls.kinds):
+        raise FlashnextError(f"OVERLAY_KINDS[{kind!r}] names {entry.builder}, which is not an OverlayBuilder "
+                             f"that makes {kind} overlays")
+    return cls
+
+
+def register_builder(cls: type["OverlayBuilder"]) -> type["OverlayBuilder"]:
+    """Registers nothing (:data:`OVERLAY_KINDS` does): kept only so that the builders still carrying
+    this decorator import, until it is removed from them."""
+    return cls
 
 
 class OverlayBuilder(ABC):

@@ -18,18 +18,25 @@ A failed request is a :class:`HubError`: what was being done, the repository, th
 status; the command line adds what to do. huggingface_hub's own error classes are mapped, and its
 HTTP client's (httpx2, httpx or requests, by version) only through the base class huggingface_hub
 gives them, since no HTTP client is a dependency of flashnext's own.
+
+The model card's Use section says how to serve the overlay, which only the serving system knows
+(its profiles, its image). The library does not import serving, so those facts come in from the
+caller as a :class:`CardServing` record (``flashnext overlay upload`` builds it from
+``flashnext.serving``); what is the overlay kind's own (its tags, the speculative method that loads
+a draft head) is its row of :data:`~flashnext.quant.overlays.builder.OVERLAY_KINDS`.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from flashnext import __version__
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import confined, write_text_atomic
-from flashnext.quant.overlays.builder import builder_for_kind
+from flashnext.quant.overlays.builder import OVERLAY_KINDS, builder_for_kind
 from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest, hub_repo_id_problem
 from flashnext.quant.overlays.view import (
     apply_overlays,
@@ -41,9 +48,23 @@ from flashnext.quant.overlays.view import (
 PUBLISHED_FILE = "overlay.published.json"
 CARD_FILE = "README.md"
 
-_TAGS = {"mtp-int4": ["int4", "w4a16", "compressed-tensors", "mtp", "speculative-decoding"]}
-# The speculative method (a profile's --speculative-config "method") that loads a draft head's overlay.
-_DRAFT_METHOD = {"mtp-int4": "mtp"}
+
+@dataclass(frozen=True)
+class ServeTarget:
+    """A serving profile, as much of it as the model card's Use section says."""
+
+    name: str
+    model_family: str  # the vLLM model family it serves
+    speculative_method: str | None  # its --speculative-config method ("mtp"), None where it has none
+    uses_ple_table: bool  # it maps a PLE table file, which `flashnext ple build` makes
+
+
+@dataclass(frozen=True)
+class CardServing:
+    """What the serving system offers an overlay: the image ``flashnext serve`` builds and its profiles."""
+
+    image: str
+    profiles: tuple[ServeTarget, ...]
 
 
 def overlay_files(overlay: Path) -> list[tuple[str, Path]]:
@@ -79,12 +100,14 @@ def card_front_matter(values: dict) -> str:
     return yaml.safe_dump(values, default_style='"', sort_keys=False, allow_unicode=True, width=2**30)
 
 
-def render_model_card(manifest: OverlayManifest, repo_id: str) -> str:
-    """The README.md of an overlay repo: front matter, what changed, the report, how to use it."""
+def render_model_card(manifest: OverlayManifest, repo_id: str, serving: CardServing | None = None) -> str:
+    """The README.md of an overlay repo: front matter, what changed, the report, how to use it
+    (how to serve it only where ``serving`` says what serves it)."""
     require_repo_id(repo_id, "not writing the model card")
     base = manifest.base.model_dump()
     kind = manifest.kind
-    tags = ["flashnext", "overlay", kind] + _TAGS.get(kind, [])
+    entry = OVERLAY_KINDS.get(kind)
+    tags = ["flashnext", "overlay", kind] + list(entry.card_tags if entry else ())
     values: dict = {}
     if base.get("repo_id"):
         values |= {"base_model": base["repo_id"], "base_model_relation": "quantized"}
@@ -109,7 +132,7 @@ def render_model_card(manifest: OverlayManifest, repo_id: str) -> str:
     section = builder.card_section(manifest.report) if builder else []
     if section:
         lines += [""] + section
-    lines += ["", "## Use", ""] + _use_section(kind, repo_id) + [""]
+    lines += ["", "## Use", ""] + _use_section(kind, repo_id, serving) + [""]
     return "\n".join(lines)
 
 
@@ -119,20 +142,18 @@ OVERLAY_PLACEHOLDER = "/path/to/overlay"
 PLE_TABLE_PLACEHOLDER = "/path/to/ple-table.bin"
 
 
-def serving_profiles_for(kind: str) -> list:
-    """The serving profiles (``serving/profiles/*.json``) an overlay of ``kind`` is for: those that
-    serve the base model's vLLM family (``manifests/qwen3.8-flash-next.json``) and load what the
-    kind replaces; a draft head's overlay only where the profile speculates with that head."""
+def serving_profiles_for(kind: str, serving: CardServing) -> list[ServeTarget]:
+    """The profiles of ``serving`` an overlay of ``kind`` is for: those that serve the base model's
+    vLLM family (``manifests/qwen3.8-flash-next.json``); a draft head's overlay (its kind's
+    ``draft_method``) only where the profile speculates with that head."""
     from flashnext.manifests import manifest_path
     from flashnext.quant.records.jsonfile import read_json
-    from flashnext.serving.preflight import _json_flag
-    from flashnext.serving.profiles import available, load_profile
 
     family = read_json(manifest_path("qwen3.8-flash-next.json"), "the base model manifest")["vllm_model_family"]
-    method = _DRAFT_METHOD.get(kind)
-    profiles = [load_profile(name) for name in available()]
-    return [p for p in profiles if p.model_family == family
-            and (method is None or _json_flag(p, "--speculative-config").get("method") == method)]
+    entry = OVERLAY_KINDS.get(kind)
+    method = entry.draft_method if entry else None
+    return [p for p in serving.profiles if p.model_family == family
+            and (method is None or p.speculative_method == method)]
 
 
 def repository_url() -> str | None:
@@ -151,22 +172,23 @@ def repository_url() -> str | None:
     return None
 
 
-def _use_section(kind: str, repo_id: str) -> list[str]:
+def _use_section(kind: str, repo_id: str, serving: CardServing | None) -> list[str]:
     """How to get flashnext, fetch the overlay and serve it: commands of flashnext's own CLI that a
     reader can run as written after putting in their paths (tests/quant/overlays/test_hub.py parses
-    each with the CLI)."""
-    from flashnext.serving.compose import IMAGE
-
+    each with the CLI). Without ``serving``, how to fetch and check it only."""
     url = repository_url()
     where = f"its repository, {url}" if url else "a clone of its repository"
-    lines = [f"flashnext is not on PyPI: install it from {where}, editable, so that `flashnext serve` can "
-             f"build its serving image `{IMAGE}` (vLLM 0.33.0 with flashnext's patch series, "
-             "`serving/Dockerfile`) from the clone on first use.", "", "```bash"]
+    if serving is None:
+        lines = [f"flashnext is not on PyPI: install it from {where}, editable.", "", "```bash"]
+    else:
+        lines = [f"flashnext is not on PyPI: install it from {where}, editable, so that `flashnext serve` can "
+                 f"build its serving image `{serving.image}` (vLLM 0.33.0 with flashnext's patch series, "
+                 "`serving/Dockerfile`) from the clone on first use.", "", "```bash"]
     if url:
         lines.append(f"git clone {url} flashnext")
     lines += ["pip install -e ./flashnext",
               f"flashnext overlay fetch {repo_id} --base {BASE_PLACEHOLDER} --out ./view"]
-    profiles = serving_profiles_for(kind)
+    profiles = serving_profiles_for(kind, serving) if serving is not None else []
     if profiles:
         profile = profiles[0]
         serve = f"flashnext serve --profile {profile.name} --model {BASE_PLACEHOLDER} --overlay {OVERLAY_PLACEHOLDER}"
@@ -187,7 +209,7 @@ def _use_section(kind: str, repo_id: str) -> list[str]:
         if profiles[0].uses_ple_table:
             lines += ["", f"`{profiles[0].name}` maps the PLE table from a file: `flashnext ple build` makes it "
                       "once from the base snapshot."]
-    else:
+    elif serving is not None:
         lines += ["", f"No serving profile of flashnext {__version__} loads a {kind} overlay; "
                   "`flashnext overlay apply` makes a view of it over the base for your own server."]
     lines += ["", "`flashnext overlay verify ./view` checks later that the base and overlay files are still "
@@ -320,14 +342,14 @@ def _commit_hash(value: object) -> str | None:
 
 
 def upload_overlay(overlay: Path, repo_id: str, private: bool = False, revision: str | None = None,
-                   dry_run: bool = False, endpoint: str | None = None) -> dict:
+                   dry_run: bool = False, endpoint: str | None = None, serving: CardServing | None = None) -> dict:
     """Publish ``overlay`` to ``repo_id`` (created if needed) in one commit. ``dry_run`` lists the
-    files and sizes and contacts nobody."""
+    files and sizes and contacts nobody. ``serving`` is what the model card says serves it."""
     require_repo_id(repo_id, "not uploading")
     overlay = Path(overlay)
     manifest = OverlayManifest.load(overlay)
     files = overlay_files(overlay)
-    card = render_model_card(manifest, repo_id)
+    card = render_model_card(manifest, repo_id, serving)
     listing = [{"path": name, "size": local.stat().st_size} for name, local in files]
     listing.append({"path": CARD_FILE, "size": len(card.encode()), "generated": True})
     plan = {"repo_id": repo_id, "revision": revision or "main", "private": private, "files": listing,

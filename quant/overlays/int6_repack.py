@@ -13,6 +13,11 @@ layout (5 values per word), is refused. Scales and shapes are unchanged.
 * ``--reverse``: a snapshot with the bit-plane overlay applied goes back to dense 6-bit tensors,
   byte-identical to the original ones.
 
+Bit planes pay only at the shared experts' shapes: everywhere else stock vLLM 0.33.0's own INT6
+kernel (Humming) measured faster on the H200 (:data:`MEASURED_SLOWER`), so a bit-plane target list
+that reaches another module is refused unless ``force_slower`` (``--force-slower``) is given. The
+widening to INT8 and the reverse are not bit planes and are not held to it.
+
 Shards are rewritten under their own names, other tensors copied byte for byte.
 """
 
@@ -37,6 +42,12 @@ from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read
 from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
 
 INT8_GROUP = "flashnext_int6_widened_to_int8"
+# Where bit planes were measured against the stock kernel (docs/benchmarks.md, issue 28;
+# ../shared/reference/kernel-anchors.md): only the shared experts' shapes came out ahead.
+MEASURED_FASTER = DEFAULT_INT6_TARGETS
+MEASURED_SLOWER = ("bit planes measured slower than stock vLLM's INT6 kernel (Humming) outside the shared "
+                   "experts on the H200: 1.2-1.9x at the attention projections' shapes at 1 and 8 tokens "
+                   "(10240x2560: 18.8 against 12.7 us), 2.4x at 16384x16384")
 MODES = ("bitplane", "int8", "reverse")
 
 
@@ -91,6 +102,21 @@ def find_targets(snap: Snapshot, pattern: str, mode: str) -> list[Target]:
         raise FlashnextError(f"no module matches --targets {pattern!r}" if mode != "reverse" else
                              "this snapshot has no bit-plane modules (config.json lists none) to reverse")
     return targets
+
+
+def slower_modules(modules: list[str]) -> list[str]:
+    """The ``modules`` outside :data:`MEASURED_FASTER`: where bit planes would serve slower than stock."""
+    faster = re.compile(MEASURED_FASTER)
+    return [m for m in modules if not faster.match(m)]
+
+
+def refuse_slower(targets: list[Target], mode: str, force_slower: bool) -> None:
+    """Raise, in one line, when a bit-plane repack reaches a module measured slower as bit planes."""
+    slower = slower_modules([t.module for t in targets]) if mode == "bitplane" else []
+    if slower and not force_slower:
+        more = f" and {len(slower) - 1} more" if len(slower) > 1 else ""
+        raise FlashnextError(f"--targets reaches {slower[0]}{more}, where {MEASURED_SLOWER}; "
+                             f"pass --force-slower to repack them anyway")
 
 
 def _new_spec(t: Target, mode: str) -> TensorSpec:
@@ -170,12 +196,14 @@ class Int6Repack(OverlayBuilder):
     kinds = tuple(KINDS.values())
     tool = "repack-int6"
 
-    def __init__(self, snap: Snapshot, targets: str = DEFAULT_INT6_TARGETS, mode: str = "bitplane"):
+    def __init__(self, snap: Snapshot, targets: str = DEFAULT_INT6_TARGETS, mode: str = "bitplane",
+                 force_slower: bool = False):
         if mode not in MODES:
             raise FlashnextError(f"unknown mode {mode!r}")
         super().__init__(snap)
         self.mode = mode
         self.found = find_targets(snap, targets, mode)
+        refuse_slower(self.found, mode, force_slower)
         self.by_shard: dict[str, dict[str, Target]] = {}
         for t in self.found:
             self.by_shard.setdefault(t.shard, {})[f"{t.module}.weight_packed"] = t
@@ -213,8 +241,8 @@ class Int6Repack(OverlayBuilder):
 
 
 def repack_int6(src: Path, out: Path, targets: str = DEFAULT_INT6_TARGETS, mode: str = "bitplane",
-                force: bool = False, progress: bool = False) -> dict:
+                force: bool = False, progress: bool = False, force_slower: bool = False) -> dict:
     """Build the INT6 overlay ``out`` from snapshot ``src`` (never modified). Returns the report."""
-    report = Int6Repack(Snapshot.open(src), targets, mode).build(out, force=force, progress=progress)
+    report = Int6Repack(Snapshot.open(src), targets, mode, force_slower).build(out, force=force, progress=progress)
     report["bytes_after"] = report["bytes_written"]
     return report

@@ -1,161 +1,19 @@
-"""Exact-size pinned host memory (the library half of patch host-pool).
+"""Patch host-pool: vLLM's pinned host buffers (the PLE table, the QSA K/V rows, the draft's
+embedding) allocated at exactly their size.
 
-PyTorch's caching host allocator rounds a pinned allocation up to a power of two: a 4.24 GiB QSA
-K/V pool per layer became 8 GiB, 96 GiB for 12 layers (seed 000 §2). This pool takes exactly the
-bytes asked for with an anonymous ``mmap`` and pins them with ``cudaHostRegister``, and keeps them
-until the process ends, so no allocator cache is needed.
-
-Before pinning it checks free RAM and refuses with the size it needs. Pipeline ranks allocate at
-the same moment, so the check and the pinning happen under one file lock (``VLLM_HOST_POOL_LOCK``);
-without it two ranks could both pass the check and then both run out of memory.
+The patch's call sites ask this module for :func:`pinned_empty`; the pool itself, the free-RAM
+check under the ranks' shared lock and the CUDA views of pinned memory are engine-side mechanisms
+other patches use too, so they live in :mod:`flashnext.serving.runtime.host_pool`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import fcntl
-import mmap
-import os
-from contextlib import contextmanager
-from pathlib import Path
+from flashnext.serving.runtime.host_pool import pinned_empty
 
-import torch
+# Still read from here by tests/serving/test_preflight.py (PinnedHostPool),
+# tests/quant/kernels/test_qsa_row_cache.py and benchmarks/qsa_offload.py (uva_view),
+# tests/serving/patches/test_draft_embedding_uva.py and benchmarks/host_pool.py (_POOLS, the same
+# list object); remove these once they import flashnext.serving.runtime.host_pool (issue 27).
+from flashnext.serving.runtime.host_pool import _POOLS, PinnedHostPool, uva_view
 
-from flashnext import envs
-from flashnext.errors import FlashnextError
-from flashnext.serving.capacity.rules import HOST_HEADROOM
-from flashnext.serving.host_memory import CGROUP_MEMORY_MAX, MEMINFO, read_host_memory
-
-
-def available_bytes(meminfo: Path = MEMINFO, cgroup: Path = CGROUP_MEMORY_MAX.parent) -> int:
-    """MemAvailable, lowered to the cgroup's remaining allowance when a limit applies."""
-    return read_host_memory(meminfo, cgroup / "memory.max").allowance
-
-
-@contextmanager
-def host_pool_lock(path: str | None = None):
-    """An exclusive lock shared by every process on the host (the pipeline ranks)."""
-    fd = os.open(path or envs.VLLM_HOST_POOL_LOCK.get(), os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
-class PinnedHostPool:
-    """``nbytes`` of page-locked host memory, exactly (rounded to the page size only)."""
-
-    def __init__(self, nbytes: int, *, register: bool = True, headroom: int = HOST_HEADROOM,
-                 lock_path: str | None = None, meminfo: Path = Path("/proc/meminfo")):
-        if nbytes <= 0:
-            raise FlashnextError(f"a host pool needs a positive size, got {nbytes}")
-        self.nbytes = nbytes
-        self.registered = False
-        with host_pool_lock(lock_path):
-            free = available_bytes(meminfo)
-            if nbytes + headroom > free:
-                raise FlashnextError(
-                    f"the pinned host pool needs {nbytes / 2**30:.2f} GiB plus {headroom / 2**30:.0f} GiB headroom; "
-                    f"only {free / 2**30:.2f} GiB of RAM is available: lower --kv-cache-memory-bytes or free memory")
-            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-            # Touch every page now, under the lock, so the memory is really taken before the next rank checks.
-            self.tensor.zero_()
-            if register:
-                err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
-                if int(err) != 0:
-                    raise FlashnextError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (error {int(err)}); "
-                                         "is `ulimit -l` unlimited?")
-                self.registered = True
-
-    def close(self) -> None:
-        """Unpin and unmap. The driver keeps a registration past ``munmap``, and a later mapping at
-        the same address could then not be registered, so a pool is always unregistered first."""
-        if getattr(self, "registered", False):
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.registered = False
-        if getattr(self, "_map", None) is not None:
-            self.tensor = None
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # a view still refers to it; the mapping goes when that does
-            self._map = None
-
-    def __del__(self):
-        self.close()
-
-    def view(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
-        """A tensor over ``[offset, offset + size)`` of the pool."""
-        count = 1
-        for d in shape:
-            count *= d
-        nbytes = count * torch.empty(0, dtype=dtype).element_size()
-        if offset < 0 or offset + nbytes > self.nbytes:
-            raise ValueError(f"view of {nbytes} B at {offset} exceeds the pool's {self.nbytes} B")
-        return self.tensor[offset:offset + nbytes].view(dtype).view(shape)
-
-
-# Held for the process's lifetime, as vLLM holds the pinned tensors made from them.
-_POOLS: list[PinnedHostPool] = []
-
-
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, *, register: bool = True) -> torch.Tensor:
-    """Patch host-pool: an uninitialised pinned host tensor of exactly its size.
-
-    With ``VLLM_EXACT_HOST_POOL=0`` it is PyTorch's ``torch.empty(..., pin_memory=True)`` instead,
-    which the caching host allocator rounds up to a power of two (a 95.4 GiB PLE table: 128 GiB).
-    """
-    if not envs.VLLM_EXACT_HOST_POOL.enabled():
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
-    count = 1
-    for d in shape:
-        count *= d
-    pool = PinnedHostPool(max(count * torch.empty(0, dtype=dtype).element_size(), 1), register=register,
-                          lock_path=envs.VLLM_HOST_POOL_LOCK.get())
-    _POOLS.append(pool)
-    return pool.view(dtype, tuple(shape))
-
-
-def release(tensor: torch.Tensor) -> None:
-    """Unpin and unmap the exact-size pool behind ``tensor`` (a :func:`pinned_empty` result) once
-    nothing else refers to it; a PyTorch pinned tensor (the switch off) just goes with its last reference."""
-    for pool in _POOLS:
-        if pool.tensor is not None and pool.tensor.data_ptr() == tensor.data_ptr():
-            _POOLS.remove(pool)
-            pool.close()
-            return
-
-
-def _cudart() -> ctypes.CDLL:
-    """The CUDA runtime PyTorch loaded (a pip wheel's, or the system's)."""
-    names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
-    found = ctypes.util.find_library("cudart")
-    for name in ([found] if found else []) + names:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise FlashnextError("the CUDA runtime (libcudart) was not found")
-
-
-class _CudaArray:
-    def __init__(self, pointer: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
-                                         "version": 3, "strides": None}
-
-
-def uva_view(host: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over pinned host memory (unified addressing): kernels read ``host`` over PCIe,
-    nothing is copied and no device memory is taken. ``host`` must stay alive as long as the view."""
-    if not host.is_pinned():
-        raise FlashnextError("a UVA view needs pinned host memory")
-    pointer = ctypes.c_void_p()
-    err = _cudart().cudaHostGetDevicePointer(ctypes.byref(pointer), ctypes.c_void_p(host.data_ptr()), 0)
-    if err != 0:
-        raise FlashnextError(f"cudaHostGetDevicePointer failed (error {err})")
-    nbytes = host.numel() * host.element_size()
-    return torch.as_tensor(_CudaArray(pointer.value, nbytes), device="cuda").view(host.dtype).view(host.shape)
+__all__ = ["pinned_empty", "PinnedHostPool", "uva_view", "_POOLS"]

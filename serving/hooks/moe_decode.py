@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from flashnext import envs
-from flashnext.quant.kernels._common import INTERPRETED
+from flashnext.quant.kernels._common import can_launch
 from flashnext.quant.kernels.moe_route import ALIGN_MAX_TOKENS, route
 
 # The largest step this path takes: the profiles' largest CUDA-graph size. The router kernel's
@@ -103,7 +103,7 @@ def _applies(block: torch.nn.Module, x: torch.Tensor) -> bool:
 
     runner = block.experts
     parallel = runner.moe_config.moe_parallel_config
-    return (1 <= x.shape[0] <= MAX_FUSED_TOKENS and x.dtype == torch.bfloat16 and (x.is_cuda or INTERPRETED)
+    return (can_launch(x, MAX_FUSED_TOKENS) and x.dtype == torch.bfloat16
             and block.shared_expert is not None and not block.replicate_shared_expert
             and not block.is_fused_shared_expert_enabled and not block.is_sequence_parallel
             and parallel.tp_size == 1 and parallel.ep_size == 1 and parallel.dp_size == 1 and parallel.pcp_size == 1
@@ -146,7 +146,7 @@ def _shared_expert(mlp: torch.nn.Module, x: torch.Tensor, routed: torch.Tensor, 
     """``routed + sigmoid(gate_logit) * shared_expert(x)``, as vLLM's ``Qwen2MoeMLP`` and runner
     compute it, or through the bit-plane kernels for a bit-plane shared expert."""
     from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS
-    from flashnext.serving.hooks.int6_bitplane import BitplaneLinearMethod
+    from flashnext.serving.quantization.bitplane import BitplaneLinearMethod
 
     up, down = mlp.gate_up_proj, mlp.down_proj
     planes = all(isinstance(p.quant_method, BitplaneLinearMethod) and p.quant_method.planes_kept for p in (up, down))

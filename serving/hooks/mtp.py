@@ -64,10 +64,17 @@ def draft_embedding_method(vllm_config, checkpoint_name: str):
     """mtp-01: the quantization method of the draft's ``embed_tokens`` (``CHECKPOINT_EMBED``) or
     ``lm_head`` (``CHECKPOINT_LM_HEAD``): int8-modules' INT8 method where the checkpoint stores that
     tensor as INT8 by groups, else None (vLLM's unquantized layer). int8-modules' switch
-    (``VLLM_INT8_MODULES``) governs it, as it does the target's; ``VLLM_MTP_PP`` is the branch's."""
+    (``VLLM_INT8_MODULES``) governs it, as it does the target's; ``VLLM_MTP_PP`` is the branch's.
+
+    The names are resolved as vLLM maps the draft's config: by the draft model class's mapper
+    (Qwen4ExpMTP has none), not the target's, which would move ``lm_head`` to
+    ``language_model.lm_head`` and leave the draft's copy unquantized."""
     from flashnext.serving.hooks import int8_modules
 
-    return int8_modules.embedding_method(draft_quant_config(vllm_config), checkpoint_name)
+    speculative = vllm_config.speculative_config
+    draft_model = speculative.draft_model_config if speculative is not None else None
+    return int8_modules.embedding_method(draft_quant_config(vllm_config), checkpoint_name,
+                                         draft_model or vllm_config.model_config)
 
 
 def _slim() -> bool:
@@ -135,7 +142,7 @@ def finish_draft_embedding(module) -> None:
         return
     if any(p.device.type != "cpu" for p in params.values()):
         return  # built on the device (the switch off)
-    from flashnext.serving.hooks.host_pool import pinned_empty, uva_view
+    from flashnext.serving.runtime.host_pool import pinned_empty, uva_view
 
     spans, end = [], 0
     for name, param in params.items():

@@ -208,7 +208,7 @@ class OffloadedQSA:
         host-pool), and bind their UVA view as the layer's cache in the ``(blocks, heads, tokens,
         2 * head_dim)`` view vLLM's writers take. A second bind (vLLM's CUDA-graph memory profile
         binds a minimal cache first, then the real one) releases the first pool."""
-        from flashnext.serving.hooks.host_pool import pinned_empty, release, uva_view
+        from flashnext.serving.runtime.host_pool import pinned_empty, release, uva_view
 
         if self.arena.arena.shape[1] != self.block_size:
             raise RuntimeError(f"QSA offload: the arena was sized for blocks of {self.arena.arena.shape[1]} tokens, "

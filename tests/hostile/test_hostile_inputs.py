@@ -138,7 +138,7 @@ CASES = [
          "config_groups"),
     Case("config-qc-ignore-string", config_case(lambda c: c["quantization_config"].update(ignore="mtp")), "ignore"),
     Case("config-bitplane-modules-string", config_case(lambda c: c.update(flashnext={"int6_bitplane": {
-        "modules": "x"}}), command=repack), "modules must be a list"),
+        "layout": "flashnext.bitplane6/1", "modules": "x"}}), command=repack), "modules must be a list"),
     # The PLE config: zero divisors and nonsense values.
     Case("ple-divisor-zero", config_case(text("make_ngram_vocab_size_divisible_by", 0), command=ple_build),
          "at least 1"),

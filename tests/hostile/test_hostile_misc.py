@@ -172,7 +172,7 @@ def test_a_fifo_shard_is_refused_by_the_shard_readers(reader, work):
 def test_the_ignore_matcher_is_bounded_and_keeps_compressed_tensors_semantics():
     from compressed_tensors.utils.match import match_name
 
-    from flashnext.quant.formats.ct_config import MTP_EXPERT_TARGET, MTP_OTHER_IGNORE, _matches
+    from flashnext.quant.formats.ct_config import MTP_EXPERT_TARGET, MTP_OTHER_IGNORE, matches
 
     names = ["mtp.layers.0.mlp.experts.0.gate_proj", "mtp.layers.48.mlp.shared_expert.down_proj", "lm_head",
              "model.layers.3.mlp.gate", "model.visual.blocks.0.attn.qkv"]
@@ -180,12 +180,12 @@ def test_the_ignore_matcher_is_bounded_and_keeps_compressed_tensors_semantics():
               MTP_EXPERT_TARGET, MTP_OTHER_IGNORE, "re:^mtp", r"re:(?:\d{2})+"]
     for entry in normal:
         for name in names:
-            assert _matches(entry, name) == match_name(name, entry), (entry, name)
+            assert matches(name, entry) == match_name(name, entry), (entry, name)
     started = time.monotonic()
     with hang_guard(5):
         for entry in (CATASTROPHIC, "re:(a+)+$", "re:(a?){30}a{30}", "re:" + ".*" * 8 + "!", "re:" + "a" * 600):
             with pytest.raises(FlashnextError, match="exponential time"):
-                _matches(entry, names[0])
+                matches(names[0], entry)
     assert time.monotonic() - started < 1.0
 
 
@@ -212,7 +212,7 @@ def truncate_by_one(path: Path) -> None:
 
 REWRITES = {"in-place": rewrite_in_place, "replaced": replace_by_rename, "truncated": truncate_by_one}
 READS = [  # the command, and the module whose reads of a source tensor the hook follows
-    ("mtp-rows", mtp, "flashnext.quant.overlays.mtp_int4", "read_rows"),
+    ("mtp-rows", mtp, "flashnext.quant.overlays.mtp_int4.source", "read_rows"),
     ("mtp-copy", mtp, "flashnext.quant.overlays.builder", "copy_tensor_bytes"),
     ("repack-rows", repack, "flashnext.quant.overlays.int6_repack", "read_rows"),
 ]
@@ -397,17 +397,25 @@ def test_a_source_rewritten_after_its_last_read_makes_no_output(command, source,
 def test_the_int8_modules_hook_matches_through_the_bounded_matcher():
     from types import SimpleNamespace
 
+    from vllm.model_executor.models import ModelRegistry
+
     from flashnext.serving.hooks.int8_modules import int8_group_size
 
+    # The rename mapper vLLM applies to this model's quantization config (what the hook looks up
+    # through vllm_names.rename_mapper inside a running engine).
+    mapper = ModelRegistry._try_load_model_cls("Qwen4ExpForConditionalGeneration").hf_to_vllm_mapper.get_rename_mapper()
     int8 = {"weights": SimpleNamespace(num_bits=8, type="int", symmetric=True, strategy="group", group_size=128)}
     hostile = SimpleNamespace(target_scheme_map={"re:.*embed_tokens$": int8}, ignore=[CATASTROPHIC])
     started = time.monotonic()
     with hang_guard(5), pytest.raises(FlashnextError, match="exponential time"):
-        int8_group_size(hostile, "language_model.model.mtp.layers.0.mlp.experts.0.gate_proj")
+        int8_group_size(hostile, "language_model.model.mtp.layers.0.mlp.experts.0.gate_proj", mapper=mapper)
     assert time.monotonic() - started < 1.0
     # compressed-tensors' semantics, on vLLM's name or its trailing parts: re.match, or equality
     plain = SimpleNamespace(target_scheme_map={"re:.*embed_tokens$": int8, "lm_head": int8}, ignore=[r"re:^mtp\..*"])
-    assert int8_group_size(plain, "language_model.model.embed_tokens") == 128
-    assert int8_group_size(plain, "language_model.lm_head") == 128
-    assert int8_group_size(plain, "language_model.model.mtp.embed_tokens") is None  # ignored
-    assert int8_group_size(plain, "language_model.model.layers.0.mlp.gate_proj") is None
+    assert int8_group_size(plain, "language_model.model.embed_tokens", mapper=mapper) == 128
+    assert int8_group_size(plain, "language_model.lm_head", mapper=mapper) == 128
+    # re.match anchors ^mtp at the start of vLLM's whole name, so vLLM's should_ignore_layer does not
+    # ignore this one (and serves it through the embed_tokens target); a name that starts with mtp is.
+    assert int8_group_size(plain, "language_model.model.mtp.embed_tokens", mapper=mapper) == 128
+    assert int8_group_size(plain, "mtp.embed_tokens", mapper=mapper) is None  # ignored
+    assert int8_group_size(plain, "language_model.model.layers.0.mlp.gate_proj", mapper=mapper) is None

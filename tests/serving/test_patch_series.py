@@ -20,7 +20,7 @@ from flashnext.tools.cli import main as cli
 
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
 
-# the registry's own agreement tests are tests/serving/patches/test_registry.py
+# the registry's own agreement tests are tests/serving/patches/test_patch_registry.py
 SERIES = [p.id for p in load_series()]
 
 

@@ -20,7 +20,7 @@ def test_gpu_findings():
     profile = load_profile("3x3090")
     assert pf.check_gpus(profile, RTX3090).ok
     few = pf.check_gpus(profile, RTX3090[:2])
-    assert not few.ok and few.exit == pf.Exit.GPU and "needs 3" in few.detail
+    assert not few.ok and few.exit == pf.NoGoCode.GPU and "needs 3" in few.detail
     busy = [RTX3090[0], dataclasses.replace(RTX3090[1], free_bytes=20 * GIB), RTX3090[2]]
     finding = pf.check_gpus(profile, busy)
     assert not finding.ok and "GPU 1" in finding.detail and "nvidia-smi" in finding.fix
@@ -101,7 +101,7 @@ def test_host_ram_against_the_plan(tmp_path):
     assert "QSA K/V 67.82 GiB + ViT blocks 784.81 MiB = 68.59 GiB" in rig.detail
 
     small = pf.check_host_ram(profile, meminfo_file(tmp_path, 64, 60), unlimited, ple_table=table)
-    assert not small.ok and small.exit == pf.Exit.MEMORY
+    assert not small.ok and small.exit == pf.NoGoCode.MEMORY
     # each block pins 12 x 12,144 x 2,048 B = 0.278 GiB: (60 - 4) GiB less the ViT's 0.77 hold 198 blocks
     assert "lower --kv-cache-memory-bytes to 635,019,264 (198 blocks" in small.fix
 
@@ -116,7 +116,7 @@ def test_host_ram_counts_a_pinned_ple_table(tmp_path):
     profile = load_profile("3x3090")
     finding = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), tmp_path / "absent")
     assert finding.terms == {"QSA K/V": QSA_783MB, "PLE table": PLE_TABLE, "ViT blocks": VIT_BLOCKS}
-    assert not finding.ok and finding.blocking and finding.exit == pf.Exit.MEMORY
+    assert not finding.ok and finding.blocking and finding.exit == pf.NoGoCode.MEMORY
     assert "QSA K/V 67.82 GiB + PLE table 95.37 GiB + ViT blocks 784.81 MiB = 163.96 GiB" in finding.detail
     assert "--ple-table FILE" in finding.fix and "flashnext ple build --src SNAPSHOT --out FILE" in finding.fix
     # the engram table kept on the GPU instead pins nothing on the host
@@ -174,7 +174,7 @@ def test_memlock_for_real():
     try:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (4 << 20, hard))
         limited = pf.check_memlock(profile)
-        assert not limited.ok and limited.exit == pf.Exit.MEMORY and "ulimits" in limited.fix
+        assert not limited.ok and limited.exit == pf.NoGoCode.MEMORY and "ulimits" in limited.fix
         if hard == resource.RLIM_INFINITY:
             resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, hard))
             assert pf.check_memlock(profile).ok
@@ -199,7 +199,7 @@ def test_cgroup_limits(tmp_path):
     assert pf.check_cgroup(limit, meminfo).ok
     limit.write_text(str(32 * GIB))
     finding = pf.check_cgroup(limit, meminfo)
-    assert not finding.ok and finding.exit == pf.Exit.MEMORY and "32.00 GiB" in finding.detail
+    assert not finding.ok and finding.exit == pf.NoGoCode.MEMORY and "32.00 GiB" in finding.detail
     assert pf.check_cgroup(tmp_path / "absent", meminfo).ok
 
 
@@ -216,10 +216,10 @@ def test_ple_drive_for_real(tmp_path):
     finding = pf.check_ple_drive(table, seconds=1)
     if "O_DIRECT" in finding.detail:
         pytest.skip("this filesystem does not support O_DIRECT")
-    assert "p99" in finding.detail and finding.exit in (pf.Exit.GO, pf.Exit.PLE)
+    assert "p99" in finding.detail and finding.exit in (pf.NoGoCode.GO, pf.NoGoCode.PLE)
     small = tmp_path / "small.bin"
     small.write_bytes(b"\1" * 4096)
-    assert pf.check_ple_drive(small).exit == pf.Exit.PLE
+    assert pf.check_ple_drive(small).exit == pf.NoGoCode.PLE
 
 
 def test_overlay_findings(demo_snapshot, demo_overlay, tmp_path):
@@ -229,12 +229,12 @@ def test_overlay_findings(demo_snapshot, demo_overlay, tmp_path):
     with open(bad / "config.json", "a") as f:
         f.write(" ")
     finding = pf.check_overlays(demo_snapshot, [bad])
-    assert not finding.ok and finding.exit == pf.Exit.OVERLAY and "config.json" in finding.detail
+    assert not finding.ok and finding.exit == pf.NoGoCode.OVERLAY and "config.json" in finding.detail
 
 
 def test_image_findings():
     missing_engine = pf.check_image("flashnext-no-such-engine", "x")
-    assert not missing_engine.ok and missing_engine.exit == pf.Exit.IMAGE
+    assert not missing_engine.ok and missing_engine.exit == pf.NoGoCode.IMAGE
 
 
 def test_verdict_and_exit_codes(demo_snapshot, demo_overlay, demo_table, monkeypatch):
@@ -252,7 +252,7 @@ def test_verdict_and_exit_codes(demo_snapshot, demo_overlay, demo_table, monkeyp
     monkeypatch.setattr(pf, "nvml_devices", lambda: RTX3090[:1])
     result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(demo_snapshot), "--check",
                                       "--engine", "native", "--ple-table", str(demo_table)])
-    assert result.exit_code == pf.Exit.GPU and "NO-GO (exit 10)" in result.output and "fix:" in result.output
+    assert result.exit_code == pf.NoGoCode.GPU and "NO-GO (exit 10)" in result.output and "fix:" in result.output
 
 
 def test_ple_table_findings(demo_snapshot, tmp_path):
@@ -267,7 +267,7 @@ def test_ple_table_findings(demo_snapshot, tmp_path):
         f.seek(5)
         f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
     changed = pf.check_ple_table(table, demo_snapshot)
-    assert not changed.ok and changed.exit == pf.Exit.PLE and "differs from its source" in changed.detail
+    assert not changed.ok and changed.exit == pf.NoGoCode.PLE and "differs from its source" in changed.detail
     assert f"flashnext ple build --src {demo_snapshot} --out {table} --force" == changed.fix
     table.write_bytes(b"\0" * 64)
     short = pf.check_ple_table(table, demo_snapshot)
@@ -296,7 +296,7 @@ def test_ple_table_sidecar_and_sampling(demo_snapshot, tmp_path):
     for broken in ("[]", '{"format": "flashnext.ple-table/1"}', "{"):
         sidecar.write_text(broken)
         finding = pf.check_ple_table(table, demo_snapshot)
-        assert not finding.ok and finding.blocking and finding.exit == pf.Exit.PLE
+        assert not finding.ok and finding.blocking and finding.exit == pf.NoGoCode.PLE
         assert finding.fix == f"flashnext ple build --src {demo_snapshot} --out {table} --force"
     result = CliRunner().invoke(cli, ["doctor", "--profile", "3x3090", "--model", str(demo_snapshot),
                                       "--ple-table", str(table), "--engine", "native"])

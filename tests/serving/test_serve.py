@@ -242,7 +242,7 @@ def test_serve_stops_on_the_preflights_no_go_before_anything_starts(serve_state,
     for engine in ("native", "docker"):
         result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(demo_snapshot),
                                           "--ple-table", str(demo_table), "--engine", engine])
-        assert result.exit_code == pf.Exit.GPU, result.output
+        assert result.exit_code == pf.NoGoCode.GPU, result.output
         assert "[FAIL] gpus" in result.stderr and "NO-GO (exit 10)" in result.stderr
         assert not cache.exists() and started == []
     # found, then asked by the preflight for the image; never started

@@ -58,7 +58,7 @@ with demo_vllm(snapshot, port, only_these_int8_layers) as (config, _):
     except Exception as error:  # stock: an AttributeError inside the merged layer's loader
         out["hc_loaded"] = type(error).__name__
     if out["hc_loaded"] is True:
-        from flashnext.quant.kernels.hc_mix import reference_mix, round_toward_zero
+        from flashnext.quant.kernels.reference import reference_mix, round_toward_zero
         from vllm.models.qwen4_exp.nvidia.ops.hc import grouped_gemma_rmsnorm
 
         text = model.language_model.model

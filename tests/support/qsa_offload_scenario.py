@@ -39,7 +39,7 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def host_pool_bytes() -> int:
-    from flashnext.serving.hooks import host_pool
+    from flashnext.serving.runtime import host_pool
 
     return sum(pool.nbytes for pool in host_pool._POOLS)
 

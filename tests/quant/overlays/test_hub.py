@@ -418,9 +418,10 @@ def test_model_card_can_be_followed(case: CardCase, demo_overlay):
     from flashnext.quant.overlays.hub import render_model_card
     from flashnext.quant.overlays.manifest import OverlayManifest
     from flashnext.serving.profiles import PROFILE_DIR
+    from flashnext.tools.overlay import card_serving
 
     manifest = OverlayManifest.load(demo_overlay).model_copy(update={"kind": case.kind})
-    card = render_model_card(manifest, REPO)
+    card = render_model_card(manifest, REPO, card_serving())
     commands = card_commands(card.split("## Use", 1)[1])
     assert commands, card
     parsed = {}
@@ -442,3 +443,69 @@ def test_model_card_can_be_followed(case: CardCase, demo_overlay):
     if profile["uses_ple_table"]:
         assert serve["ple_table"] is not None and "build" in parsed
     assert serve["overlays"] and serve["model"] == parsed["fetch"]["base"]
+
+
+def test_a_card_without_serve_facts_says_how_to_fetch_only(demo_overlay):
+    """The library renders the card from what its caller hands in: with no serving facts it names
+    no profile, no image and no serve command, and every command left still parses."""
+    from flashnext.quant.overlays.hub import render_model_card
+    from flashnext.quant.overlays.manifest import OverlayManifest
+    from flashnext.tools.overlay import card_serving
+
+    manifest = OverlayManifest.load(demo_overlay)
+    bare = render_model_card(manifest, REPO)
+    full = render_model_card(manifest, REPO, card_serving())
+    use = bare.split("## Use", 1)[1]
+    assert "flashnext serve" not in use and "profile" not in use and card_serving().image not in use
+    assert [argv[:3] for argv in card_commands(use)] == [["pip", "install", "-e"], ["flashnext", "overlay", "fetch"]]
+    for argv in card_commands(use)[1:]:
+        parse_with_flashnext(argv[1:])
+    assert bare.split("## Use", 1)[0] == full.split("## Use", 1)[0]
+
+
+SPECULATIVE_FORMS = [
+    ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+    ['--speculative-config={"method": "mtp", "num_speculative_tokens": 1}'],
+    ["-sc", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
+    ["--speculative_config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+    ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
+    [],
+]
+
+
+def test_the_cards_reading_of_the_speculative_method_is_vllms():
+    """The card reads a profile's speculative method without vLLM (upload runs on a base install);
+    the parser of vLLM 0.33.0's ``vllm serve``, given the command the profile runs, reads the same
+    from every shipped profile and from each form of the flag."""
+    import dataclasses
+
+    from flashnext.serving.capacity.shape import import_vllm
+    from flashnext.serving.compose import vllm_command
+    from flashnext.serving.profiles import available, load_profile, speculative_method
+
+    import_vllm()  # vLLM for parsing only: no device
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    shipped = [load_profile(name) for name in available()]
+    base = shipped[0]
+    variants = [dataclasses.replace(base, vllm_args=[*base.vllm_args[:2], *form]) for form in SPECULATIVE_FORMS]
+    for profile in shipped + variants:
+        served = parser.parse_args(vllm_command(profile, "/models/view", "0.0.0.0", 8000)[2:])
+        assert speculative_method(profile) == (served.speculative_config or {}).get("method"), profile.vllm_args
+    assert {speculative_method(p) for p in shipped} >= {None, "mtp"}
+
+
+def test_a_speculative_config_it_cannot_read_is_refused():
+    import dataclasses
+
+    from flashnext.serving.profiles import available, load_profile, speculative_method
+
+    base = load_profile(available()[0])
+    for args, message in ((["--speculative-config.method", "mtp"], "is not read here"),
+                          (["--speculative-config", "{mtp"], "is not JSON"),
+                          (["--speculative-config"], "has no value")):
+        with pytest.raises(FlashnextError, match=message):
+            speculative_method(dataclasses.replace(base, vllm_args=args))

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from flashnext.quant.formats.bitplane import bitplane_to_codes, codes_to_bitplane, dense6_to_bitplane
+from flashnext.quant.formats.ct_config import DEFAULT_INT6_TARGETS
 from flashnext.errors import FlashnextError
 from flashnext.quant.formats.packing import pack_int32, packed_words, unpack_int32
 from flashnext.quant.overlays.int6_repack import repack_int6
@@ -135,6 +136,47 @@ def test_bad_targets(demo_snapshot, tmp_path):
                                       "--targets", "("])
     assert result.exit_code == 1 and "regular expression" in result.output
     assert not (tmp_path / "o").exists()
+
+
+ATTENTION = "model.language_model.layers.0.linear_attn.in_proj_qkv"
+REACHES_ATTENTION = r".*layers\.0\.(mlp\.shared_expert\.gate_proj|linear_attn\.in_proj_qkv)$"
+
+
+def test_bit_planes_outside_the_shared_experts_are_refused_in_one_line(demo_snapshot, tmp_path):
+    out = tmp_path / "o"
+    argv = ["repack-int6", "--src", str(demo_snapshot), "--out", str(out), "--targets", REACHES_ATTENTION]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 1, result.output
+    message = result.output.strip()
+    assert "\n" not in message and ATTENTION in message and "--force-slower" in message
+    assert "Humming" in message and "12.7 us" in message  # the measured slowdown, not a bare no
+    assert SHARED not in message  # the shared expert in the same list is where planes are faster
+    assert not out.exists()
+
+    result = CliRunner().invoke(cli, argv + ["--force-slower", "--json", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert set(json.loads(result.output)["modules"]) == {SHARED, ATTENTION}
+
+
+def test_the_refusal_is_about_bit_planes_only(demo_snapshot, tmp_path):
+    # widening to INT8 serves through stock vLLM's own 8-bit kernel: no bit-plane slowdown to refuse
+    report = repack_int6(demo_snapshot, tmp_path / "i8", REACHES_ATTENTION, "int8")
+    assert set(report["modules"]) == {SHARED, ATTENTION}
+    with pytest.raises(FlashnextError, match="--force-slower"):
+        repack_int6(demo_snapshot, tmp_path / "bp", REACHES_ATTENTION)
+
+
+def test_the_refusal_agrees_with_what_the_default_repacks(demo_snapshot):
+    from flashnext.quant.checkpoint.snapshot import Snapshot
+    from flashnext.quant.overlays.int6_repack import find_targets, slower_modules
+
+    snap = Snapshot.open(demo_snapshot)
+    default = [t.module for t in find_targets(snap, DEFAULT_INT6_TARGETS, "bitplane")]
+    projections = r".*\.(linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|self_attn\.[qkvo]_proj)$"
+    attention = [t.module for t in find_targets(snap, projections, "bitplane")]
+    assert default and attention
+    assert slower_modules(default) == []  # the default repack is never refused
+    assert slower_modules(attention) == attention  # the INT6 attention projections always are
 
 
 LOADER_PROBE = textwrap.dedent('''

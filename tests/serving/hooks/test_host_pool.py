@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashnext.errors import FlashnextError
-from flashnext.serving.hooks.host_pool import PinnedHostPool, available_bytes, host_pool_lock
+from flashnext.serving.runtime.host_pool import PinnedHostPool, available_bytes, host_pool_lock
 
 
 def test_exact_size_and_views(tmp_path):
@@ -59,7 +59,7 @@ def test_pinned_on_the_gpu(tmp_path):
 
 
 def test_pinned_empty_is_exact(tmp_path, monkeypatch):
-    from flashnext.serving.hooks import host_pool
+    from flashnext.serving.runtime import host_pool
 
     monkeypatch.setenv("VLLM_HOST_POOL_LOCK", str(tmp_path / "lock"))
     t = host_pool.pinned_empty((1000, 160), torch.bfloat16, register=False)
@@ -70,7 +70,7 @@ def test_pinned_empty_is_exact(tmp_path, monkeypatch):
 def test_release_drops_exactly_that_pool(tmp_path, monkeypatch):
     """qsa-offload binds its host rows twice at start-up (vLLM's CUDA-graph memory profile binds a
     minimal KV cache first): the first pool must go, the other pools stay."""
-    from flashnext.serving.hooks import host_pool
+    from flashnext.serving.runtime import host_pool
 
     monkeypatch.setenv("VLLM_HOST_POOL_LOCK", str(tmp_path / "lock"))
     first = host_pool.pinned_empty((64, 512), torch.bfloat16, register=False)
@@ -85,7 +85,7 @@ def test_release_drops_exactly_that_pool(tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_pinned_empty_on_the_gpu(tmp_path, monkeypatch):
     """The exact pool is pinned, mapped for UVA reads like vLLM's pinned PLE lookup, and not rounded."""
-    from flashnext.serving.hooks import host_pool
+    from flashnext.serving.runtime import host_pool
 
     monkeypatch.setenv("VLLM_HOST_POOL_LOCK", str(tmp_path / "lock"))
     n = (5 << 20) + 123  # 20 MiB + change: PyTorch's allocator would reserve 32 MiB

@@ -1,5 +1,6 @@
-"""BlockStream (patch vit-stream) on plain torch blocks: on the CPU here, and with a real copy stream
-on the GPU machine (``-m gpu``). vLLM's own tower is in tests/serving/test_patch_series.py."""
+"""BlockStream (the mechanism of patch vit-stream) and the hook's install on plain torch blocks:
+on the CPU here, and with a real copy stream on the GPU machine (``-m gpu``). vLLM's own tower is
+in tests/serving/test_patch_series.py."""
 
 import contextlib
 
@@ -8,6 +9,7 @@ import torch
 
 from flashnext.errors import FlashnextError
 from flashnext.serving.hooks import vit_stream
+from flashnext.serving.runtime.block_stream import BlockStream
 
 
 def blocks(n, device="cpu", width=64):
@@ -26,7 +28,7 @@ def test_streamed_blocks_give_the_resident_output_from_two_slots():
     resident, streamed = blocks(5), blocks(5)
     x = torch.randn(7, 64)
     want = run(resident, x)
-    stream = vit_stream.BlockStream(streamed)
+    stream = BlockStream(streamed)
     storages = {p.untyped_storage().data_ptr() for b in streamed for p in b.parameters()}
     assert storages == {stream.slot_memory.untyped_storage().data_ptr()}
     assert stream.device_bytes == 2 * stream.block_bytes
@@ -38,9 +40,9 @@ def test_blocks_that_differ_are_refused_in_one_line():
     stack = blocks(3)
     stack[1][1] = torch.nn.Linear(64, 64, bias=False)
     with pytest.raises(FlashnextError, match="block 1 differs"):
-        vit_stream.BlockStream(stack)
+        BlockStream(stack)
     with pytest.raises(FlashnextError, match="two slots"):  # the next copy would overwrite a running block
-        vit_stream.BlockStream(blocks(3), slots=1)
+        BlockStream(blocks(3), slots=1)
 
 
 class Model(torch.nn.Module):
@@ -66,13 +68,13 @@ def test_install_leaves_short_towers_and_the_switch_off_alone(monkeypatch):
     assert isinstance(vit_stream.build_context(), type(contextlib.nullcontext()))
     monkeypatch.setenv("VLLM_VIT_STREAM", "1")
     assert vit_stream.build_context() == torch.device("cpu")
-    assert isinstance(vit_stream.install(Model(5)), vit_stream.BlockStream)
+    assert isinstance(vit_stream.install(Model(5)), BlockStream)
 
 
 @pytest.mark.gpu
 def test_copies_overlap_on_a_side_stream_and_stay_correct():
     resident, streamed = blocks(9, "cuda", 1024), blocks(9, "cuda", 1024)
-    stream = vit_stream.BlockStream(streamed)
+    stream = BlockStream(streamed)
     assert stream.copy_stream is not None and stream.host.is_pinned()
     x = torch.randn(4096, 1024, device="cuda")
     want = run(resident, x)

@@ -27,7 +27,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 CAPTURED = (1, 2, 4)  # cudagraph_capture_sizes of the 3x3090 profiles
-SERVED = range(1, 17)  # the decode kernels' token counts (decode_mma.MAX_TOKENS)
+SERVED = range(1, 17)  # the decode kernels' token counts (decode_mma.MMA_MAX_TOKENS)
 HIDDEN, EXPERTS, TOP_K, SHARED = 2560, 512, 10, 640  # Qwen3.8-Flash-Next (reference: qwen4exp-upstream.md)
 HC, LOWRANK, VOCAB = 4, 320, 248320
 RTX_3090 = GPUTarget("cuda", 86, 32)
@@ -92,10 +92,9 @@ def assert_no_new_variant(found: dict[int, set], warmed: set = frozenset()):
 
 @pytest.fixture(autouse=True)
 def rtx_3090_sms(monkeypatch):
-    from flashnext.quant.kernels import decode_mma, moe_route
+    from flashnext.quant.kernels import _common
 
-    for module in (decode_mma, moe_route):
-        monkeypatch.setattr(module, "_sms", lambda device: 82)
+    monkeypatch.setattr(_common, "sm_count", lambda device: 82)
 
 
 def bf16(*shape):
@@ -116,9 +115,10 @@ class LayerShell(torch.nn.Module):
 
 
 def bitplane_layer(rows: int, cols: int, group: int = 64) -> LayerShell:
-    from flashnext.serving.hooks.int6_bitplane import BitplaneLinearMethod
+    from flashnext.serving.quantization.bitplane import BitplaneLinearMethod
 
-    return LayerShell(BitplaneLinearMethod(None), weight_packed=torch.empty(rows, cols * 3 // 4, dtype=torch.uint8),
+    return LayerShell(BitplaneLinearMethod(None, planes_kept=True),
+                      weight_packed=torch.empty(rows, cols * 3 // 4, dtype=torch.uint8),
                       weight_scale=bf16(rows, cols // group), bitplane_cols=cols)
 
 
@@ -148,7 +148,8 @@ def test_decode05_bitplane_shared_expert_is_warmed_at_load(monkeypatch):
     """1..4 tokens: decode-05's fused GEMVs; 5..16: vLLM's shared-expert MLP through the layers'
     tensor-core kernel, which capture never launches for these shapes and the load-time warm-up
     does."""
-    from flashnext.serving.hooks import int6_bitplane, moe_decode
+    from flashnext.serving.hooks import moe_decode
+    from flashnext.serving.quantization import bitplane
 
     mlp = types.SimpleNamespace(gate_up_proj=bitplane_layer(2 * SHARED, HIDDEN), down_proj=bitplane_layer(HIDDEN, SHARED),
                                 act_fn=lambda h: h[:, :SHARED])
@@ -159,7 +160,7 @@ def test_decode05_bitplane_shared_expert_is_warmed_at_load(monkeypatch):
             moe_decode._shared_expert(mlp, x, bf16(m, HIDDEN), bf16(m, 1))
         else:  # Qwen2MoeMLP.forward
             mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)[0]))
-    monkeypatch.setattr(int6_bitplane, "_compiles_kernels", lambda weights: True)  # as on the GPU
+    monkeypatch.setattr(bitplane, "_compiles_kernels", lambda weights: True)  # as on the GPU
 
     def load():  # what vLLM's loader calls for each layer after loading it
         for layer in (mlp.gate_up_proj, mlp.down_proj):
@@ -175,10 +176,10 @@ def test_decode05_bitplane_shared_expert_is_warmed_at_load(monkeypatch):
 @pytest.mark.parametrize("shape", [(HIDDEN, SHARED), (2 * SHARED, HIDDEN), (10240, HIDDEN), (HIDDEN, 8192)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 def test_int6_bitplane_layers_are_warmed_at_load(shape, monkeypatch):
-    from flashnext.serving.hooks import int6_bitplane
+    from flashnext.serving.quantization import bitplane
 
     layer = bitplane_layer(*shape)
-    monkeypatch.setattr(int6_bitplane, "_compiles_kernels", lambda weights: True)
+    monkeypatch.setattr(bitplane, "_compiles_kernels", lambda weights: True)
     found, warmed = keys_by_tokens(lambda m: layer(bf16(m, shape[1])),
                                    warm=lambda: layer.quant_method.process_weights_after_loading(layer))
     assert_no_new_variant(found, warmed)
@@ -186,7 +187,7 @@ def test_int6_bitplane_layers_are_warmed_at_load(shape, monkeypatch):
 
 def test_int8_modules_and_decode04_have_one_variant_per_shape():
     from flashnext.serving.hooks import hc_decode
-    from flashnext.serving.hooks.int8_modules import Int8EmbeddingMethod, Int8LinearMethod
+    from flashnext.serving.quantization.int8 import Int8EmbeddingMethod, Int8LinearMethod
 
     lm_head = int8_layer(Int8EmbeddingMethod(128), VOCAB, HIDDEN, 128)
     pad = -(LOWRANK + HC) % 16

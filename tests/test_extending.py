@@ -1,0 +1,255 @@
+"""docs/extending.md's recipes, each claim a test: what the page says to write is what the registries
+accept and what the commands then see, and every path and name it gives is in the tree.
+
+The quantizer recipe is run by tests/quant/quantizers/test_quantizer_registry.py; layering and the
+architecture's paths by tests/test_docs.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+from click.testing import CliRunner
+
+from flashnext import envs
+from flashnext.errors import FlashnextError
+from flashnext.quant.overlays import builder as overlay_builder
+from support import ROOT
+
+PAGE = ROOT / "docs" / "extending.md"
+REPO = "someone/toy-overlay"
+
+
+def page() -> str:
+    return PAGE.read_text()
+
+
+def section(title: str) -> str:
+    text = page()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
+# ---- paths and names -------------------------------------------------------------------------------
+
+ROOTED_PATH = re.compile(r"`((?:quant|serving|tools|flashnext|manifests|docs|tests|benchmarks)/[\w./<>-]*)`")
+
+
+def exists(name: str) -> bool:
+    pattern = re.sub(r"<[^>]+>|NAME", "*", name.split("::")[0])
+    return any(True for _ in ROOT.glob(pattern))
+
+
+def test_every_path_the_page_names_exists():
+    names = sorted({m[1] for m in ROOTED_PATH.finditer(page())})
+    assert len(names) > 20, names
+    assert [n for n in names if not exists(n)] == []
+
+
+def test_every_file_of_the_folder_table_is_in_its_folder():
+    rows = [line for line in page().splitlines() if line.startswith("| `")]
+    checked = 0
+    for row in rows:
+        folder, holds = row.strip("|").split("|")[:2]
+        (first,) = re.findall(r"`([^`]+/)`", folder)[:1] or [None]
+        if first is None:
+            continue
+        for name in re.findall(r"`([\w/]+(?:\.py|/))`", holds):
+            if ROOTED_PATH.fullmatch(f"`{name}`"):
+                continue  # a path from the root, which the test above checks
+            assert (ROOT / first / name).exists(), f"{first}{name}"
+            checked += 1
+    assert checked >= 15
+
+
+# Each Python name the page gives, in the module it is found in.
+NAMES = [
+    ("flashnext.quant.overlays.builder", "OverlayBuilder"),
+    ("flashnext.quant.overlays.builder", "OVERLAY_KINDS"),
+    ("flashnext.quant.overlays.builder", "OverlayKind"),
+    ("flashnext.quant.overlays.builder", "builder_for_kind"),
+    ("flashnext.quant.formats.ct_config", "quantization_holder"),
+    ("flashnext.tools.overlay", "card_serving"),
+    ("flashnext.serving.patches.series", "SERIES"),
+    ("flashnext.serving.patches.series", "Patch"),
+    ("flashnext.serving.patches.series", "Coverage"),
+    ("flashnext.serving.patch_series", "load_series"),
+    ("flashnext.envs", "EnvVar"),
+    ("flashnext.envs", "ALL"),
+    ("flashnext.serving.profiles", "Profile"),
+    ("flashnext.serving.capacity", "FAMILIES"),
+    ("flashnext.serving.capacity.qwen4_exp", "plan_profile"),
+]
+
+
+@pytest.mark.parametrize(("module", "name"), NAMES, ids=[n for _, n in NAMES])
+def test_every_name_the_page_gives_imports(module, name):
+    import importlib
+
+    assert re.search(rf"\b{re.escape(name)}\b", page()), f"the page no longer names {name}"
+    assert hasattr(importlib.import_module(module), name)
+
+
+def test_the_page_links_the_architecture_and_the_digest():
+    assert "docs/architecture.md" in page() and "docs/seed-000.md" in page()
+
+
+# ---- an overlay builder ----------------------------------------------------------------------------
+
+def builder_recipe() -> str:
+    (block,) = re.findall(r"```python\n(.*?)```", section("An overlay builder"), flags=re.S)
+    return block
+
+
+@pytest.fixture
+def recipe_builder(monkeypatch):
+    """The page's builder block run as the module its row names, the row added as the page says."""
+    block = builder_recipe()
+    (path,) = re.findall(r'OverlayKind\("([\w.]+:\w+)"', block)
+    module_name, _, class_name = path.partition(":")
+    module = types.ModuleType(module_name)
+    package = types.ModuleType(module_name.rpartition(".")[0])
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+    monkeypatch.setitem(sys.modules, module_name, module)
+    table = overlay_builder.OVERLAY_KINDS
+    shipped = dict(table)
+    # the row goes into the table itself, as the page's line puts it, and leaves with the test
+    exec(compile(block, "docs/extending.md", "exec"), module.__dict__)
+    cls = module.__dict__[class_name]
+    (kind,) = cls.kinds
+    yield kind, cls
+    table.clear()
+    table.update(shipped)
+
+
+def test_a_builder_registered_as_the_page_says_is_found_by_its_kind(recipe_builder):
+    kind, cls = recipe_builder
+    assert overlay_builder.builder_for_kind(kind) is cls
+    assert overlay_builder.builder_for_kind("no-such-kind") is None
+
+
+def test_a_builder_registered_as_the_page_says_is_on_the_model_card(recipe_builder, demo_overlay):
+    import yaml
+
+    from flashnext.quant.overlays.hub import render_model_card
+    from flashnext.quant.overlays.manifest import OverlayManifest
+    from flashnext.tools.overlay import card_serving
+
+    kind, cls = recipe_builder
+    manifest = OverlayManifest.load(demo_overlay).model_copy(update={"kind": kind})
+    card = render_model_card(manifest, REPO, card_serving())
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["tags"] == ["flashnext", "overlay", "my-kind", "int4"]  # the page's row: card_tags=("int4",)
+    assert "\n".join(cls.card_section(manifest.report)) in card
+    # no draft method: every profile of the base model's family loads it, so the card serves it
+    assert f"flashnext overlay fetch {REPO}" in card and "flashnext serve --profile " in card
+
+
+def test_a_row_that_names_the_wrong_class_is_refused(recipe_builder):
+    kind, _ = recipe_builder
+    overlay_builder.OVERLAY_KINDS["other-kind"] = overlay_builder.OVERLAY_KINDS[kind]
+    with pytest.raises(FlashnextError, match="not an OverlayBuilder that makes other-kind overlays"):
+        overlay_builder.builder_for_kind("other-kind")
+
+
+def test_every_shipped_kind_has_its_builder_and_every_builder_its_rows():
+    found = {kind: overlay_builder.builder_for_kind(kind) for kind in overlay_builder.OVERLAY_KINDS}
+    for cls in set(found.values()):
+        assert {k for k, c in found.items() if c is cls} == set(cls.kinds), cls
+
+
+def test_reading_overlays_imports_no_builder():
+    """What the page says the lazy table is for: manifests and the Hub module load without torch."""
+    code = ("import sys, flashnext.quant.overlays.hub, flashnext.quant.overlays.manifest\n"
+            "print([m for m in sys.modules if m == 'torch' or m.startswith('flashnext.quant.overlays.') "
+            "and m.rsplit('.', 1)[1] not in ('builder', 'hub', 'manifest', 'view')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---- a vLLM patch ----------------------------------------------------------------------------------
+
+def toy_probe() -> None:
+    """A probe as the page says: a module-level function, found by its module and name."""
+
+
+def test_a_patch_entry_shaped_as_the_page_says_is_accepted():
+    from flashnext.serving.patch_series import load_series
+    from flashnext.serving.patches.series import SERIES
+
+    last = max(SERIES, key=lambda p: p.order)
+    toy = dataclasses.replace(SERIES[0], id="toy-01", order=last.order + 1, probe=toy_probe)
+    assert load_series(patches=(toy, *SERIES))[-1] is toy
+
+
+def test_a_patch_entry_is_checked_as_the_page_says():
+    from flashnext.serving.patch_series import load_series
+    from flashnext.serving.patches.series import SERIES
+
+    def not_found_by_name() -> None:
+        pass
+
+    with pytest.raises(FlashnextError, match="is not a function of a module"):
+        load_series(patches=(dataclasses.replace(SERIES[0], probe=not_found_by_name),))
+    with pytest.raises(FlashnextError, match="the diff touches"):
+        load_series(patches=(dataclasses.replace(SERIES[0], touches=("vllm/elsewhere.py",)),))
+
+
+def test_a_declared_switch_needs_no_edit_of_envs_all():
+    """Step 2's claim: every serving variable declared in flashnext/envs.py is in ``envs.ALL``."""
+    declared = [v for v in vars(envs).values() if isinstance(v, envs.EnvVar) and v.kind == envs.SERVING]
+    assert set(declared) == set(envs.ALL)
+    from flashnext.serving.patches.series import SERIES
+
+    assert {p.switch for p in SERIES} <= set(envs.ALL)
+
+
+def test_every_patch_has_the_files_the_page_lists():
+    from flashnext.serving.patches.series import SERIES
+
+    for p in SERIES:
+        assert p.path.is_file() and p.prose_path.is_file(), p.id
+        assert p.prose_path.read_text().startswith("# "), p.prose_path
+
+
+# ---- a model family for plan -----------------------------------------------------------------------
+
+class ToyPlan:
+    def __init__(self, asked):
+        self.asked = asked
+
+    def to_json(self) -> dict:
+        return {"toy": self.asked}
+
+
+def test_a_family_registered_in_families_is_what_plan_asks(monkeypatch):
+    from flashnext.serving import capacity, profiles
+    from flashnext.tools.cli import main as cli
+
+    name = profiles.available()[0]
+    shipped = profiles.load_profile(name)
+    toy = dataclasses.replace(shipped, model_family="toy_family")
+    monkeypatch.setattr(profiles, "load_profile", lambda n, *a, **k: toy if n == name else shipped)
+    asked = []
+
+    def toy_planner(profile, kv_cache_memory_bytes=None, prefix_caching=None, model=None):
+        asked.append((profile.model_family, kv_cache_memory_bytes, prefix_caching, model))
+        return ToyPlan([profile.name, kv_cache_memory_bytes, prefix_caching])
+
+    monkeypatch.setitem(capacity.FAMILIES, "toy_family", toy_planner)
+    r = CliRunner().invoke(cli, ["plan", "--profile", name, "--kv-cache-memory-bytes", "123456",
+                                 "--no-prefix-caching", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output) == {"profile": name, "toy": [name, 123456, False]}
+    assert asked == [("toy_family", 123456, False, None)]
+
+    monkeypatch.delitem(capacity.FAMILIES, "toy_family")
+    r = CliRunner().invoke(cli, ["plan", "--profile", name, "--json"])
+    assert r.exit_code != 0 and "plan models qwen4_exp profiles only" in r.output
