@@ -10,8 +10,8 @@
 
 Both search with unrounded scales, as the originals do; the chosen scale is then stored in bf16,
 the storage dtype every method here shares. (The numbers for these are from reimplementations of
-their documented algorithms, not from running those packages: the reference notes in
-``../shared/reference/formats-and-quantizers.md`` §C give them step by step.)
+their documented algorithms, not from running those packages; ``benchmarks.calibrated_quality`` runs
+the packages themselves.)
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from flashnext.serving.hooks import host_pool
+from flashnext.serving.runtime import host_pool
 
 
 def _h2d_gbps(host: torch.Tensor, nbytes: int = 1 << 30, repeat: int = 5) -> float:

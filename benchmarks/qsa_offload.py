@@ -21,7 +21,7 @@ import torch
 from flashnext.quant.kernels import configs, reference
 from flashnext.quant.kernels import qsa_row_cache as rc
 from flashnext.quant.kernels.configs import AttentionConfig
-from flashnext.serving.hooks.host_pool import uva_view
+from flashnext.serving.runtime.host_pool import uva_view
 
 Q_HEADS, KV_HEADS, HEAD_DIM, TOPK, BLOCK_SIZE = 24, 2, 256, 2048, 12144
 ROW_BYTES = KV_HEADS * 2 * HEAD_DIM * 2

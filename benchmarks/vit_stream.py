@@ -19,7 +19,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from flashnext.serving.hooks.vit_stream import BlockStream
+from flashnext.serving.runtime.block_stream import BlockStream
 
 HIDDEN, MLP, HEADS, DEPTH = 1152, 4304, 16, 27
 

@@ -34,13 +34,14 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil import confined, fsync_dir, output_lock, read_output_marker, write_marker
 from flashnext.quant.records.inputs import open_regular, read_regular_bytes
-from flashnext.quant.records.jsonfile import parse_json
+from flashnext.quant.records.jsonfile import parse_json, validate
+from flashnext.quant.records.strict import Sha256, StrictRecord
 from flashnext.serving.patches.series import PATCH_DIR, SERIES, Patch
 
 
@@ -201,7 +202,32 @@ def _read_target_file(target: Path, rel: str) -> tuple[bytes, os.stat_result]:
         raise FlashnextError(f"{path}: missing; the series patches vllm==0.33.0, which has it") from None
 
 
-def _read_record(target: Path) -> dict | None:
+class RecordedFile(StrictRecord):
+    """One file ``patches apply`` changed: its bytes before and after (sha256), mode and mtime."""
+
+    original_sha256: Sha256
+    patched_sha256: Sha256
+    mode: int
+    mtime_ns: int
+
+
+class PatchRecord(StrictRecord):
+    """``.flashnext-vllm-patches/record.json`` in a patched vllm tree: which series was applied, and
+    every file it changed (the originals are kept beside it)."""
+
+    made_by: Literal["flashnext patches apply"]
+    series: list[str]
+    series_sha256: Sha256
+    files: dict[str, RecordedFile]
+
+    @classmethod
+    def not_this_record(cls, data) -> str | None:
+        if not isinstance(data, dict) or data.get("made_by") != _MADE_BY:
+            return "not a record of `flashnext patches apply`"
+        return None
+
+
+def _read_record(target: Path) -> PatchRecord | None:
     """The record of the series applied to ``target``, None when there is none."""
     record_dir = target / RECORD_DIR
     if not os.path.lexists(record_dir):
@@ -209,33 +235,27 @@ def _read_record(target: Path) -> dict | None:
     path = record_dir / RECORD_FILE
     if record_dir.is_symlink() or not record_dir.is_dir() or not os.path.lexists(path):
         raise FlashnextError(f"{record_dir} is not a record of `flashnext patches apply`; remove it yourself")
-    data = parse_json(read_regular_bytes(path, "a patch record", follow_symlinks=False), str(path))
-    files = data.get("files") if isinstance(data, dict) else None
-    if (not isinstance(data, dict) or data.get("made_by") != _MADE_BY or not isinstance(data.get("series"), list)
-            or not isinstance(data.get("series_sha256"), str) or not isinstance(files, dict) or not all(
-                isinstance(f, dict) and isinstance(f.get("original_sha256"), str)
-                and isinstance(f.get("patched_sha256"), str) and type(f.get("mode")) is int
-                and type(f.get("mtime_ns")) is int for f in files.values())):
-        raise FlashnextError(f"{path}: not a record of `flashnext patches apply`")
-    for rel in files:
+    record = validate(parse_json(read_regular_bytes(path, "a patch record", follow_symlinks=False), str(path)),
+                      PatchRecord, str(path))
+    for rel in record.files:
         confined(target, rel, str(path))
-    return data
+    return record
 
 
-def _state(target: Path, record: dict) -> dict[str, str]:
+def _state(target: Path, record: PatchRecord) -> dict[str, str]:
     """Each recorded file: ``patched``, ``original``, or ``changed`` (neither: someone else's edit)."""
     states = {}
-    for rel, entry in record["files"].items():
+    for rel, entry in record.files.items():
         digest = _sha256(_read_target_file(target, rel)[0])
-        states[rel] = ("patched" if digest == entry["patched_sha256"]
-                       else "original" if digest == entry["original_sha256"] else "changed")
+        states[rel] = ("patched" if digest == entry.patched_sha256
+                       else "original" if digest == entry.original_sha256 else "changed")
     return states
 
 
-def _original(target: Path, record: dict, rel: str) -> bytes:
+def _original(target: Path, record: PatchRecord, rel: str) -> bytes:
     path = confined(target / RECORD_DIR / ORIGINALS, rel, str(target / RECORD_DIR / RECORD_FILE))
     data = read_regular_bytes(path, "a kept original", follow_symlinks=False)
-    if _sha256(data) != record["files"][rel]["original_sha256"]:
+    if _sha256(data) != record.files[rel].original_sha256:
         raise FlashnextError(f"{path}: the kept original does not match its record; reinstall vllm==0.33.0 "
                              f"(pip install --force-reinstall) and remove {target / RECORD_DIR}")
     return data
@@ -348,10 +368,10 @@ def _write_record(target: Path, patches: list[Patch], digest: str, originals: di
             path = confined(partial / ORIGINALS, rel, "the patch series")
             path.parent.mkdir(parents=True, exist_ok=True)
             _create_file(path, data)
-        record = {"made_by": _MADE_BY, "series": [p.id for p in patches], "series_sha256": digest,
-                  "files": {rel: {"original_sha256": _sha256(originals[rel]), "patched_sha256": _sha256(patched[rel]),
-                                  "mode": modes[rel], "mtime_ns": mtimes[rel]} for rel in originals}}
-        _create_file(partial / RECORD_FILE, (json.dumps(record, indent=2) + "\n").encode())
+        record = PatchRecord(made_by=_MADE_BY, series=[p.id for p in patches], series_sha256=digest, files={
+            rel: RecordedFile(original_sha256=_sha256(originals[rel]), patched_sha256=_sha256(patched[rel]),
+                              mode=modes[rel], mtime_ns=mtimes[rel]) for rel in originals})
+        _create_file(partial / RECORD_FILE, (record.model_dump_json(indent=2) + "\n").encode())
         os.rename(partial, target / RECORD_DIR)
         fsync_dir(target)
     except BaseException:
@@ -359,23 +379,23 @@ def _write_record(target: Path, patches: list[Patch], digest: str, originals: di
         raise
 
 
-def _finish_recorded(target: Path, record: dict, patches: list[Patch], digest: str) -> SeriesApplied:
+def _finish_recorded(target: Path, record: PatchRecord, patches: list[Patch], digest: str) -> SeriesApplied:
     """A target with a record: already patched by this series, or an interrupted swap to finish."""
     record_file = target / RECORD_DIR / RECORD_FILE
-    if record["series_sha256"] != digest:
-        raise FlashnextError(f"{target} is patched with another patch series ({', '.join(map(str, record['series']))}; "
+    if record.series_sha256 != digest:
+        raise FlashnextError(f"{target} is patched with another patch series ({', '.join(record.series)}; "
                              f"{record_file}): run `flashnext patches apply --target {target} --revert` first")
     states = _state(target, record)
     _refuse_changed(target, states)
     if all(state == "patched" for state in states.values()):
-        return SeriesApplied(list(record["series"]), True, record_file)
+        return SeriesApplied(list(record.series), True, record_file)
     # An apply stopped during its swap: the rest of the files get the same patched bytes.
-    originals = {rel: _original(target, record, rel) for rel in record["files"]}
-    modes = {rel: entry["mode"] for rel, entry in record["files"].items()}
+    originals = {rel: _original(target, record, rel) for rel in record.files}
+    modes = {rel: entry.mode for rel, entry in record.files.items()}
     stage = _make_marked_dir(target / f"{RECORD_DIR}.stage-{os.getpid()}")
     try:
         patched = _staged(patches, originals, modes, stage)
-        if any(_sha256(patched[rel]) != entry["patched_sha256"] for rel, entry in record["files"].items()):
+        if any(_sha256(patched[rel]) != entry.patched_sha256 for rel, entry in record.files.items()):
             raise FlashnextError(f"{record_file}: the series no longer patches to the recorded bytes; run "
                                  f"`flashnext patches apply --target {target} --revert`, then apply")
         for rel, state in states.items():
@@ -404,15 +424,15 @@ def revert_series(target_root: Path) -> list[str]:
         if record is None:
             raise FlashnextError(f"{target}: no record of `flashnext patches apply` ({target / RECORD_DIR}); "
                                  "nothing to revert")
-        _remove_leftovers(target, set(record["files"]))
+        _remove_leftovers(target, set(record.files))
         states = _state(target, record)
         _refuse_changed(target, states)
-        originals = {rel: _original(target, record, rel) for rel in record["files"]}
+        originals = {rel: _original(target, record, rel) for rel in record.files}
         restored = []
         for rel, state in states.items():
             if state == "patched":
-                entry = record["files"][rel]
-                _replace_file(target / rel, originals[rel], entry["mode"], entry["mtime_ns"])
+                entry = record.files[rel]
+                _replace_file(target / rel, originals[rel], entry.mode, entry.mtime_ns)
                 restored.append(rel)
         shutil.rmtree(target / RECORD_DIR)
         fsync_dir(target)

@@ -87,15 +87,15 @@ def speculative_method(profile: Profile) -> str | None:
     Read without vLLM, unlike the plan's reading (``capacity/shape.py``), because the Hub model card
     asks it on a base install, which has no vLLM; tests/quant/overlays/test_hub.py checks that it
     agrees with vLLM's own parser. The last occurrence wins, as with argparse; a form it cannot read
-    (vLLM's dotted ``--speculative-config.method``) is refused rather than guessed."""
+    as vLLM does (the dotted ``--speculative-config.method``, the underscore spelling, which vLLM's
+    parse_known_args does not read the same way on every run) is refused rather than guessed."""
     import json
 
     text = None
     args = list(profile.vllm_args)
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
-        flag = flag.replace("_", "-") if flag.startswith("--") else flag
-        if flag.startswith("--speculative-config."):
+        if flag.startswith(("--speculative-config.", "--speculative_config")):
             raise FlashnextError(f"profile {profile.name}: {flag} is not read here; give the speculative "
                                  "config as one JSON --speculative-config")
         if flag in _SPECULATIVE_CONFIG:

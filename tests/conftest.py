@@ -2,7 +2,8 @@ import os
 from pathlib import Path
 
 # vLLM decides its platform at import: on a machine with no GPU it must see no CUDA device, and
-# Triton kernels then run through Triton's CPU interpreter (see ../shared/reference/README.md).
+# Triton kernels then run through Triton's CPU interpreter (without TRITON_INTERPRET and with no GPU
+# driver, vLLM disables Triton).
 # On a GPU machine the GPU tests need the device, so leave it visible there.
 if not any(Path("/dev").glob("nvidia[0-9]*")):
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")

@@ -69,12 +69,6 @@ def builder_for_kind(kind: str) -> type["OverlayBuilder"] | None:
     return cls
 
 
-def register_builder(cls: type["OverlayBuilder"]) -> type["OverlayBuilder"]:
-    """Registers nothing (:data:`OVERLAY_KINDS` does): kept only so that the builders still carrying
-    this decorator import, until it is removed from them."""
-    return cls
-
-
 class OverlayBuilder(ABC):
     kinds: ClassVar[tuple[str, ...]]  # the overlay kinds it makes (overlay.json's "kind")
     tool: ClassVar[str]  # the command that runs it

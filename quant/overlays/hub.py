@@ -28,10 +28,11 @@ a draft head) is its row of :data:`~flashnext.quant.overlays.builder.OVERLAY_KIN
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import Field
 
 from flashnext import __version__
 from flashnext.errors import FlashnextError
@@ -44,8 +45,20 @@ from flashnext.quant.overlays.view import (
     refuse_unlisted_merged_files,
     verify_overlay,
 )
+from flashnext.quant.records.strict import Sha256, StrictRecord
 
 PUBLISHED_FILE = "overlay.published.json"
+
+
+class PublishedRecord(StrictRecord):
+    """``overlay.published.json``: where ``overlay upload`` published the overlay, and which files
+    (by sha256) that commit holds. Only what flashnext decided; nothing the server said but the
+    commit id, checked to be one."""
+
+    repo_id: str
+    revision: str
+    commit: str = Field(pattern=r"^[0-9a-f]{40}$")
+    files: dict[str, Sha256]
 CARD_FILE = "README.md"
 
 
@@ -386,9 +399,9 @@ def upload_overlay(overlay: Path, repo_id: str, private: bool = False, revision:
     if commit is None:
         raise FlashnextError(f"upload to {repo_id}: the Hub's answer names no valid commit id, so nothing is "
                              f"recorded in {PUBLISHED_FILE}; check the repository's history on the Hub")
-    published = {"repo_id": repo_id, "revision": revision or "main", "commit": commit,
-                 "files": {f.path: f.sha256 for f in manifest.files}}
-    write_text_atomic(overlay / PUBLISHED_FILE, json.dumps(published, indent=2) + "\n")
+    published = PublishedRecord(repo_id=repo_id, revision=revision or "main", commit=commit,
+                                files={f.path: f.sha256 for f in manifest.files})
+    write_text_atomic(overlay / PUBLISHED_FILE, published.model_dump_json(indent=2) + "\n")
     return plan | {"commit": commit, "published_record": str(overlay / PUBLISHED_FILE)}
 
 

@@ -39,11 +39,11 @@ from flashnext.quant.formats.ct_config import (DEFAULT_INT6_TARGETS, checked_qua
                                                quantization_config_of, weight_scheme)
 from flashnext.quant.formats.packing import packed_words
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
-from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
+from flashnext.quant.overlays.builder import OverlayBuilder
 
 INT8_GROUP = "flashnext_int6_widened_to_int8"
-# Where bit planes were measured against the stock kernel (docs/benchmarks.md, issue 28;
-# ../shared/reference/kernel-anchors.md): only the shared experts' shapes came out ahead.
+# Where bit planes were measured against the stock kernel (docs/benchmarks.md, "Against stock vLLM's
+# kernels"): only the shared experts' shapes came out ahead.
 MEASURED_FASTER = DEFAULT_INT6_TARGETS
 MEASURED_SLOWER = ("bit planes measured slower than stock vLLM's INT6 kernel (Humming) outside the shared "
                    "experts on the H200: 1.2-1.9x at the attention projections' shapes at 1 and 8 tokens "
@@ -189,7 +189,6 @@ def _new_config(snap: Snapshot, targets: list[Target], mode: str) -> dict:
 KINDS = {"bitplane": "int6-bitplane", "int8": "int6-to-int8", "reverse": "int6-dense"}
 
 
-@register_builder
 class Int6Repack(OverlayBuilder):
     """INT6 modules to the bit-plane layout, widened to INT8, or back to dense 6-bit."""
 

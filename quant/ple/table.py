@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import random
 import stat
 import time
 from pathlib import Path
+from typing import Any, Literal
 
 from flashnext.errors import FlashnextError, VerificationMismatch
 from flashnext.progress import Progress
@@ -35,6 +35,7 @@ from flashnext.quant.ple.sidecar import (BLOCK_BYTES, BUILDER, CopyStats, Sideca
 from flashnext.quant.ple.source import PleSource, TableShard, find_ple_source
 from flashnext.quant.records.inputs import open_regular
 from flashnext.quant.records.jsonfile import parse_json, validate
+from flashnext.quant.records.strict import StrictRecord
 
 __all__ = ["build_table", "verify_table", "find_ple_source", "read_sidecar", "sidecar_path"]
 
@@ -143,9 +144,32 @@ def _read_entry(parent: HeldDirectory, name: str) -> bytes:
         return f.read()
 
 
-def _file_identity(fd: int) -> dict:
+class PartialIdentity(StrictRecord):
+    """The partial file a build created: device and inode, so a resumed build writes only into it."""
+
+    dev: int
+    inode: int
+
+
+class BuildJournal(StrictRecord):
+    """``OUT.journal``, beside the partial table of an interrupted ``ple build``: the source it was
+    built from, the partial file, and the shards already in it (keyed by shard index, as JSON keys)."""
+
+    format: Literal["flashnext.ple-table-journal/1"]
+    source: list[list[Any]]
+    partial: PartialIdentity | None
+    shards: dict[str, SidecarShard]
+
+    @classmethod
+    def not_this_record(cls, data: Any) -> str | None:
+        if not isinstance(data, dict) or data.get("format") != JOURNAL_FORMAT:
+            return f"not a {JOURNAL_FORMAT} journal"
+        return None
+
+
+def _file_identity(fd: int) -> PartialIdentity:
     st = os.fstat(fd)
-    return {"dev": st.st_dev, "inode": st.st_ino}
+    return PartialIdentity(dev=st.st_dev, inode=st.st_ino)
 
 
 def _start_over(parent: HeldDirectory, partial: Path) -> tuple[None, dict[int, SidecarShard]]:
@@ -173,21 +197,19 @@ def _resume(parent: HeldDirectory, out: Path, identity: list, force: bool) -> tu
     if parent.lstat(partial.name) is None:
         return None, {}
     try:
-        journal = parse_json(_read_entry(parent, journal_path.name), str(journal_path))
-        if (not isinstance(journal, dict) or journal.get("format") != JOURNAL_FORMAT
-                or not isinstance(journal.get("shards"), dict)):
-            raise FlashnextError(f"{journal_path}: not a {JOURNAL_FORMAT} journal")
-        shards = {int(k): validate(v, SidecarShard, str(journal_path)) for k, v in journal["shards"].items()}
+        journal = validate(parse_json(_read_entry(parent, journal_path.name), str(journal_path)), BuildJournal,
+                           str(journal_path))
+        shards = {int(k): shard for k, shard in journal.shards.items()}
     except (FlashnextError, ValueError, OSError) as e:
         if force:
             return _start_over(parent, partial)
         raise FlashnextError(f"{journal_path} is damaged ({e}); pass --force to start over") from None
-    if journal.get("source") != identity:
+    if journal.source != identity:
         if force:
             return _start_over(parent, partial)
         raise FlashnextError(f"{partial} is an interrupted build from a different source (the PLE shards changed "
                              "since); pass --force to start over")
-    recorded = journal.get("partial")
+    recorded = journal.partial
     try:
         fd = os.open(partial.name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent.fd)
     except OSError:
@@ -253,9 +275,8 @@ def _build_locked(snap: Snapshot, source: PleSource, output: OutputFile, force: 
     bar = None
 
     def journal_text() -> str:
-        return json.dumps({"format": JOURNAL_FORMAT, "source": identity,
-                           "partial": None if fd is None else _file_identity(fd),
-                           "shards": {i: s.model_dump() for i, s in done.items()}})
+        return BuildJournal(format=JOURNAL_FORMAT, source=identity, partial=None if fd is None else _file_identity(fd),
+                            shards={str(i): s for i, s in done.items()}).model_dump_json()
 
     try:
         allocated = 0 if fd is None else os.fstat(fd).st_blocks * 512

@@ -10,10 +10,5 @@ from __future__ import annotations
 
 from flashnext.serving.runtime.host_pool import pinned_empty
 
-# Still read from here by tests/serving/test_preflight.py (PinnedHostPool),
-# tests/quant/kernels/test_qsa_row_cache.py and benchmarks/qsa_offload.py (uva_view),
-# tests/serving/patches/test_draft_embedding_uva.py and benchmarks/host_pool.py (_POOLS, the same
-# list object); remove these once they import flashnext.serving.runtime.host_pool (issue 27).
-from flashnext.serving.runtime.host_pool import _POOLS, PinnedHostPool, uva_view
 
-__all__ = ["pinned_empty", "PinnedHostPool", "uva_view", "_POOLS"]
+__all__ = ["pinned_empty"]

@@ -19,12 +19,7 @@ from flashnext import envs
 from flashnext.serving.capacity.vision import VIT_STREAM_SLOTS
 from flashnext.serving.runtime.block_stream import BlockStream
 
-# block_layout is still imported from here by tests/serving/test_capacity.py, and BlockStream by
-# benchmarks/vit_stream.py; drop block_layout here once the test imports it from
-# flashnext.serving.runtime.block_stream (issue 27).
-from flashnext.serving.runtime.block_stream import block_layout
-
-__all__ = ["enabled", "build_context", "install", "BlockStream", "block_layout"]
+__all__ = ["enabled", "build_context", "install"]
 
 
 def enabled() -> bool:

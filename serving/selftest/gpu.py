@@ -69,11 +69,16 @@ def switches(patches, profile_env: dict[str, str], ple_table: Path | None) -> li
 
 
 def pipeline_size(profile) -> int:
-    args = profile.vllm_args
-    for flag in ("--pipeline-parallel-size", "-pp"):
-        if flag in args:
-            return int(args[args.index(flag) + 1])
-    return 1
+    """``--pipeline-parallel-size`` (or ``-pp``) as vLLM's parser reads it: either spelling, with
+    the value after ``=`` or as the next argument, the last occurrence winning; 1 when absent. Read
+    here rather than through ``capacity.shape.engine_args``, which points vLLM at the CPU in this
+    process's environment, which the selftest's ``vllm serve`` inherits."""
+    size, args = 1, list(profile.vllm_args)
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in ("--pipeline-parallel-size", "-pp"):
+            size = int(value if eq else args[i + 1])
+    return size
 
 
 def demo_args(profile) -> list[str]:

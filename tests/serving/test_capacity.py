@@ -23,7 +23,7 @@ def seed_plan(profile: str, kv_bytes: int, prefix_caching: bool) -> capacity.Pla
     return capacity.plan(capacity.load_text_config(), shape)
 
 
-# ../shared/reference/README.md, "The seed's capacity numbers"
+# seed 000 §2 and §7 (docs/seed-000.md): the capacity numbers plan must reproduce
 @pytest.mark.parametrize("profile, kv_bytes, prefix, block_size, blocks, per_request, capacity_tokens, times", [
     ("3x3090", 550_000_000, False, 12_144, 171, 42, 1_067_300, "4.07"),
     ("3x3090", 550_000_000, True, 12_144, 171, 61, 734_862, "2.80"),
@@ -205,7 +205,7 @@ def test_the_slot_of_vllms_vision_block_is_the_planned_slot():
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionBlock
 
-    from flashnext.serving.hooks.vit_stream import block_layout
+    from flashnext.serving.runtime.block_stream import block_layout
 
     vision = capacity.load_vision_config()
     config = Qwen3VLVisionConfig(depth=vision.depth, hidden_size=vision.hidden_size, num_heads=16,

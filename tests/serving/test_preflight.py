@@ -68,7 +68,7 @@ def test_the_headroom_is_the_host_pools():
     import inspect
 
     from flashnext.serving import capacity
-    from flashnext.serving.hooks.host_pool import PinnedHostPool
+    from flashnext.serving.runtime.host_pool import PinnedHostPool
 
     default = inspect.signature(PinnedHostPool).parameters["headroom"].default
     assert default == capacity.HOST_HEADROOM == 4 * GIB

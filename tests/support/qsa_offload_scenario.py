@@ -44,20 +44,20 @@ def host_pool_bytes() -> int:
     return sum(pool.nbytes for pool in host_pool._POOLS)
 
 
-def arena_bytes(hooks) -> int:
-    arena = hooks.ARENA.cache
+def arena_bytes(runtime) -> int:
+    arena = runtime.ARENA.cache
     return 0 if arena is None else arena.nbytes + arena.state_nbytes
 
 
 out = {}
 with demo_vllm(snapshot, port, drop_quantization,
                CacheConfig(mamba_cache_mode="align", enable_prefix_caching=True)) as (config, qsa):
-    from flashnext.serving.hooks import qsa_offload as hooks
+    from flashnext.serving.runtime import qsa_offload as runtime
 
     model = build_model(config)  # GPUModelRunner.load_model builds the model here
     patched = any(hasattr(m, "qsa_offload") for m in model.modules())
     if patched:
-        out["after_load"] = {"arena_bytes": arena_bytes(hooks), "host_bytes": host_pool_bytes()}
+        out["after_load"] = {"arena_bytes": arena_bytes(runtime), "host_bytes": host_pool_bytes()}
 
     from vllm.platforms.interface import Platform
 
@@ -87,7 +87,7 @@ with demo_vllm(snapshot, port, drop_quantization,
     offloads = [getattr(m, "qsa_offload", None) for m in layers]
     out["offloaded_layers"] = sum(o is not None for o in offloads)
     if patched and out["offloaded_layers"]:
-        out["before_kv_allocation"] = {"arena_bytes": arena_bytes(hooks), "host_bytes": host_pool_bytes()}
+        out["before_kv_allocation"] = {"arena_bytes": arena_bytes(runtime), "host_bytes": host_pool_bytes()}
         layer, hook = layers[0], offloads[0]
         # Model Runner V2's GPUModelRunner.initialize_kv_cache: backends, metadata builders, allocation
         # and binding, all vLLM's own.
@@ -100,7 +100,7 @@ with demo_vllm(snapshot, port, drop_quantization,
                                   kernel_block_sizes, config,
                                   attn_groups=(g for groups_ in attn_groups for g in groups_))
         host = hook.host_kv
-        out["after_kv_allocation"] = {"arena_bytes": arena_bytes(hooks), "host_bytes": host_pool_bytes()}
+        out["after_kv_allocation"] = {"arena_bytes": arena_bytes(runtime), "host_bytes": host_pool_bytes()}
         out["host_rows"] = list(host.shape)
         out["row_cache_rows"] = hook.arena.sets
         out["arena_blocks"] = hook.arena.arena.shape[0]
@@ -239,5 +239,5 @@ with demo_vllm(snapshot, port, drop_quantization,
             errors.append(float((step["output"].float() - ref).abs().max()))
         out["attention_errors"] = errors
         out["selected_counts"] = [int(first["selection"][:, -1].max()), int(second["selection"][:, -1].max())]
-        out["after_steps"] = {"arena_bytes": arena_bytes(hooks), "host_bytes": host_pool_bytes()}
+        out["after_steps"] = {"arena_bytes": arena_bytes(runtime), "host_bytes": host_pool_bytes()}
 print(json.dumps(out))

@@ -22,7 +22,7 @@ from flashnext.quant.checkpoint.fsutil import sha256_file
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, Snapshot
 from flashnext.quant.formats.ct_config import set_quantization_config, with_mtp_experts_quantized
 from flashnext.quant.formats.safetensors_io import DTYPE_BYTES, ShardWriter, TensorSpec, torch_dtypes
-from flashnext.quant.overlays.builder import OverlayBuilder, register_builder
+from flashnext.quant.overlays.builder import OverlayBuilder
 from flashnext.quant.overlays.mtp_int4.card import card_section
 from flashnext.quant.overlays.mtp_int4.metrics import ErrorReport
 from flashnext.quant.overlays.mtp_int4.source import (
@@ -100,7 +100,6 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
         raise FlashnextError(f"{what} contains NaN or Inf (first at index {bad}); refusing to quantize")
 
 
-@register_builder
 class MtpInt4Builder(OverlayBuilder):
     """The MTP draft head's routed experts as INT4 pack-quantized tensors."""
 

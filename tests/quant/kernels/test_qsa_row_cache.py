@@ -32,7 +32,7 @@ class Cache:
                                                                                    head_dim, topk)
         host = torch.randn(blocks, block_size, kv_heads, 2 * head_dim, generator=self.g).to(torch.bfloat16)
         if GPU:
-            from flashnext.serving.hooks.host_pool import uva_view
+            from flashnext.serving.runtime.host_pool import uva_view
 
             self.pinned = host.pin_memory()
             self.host_kv = uva_view(self.pinned)

@@ -467,7 +467,6 @@ SPECULATIVE_FORMS = [
     ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
     ['--speculative-config={"method": "mtp", "num_speculative_tokens": 1}'],
     ["-sc", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
-    ["--speculative_config", '{"method": "mtp", "num_speculative_tokens": 1}'],
     ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
     [],
@@ -505,6 +504,7 @@ def test_a_speculative_config_it_cannot_read_is_refused():
 
     base = load_profile(available()[0])
     for args, message in ((["--speculative-config.method", "mtp"], "is not read here"),
+                          (["--speculative_config", '{"method": "mtp"}'], "is not read here"),
                           (["--speculative-config", "{mtp"], "is not JSON"),
                           (["--speculative-config"], "has no value")):
         with pytest.raises(FlashnextError, match=message):

@@ -2,7 +2,13 @@
 its report's error figures, for each way of choosing the quantizer (flags as they were before
 ``--quantizer`` existed, and ``--quantizer`` itself). The digests were taken from the code before
 ``quant/overlays/mtp_int4.py`` became a package and GPTQ a registered quantizer (issue 27); a
-restructuring that changes one byte of an overlay fails here."""
+restructuring that changes one byte of an overlay fails here.
+
+The calibrated cases are not pinned across machines: their scales and GPTQ's rounding come from
+fp32 products over the calibration activations, whose BLAS kernels (and so their last bits) depend
+on the CPU. The digests taken at 5203828 differ from what both 5203828 and today's code give on
+another machine, where the two agree. For those cases the test runs the flags as they were before
+``--quantizer`` beside ``--quantizer`` in one run and on one machine, and they must agree byte for byte."""
 
 import hashlib
 import json
@@ -34,27 +40,7 @@ SAME_AS = {
     "quantizer-gptq": ("calib-gptq", ["--quantizer", "gptq", "--calib", "{calib}", "--gptq-prior-tokens", "64"]),
 }
 
-PINNED = {  # taken at 5203828, before the restructuring
-    'calib': {
-        'model-00005-of-00005.safetensors':
-            '0eb02e246334543dfbad341017ad3d0ca2f5c9ab85e76a441cccf33ed6c40b1f',
-        'model.safetensors.index.json':
-            'b81db4440f563b16b48cb8436b48c21c9a57ab39e676d05eb9be7a7df5ddf919',
-        'config.json':
-            '92fc6f4c60ce6adcc00a696ad498478e7a6f26a7d2a828b48f22eb6d1a22c240',
-        'report.projections':
-            '887f08fc583956c303b650a976830a8868fbd2482bf343abbd745b1c30f239de',
-    },
-    'calib-gptq': {
-        'model-00005-of-00005.safetensors':
-            '682496670ecfccc50e48889bb87e886814cb033f52574ce5097115cdbd956885',
-        'model.safetensors.index.json':
-            'b81db4440f563b16b48cb8436b48c21c9a57ab39e676d05eb9be7a7df5ddf919',
-        'config.json':
-            '92fc6f4c60ce6adcc00a696ad498478e7a6f26a7d2a828b48f22eb6d1a22c240',
-        'report.projections':
-            '08ac2bcbf5cc15cf5fe9748fef8e7883287a8aae6b29447cab4f7d2715980eb6',
-    },
+PINNED = {  # taken at 5203828, before the restructuring; the calibrated cases are compared in one run
     'default': {
         'model-00005-of-00005.safetensors':
             'c7a8c75b16a15ee52dffe53d074cb4d4af7ccd75d4d432687ec0218648d16b17',
@@ -121,7 +107,7 @@ def digests(demo_snapshot, tmp_path, calib, flags: list[str]) -> dict[str, str]:
     return got
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(PINNED))
 def test_overlay_bytes_are_pinned(case, demo_snapshot, tmp_path, calib):
     assert digests(demo_snapshot, tmp_path, calib, CASES[case]) == PINNED[case]
 
@@ -129,4 +115,11 @@ def test_overlay_bytes_are_pinned(case, demo_snapshot, tmp_path, calib):
 @pytest.mark.parametrize("case", sorted(SAME_AS))
 def test_choosing_the_quantizer_by_name_gives_the_same_overlay(case, demo_snapshot, tmp_path, calib):
     pinned, flags = SAME_AS[case]
-    assert digests(demo_snapshot, tmp_path, calib, flags) == PINNED[pinned]
+    expected = PINNED.get(pinned) or digests(demo_snapshot, tmp_path / "flags", calib, CASES[pinned])
+    assert digests(demo_snapshot, tmp_path, calib, flags) == expected
+
+
+def test_a_calibrated_overlay_is_the_same_twice(demo_snapshot, tmp_path, calib):
+    """What the calibrated cases rest on instead of a pin: one machine gives the same bytes each run."""
+    first = digests(demo_snapshot, tmp_path / "a", calib, CASES["calib-gptq"])
+    assert digests(demo_snapshot, tmp_path / "b", calib, CASES["calib-gptq"]) == first

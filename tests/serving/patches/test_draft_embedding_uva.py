@@ -12,7 +12,7 @@ from flashnext.quant.formats.packing import dequantize_groups, pack_int32, unpac
 
 @pytest.mark.gpu
 def test_int8_draft_embedding_read_through_uva(tmp_path, monkeypatch):
-    from flashnext.serving.hooks import host_pool
+    from flashnext.serving.runtime import host_pool
     from flashnext.serving.hooks.mtp import draft_embedding_pinned_bytes, finish_draft_embedding
 
     monkeypatch.setenv("VLLM_HOST_POOL_LOCK", str(tmp_path / "lock"))

@@ -87,7 +87,7 @@ def test_the_patched_forward_stores_and_attends_with_vllms_own_metadata(served):
 ])
 def test_every_rank_holds_the_busiest_ranks_arena(profile, rows, arena_rows):
     """What the hook allocates on each rank of the seed's system (on the meta device), against the plan."""
-    from flashnext.serving.hooks.qsa_offload import rank_row_cache
+    from flashnext.serving.runtime.qsa_offload import rank_row_cache
 
     shape = capacity.ServingShape.from_profile(load_profile(profile), 550_000_000, True)
     text = capacity.load_text_config()

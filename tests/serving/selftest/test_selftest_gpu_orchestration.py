@@ -123,3 +123,22 @@ def test_the_verdict_is_against_the_a_a_floor():
     assert gpu.verdict(far, floor)[0] == "disagree"
     assert gpu.verdict(hot, floor)[0] == "disagree"
     assert gpu.verdict(near, None)[0] == "could_not_run"
+
+
+def test_the_pipeline_size_is_read_as_vllms_parser_reads_it():
+    """Every spelling of the pipeline size a profile may carry gives the size vLLM's own parser gives
+    (the selftest's reader saw only ``--pipeline-parallel-size N`` and ``-pp N`` before)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    profile = load_profile("3x3090")
+    rest = list(profile.vllm_args)
+    at = rest.index("--pipeline-parallel-size")
+    rest = rest[:at] + rest[at + 2:]
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    for spelled in (["--pipeline-parallel-size", "3"], ["--pipeline-parallel-size=3"], ["-pp", "3"], ["-pp=3"],
+                    ["-pp", "2", "--pipeline-parallel-size=3"], []):
+        varied = dataclasses.replace(profile, vllm_args=[*rest, *spelled])
+        assert gpu.pipeline_size(varied) == parser.parse_known_args(list(varied.vllm_args))[0].pipeline_parallel_size

@@ -1,0 +1,174 @@
+"""The PLE table served from the file ``flashnext ple build`` writes (patches ple-mmap, ttft-01 and
+decode-06): vLLM's PLE embedding backend over the mapped file, staging each step's rows into a
+fixed device buffer, and the model-wide driver the model state calls.
+
+The decisions (whether the patch is on, which file) are the adapter's,
+:mod:`flashnext.serving.hooks.ple_file`; the file itself (mapping, advice, gathers) is the library's,
+:mod:`flashnext.quant.ple.mapped`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from flashnext import envs
+from flashnext.errors import FlashnextError
+from flashnext.quant.ple.hashing import NgramHasher
+from flashnext.quant.ple.layout import PleLayout
+from flashnext.quant.ple.mapped import PleTableFile
+from flashnext.quant.ple.prefetch import PromptPrefetcher
+
+log = logging.getLogger(__name__)
+
+
+def hasher_of(owner) -> NgramHasher:
+    """The numpy twin of ``owner``'s (a ``Qwen4ExpNGramEmbedding``) n-gram hash, from its loaded buffers."""
+    sizes = tuple(int(v) for v in owner.ngram_heads_vocab_sizes.tolist())
+    layout = PleLayout(
+        vocab_size=int(owner.unigram_vocab_size), ngram_size=int(owner.ngram_size),
+        heads_per_ngram=int(owner.heads_per_ngram), head_dim=int(owner.head_dim),
+        multipliers=tuple(int(v) for v in owner.layer_multipliers.tolist()), head_sizes=sizes,
+        head_offsets=tuple(int(v) for v in owner.ngram_heads_offsets.tolist()), rows=sum(sizes),
+        padded_rows=int(owner.ngram_embedding.table.num_rows), split_parts=int(owner.split_ngram_parts),
+        eos_token_id=int(owner.eos_token_id))
+    return NgramHasher(layout)
+
+
+_EMBEDDING_CLASS = None
+
+
+def file_backed_embedding_class(table_path: Callable[[], Path | None]):
+    """The vLLM PLE embedding backend over the table file (a ``Qwen4ExpPLEEmbedding`` subclass, made
+    once, when vLLM is importable); ``table_path`` says where the file is when a layer allocates."""
+    global _EMBEDDING_CLASS
+    if _EMBEDDING_CLASS is not None:
+        return _EMBEDDING_CLASS
+    import torch
+    from vllm.models.qwen4_exp.common.ngram_embedding import (
+        Qwen4ExpPLEEmbedding,
+        Qwen4ExpPLEUnquantizedEmbeddingMethod,
+    )
+
+    class FileBackedPLEEmbedding(Qwen4ExpPLEEmbedding):
+        """PLE rows from the table file, staged by the host into a fixed device buffer."""
+
+        supports_prefetch = False
+
+        def __init__(self, num_embeddings: int, embedding_dim: int, *, num_ngram_heads: int = 1,
+                     max_total_tokens: int = 0, **kwargs) -> None:
+            super().__init__(num_embeddings, embedding_dim, num_ngram_heads=num_ngram_heads,
+                             max_total_tokens=max_total_tokens, **kwargs)
+            if not isinstance(self.embedding_method, Qwen4ExpPLEUnquantizedEmbeddingMethod):
+                raise FlashnextError(f"VLLM_PLE_MMAP_PATH serves BF16 PLE tables; this checkpoint's is "
+                                     f"{type(self.embedding_method).__name__}")
+            if self.tp_size != 1:
+                raise FlashnextError("VLLM_PLE_MMAP_PATH needs the PLE table unsharded (engram TP size 1)")
+            # the checkpoint's shards are already in the file: spot-check them instead of copying
+            self.weight.weight_loader = self._check_shard
+            # a fixed address, so CUDA graphs captured over the forward read each step's rows
+            self.staged_rows = torch.zeros(max(max_total_tokens, 1), num_ngram_heads, embedding_dim,
+                                           dtype=self.weight.dtype)
+            self.staged_tokens = -1
+            self._staging = None
+            self._copied = None
+
+        def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dtype) -> torch.Tensor:
+            row_bytes = embedding_dim * torch.empty((), dtype=dtype).element_size()
+            self.table = PleTableFile(table_path(), num_embeddings, row_bytes)
+            log.info("PLE table served from %s (%d rows of %d B, MADV_RANDOM)", self.table.path,
+                     num_embeddings, row_bytes)
+            return self.table.as_tensor(dtype)
+
+        def _check_shard(self, param, loaded_weight: torch.Tensor, checkpoint_start: int = 0) -> None:
+            n = loaded_weight.shape[0]
+            for r in sorted({0, n - 1}) if n else []:
+                if not torch.equal(param.data[checkpoint_start + r], loaded_weight[r].to(param.dtype)):
+                    raise FlashnextError(f"{self.table.path} differs from the checkpoint at row "
+                                         f"{checkpoint_start + r}: rebuild it with `flashnext ple build`")
+
+        def stage(self, ids: np.ndarray) -> None:
+            """Gather the rows of ``ids [T, heads]`` (host int64) into ``staged_rows[:T]``."""
+            tokens = ids.shape[0]
+            if tokens > self.staged_rows.shape[0]:
+                raise ValueError(f"{tokens} tokens exceed the PLE staging buffer ({self.staged_rows.shape[0]})")
+            on_gpu = self.staged_rows.is_cuda
+            if self._staging is None:
+                self._staging = torch.empty((self.staged_rows.shape[0] * self.staged_rows.shape[1],
+                                             self.table.row_bytes), dtype=torch.uint8, pin_memory=on_gpu)
+            if self._copied is not None:
+                self._copied.synchronize()  # the previous step's copy has left the staging buffer
+            self.table.gather(ids, out=self._staging.numpy())
+            rows = self._staging[: ids.size].view(self.staged_rows.dtype).view(tokens, *self.staged_rows.shape[1:])
+            self.staged_rows[:tokens].copy_(rows, non_blocking=on_gpu)
+            if on_gpu:
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+            self.staged_tokens = tokens
+
+        def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
+            return None
+
+        def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
+            raise RuntimeError("the file-backed PLE embedding stages rows in prepare_inputs, not by prefetch")
+
+        def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
+            tokens = ngram_ids.shape[0]
+            capturing = self.staged_rows.is_cuda and torch.cuda.is_current_stream_capturing()
+            if not capturing and self.staged_tokens != tokens:
+                # a forward that prepare_inputs did not stage for (a dummy or profiling run)
+                self.stage(ngram_ids.to("cpu", torch.int64).numpy())
+            self.staged_tokens = -1
+            return self.staged_rows[:tokens]
+
+    _EMBEDDING_CLASS = FileBackedPLEEmbedding
+    return FileBackedPLEEmbedding
+
+
+class PleFileServing:
+    """The file-backed PLE layers of one model, driven by its model state."""
+
+    def __init__(self, owners: list):
+        self.owners = owners
+        self._prefetchers: list[PromptPrefetcher] | None = None
+
+    def _prompt_prefetchers(self) -> list[PromptPrefetcher]:
+        if self._prefetchers is None:  # after weight loading, when the hash buffers hold their values
+            self._prefetchers = [PromptPrefetcher(o.ngram_embedding.table.mapping, hasher_of(o)) for o in self.owners]
+        return self._prefetchers
+
+    def admitted(self, request_id: str, prompt_token_ids) -> None:
+        """ttft-01: advise the prompt's pages while the request waits for its prefill."""
+        if not prompt_token_ids or not envs.VLLM_PLE_PREFETCH.enabled():
+            return
+        for prefetcher in self._prompt_prefetchers():
+            prefetcher.submit(request_id, np.asarray(prompt_token_ids, dtype=np.int64))
+
+    def finished(self, request_id: str) -> None:
+        if self._prefetchers is not None:
+            for prefetcher in self._prefetchers:
+                prefetcher.cancel(request_id)
+
+    def ngram_ids(self, input_ids, query_start_loc, ngram_context) -> list[np.ndarray]:
+        """ple-mmap: each PLE layer's row ids for this step, on the host (vLLM's own hash kernel).
+
+        The copy waits for the device: a decode step's newest token (and MTP's drafts) exists only
+        there, received from the last pipeline rank, so the host cannot hash it earlier; a pinned
+        non-blocking copy waits just as long (docs/serving.md, benchmarks/ple_ids_sync.py)."""
+        import torch
+
+        return [o.compute_ngram_ids(input_ids, query_start_loc, ngram_context).to("cpu", torch.int64).numpy()
+                for o in self.owners]
+
+    def advise(self, step_ids: list[np.ndarray]) -> int:
+        """decode-06: a small step's pages, asked for together right before the gather; returns
+        how many layers were advised (none for a prefill-sized step, whose prompt ttft-01 covers)."""
+        return sum(owner.ngram_embedding.table.advise_step(ids) for owner, ids in zip(self.owners, step_ids))
+
+    def stage(self, step_ids: list[np.ndarray]) -> None:
+        """ple-mmap: gather each layer's rows into its device buffer for the forward to read."""
+        for owner, ids in zip(self.owners, step_ids):
+            owner.ngram_embedding.stage(ids)
