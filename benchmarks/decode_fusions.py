@@ -44,7 +44,7 @@ import triton
 from benchmarks.stock_kernels import elementwise_steps, hc_elementwise, stock_linear
 from flashnext.quant.formats.packing import pack_int32
 from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS, bitplane_down_combine, bitplane_gate_up_silu
-from flashnext.quant.kernels.decode_mma import bitplane_matmul, int8_mma
+from flashnext.quant.kernels.decode_mma import bitplane_matmul, fused_gemvs_win, int8_mma
 from flashnext.quant.kernels.hc_mix import hc_mix
 from flashnext.quant.kernels.moe_route import route
 from flashnext.quant.kernels.reference import reference_mix, reference_route
@@ -157,8 +157,8 @@ SHARED_INTERMEDIATE = 640  # the shared expert: gate_up 1280 x 2560, down 2560 x
 
 def shared_expert_point(m: int) -> dict:
     """decode-05's shared expert as one step, ``routed + sigmoid(gate) * down(silu_and_mul(gate_up(x)))``:
-    patched (int6-bitplane + decode-05: the fused GEMVs up to 4 tokens, above that
-    ``bitplane_matmul`` and the same elementwise steps) against stock vLLM (Humming INT6 for both
+    patched (int6-bitplane + decode-05: the fused GEMVs where ``fused_gemvs_win`` says so, else
+    ``bitplane_matmul`` and the same elementwise steps; both are timed) against stock vLLM (Humming INT6 for both
     GEMMs, vLLM's SiLU-and-mul and combine as its compiled graph runs them)."""
     from benchmarks.int6_vs_bf16 import int6_weights
 
@@ -171,22 +171,29 @@ def shared_expert_point(m: int) -> dict:
     hidden = torch.randn(m, 2 * SHARED_INTERMEDIATE, device="cuda", generator=g).to(torch.bfloat16)
     silu_and_mul, combine, mode = elementwise_steps(hidden, routed, gate)
 
-    if m <= GEMV_MAX_TOKENS:
-        def patched():
-            h = bitplane_gate_up_silu(x, up_planes, up_scales)
-            return bitplane_down_combine(h, down_planes, down_scales, routed, gate)
-    else:
-        def patched():
-            h = silu_and_mul(bitplane_matmul(x, up_planes, up_scales))
-            return combine(bitplane_matmul(h, down_planes, down_scales), gate, routed)
+    def fused_gemvs():
+        h = bitplane_gate_up_silu(x, up_planes, up_scales)
+        return bitplane_down_combine(h, down_planes, down_scales, routed, gate)
+
+    def matmuls():
+        h = silu_and_mul(bitplane_matmul(x, up_planes, up_scales))
+        return combine(bitplane_matmul(h, down_planes, down_scales), gate, routed)
+
+    # what decode-05's hook runs (moe_decode.fused_shared_expert asks the same function)
+    fused = m <= GEMV_MAX_TOKENS and fused_gemvs_win(m, (2 * SHARED_INTERMEDIATE, HIDDEN),
+                                                     (HIDDEN, SHARED_INTERMEDIATE), x.device)
+    patched = fused_gemvs if fused else matmuls
 
     def dense_step():
         h = silu_and_mul(torch.nn.functional.linear(x, up_dense))
         return combine(torch.nn.functional.linear(h, down_dense), gate, routed)
 
     want = dense_step().float()
-    row = {"tokens": m, "elementwise": mode, "patched": bench(patched), "bf16": bench(dense_step),
+    row = {"tokens": m, "elementwise": mode, "patched_runs": "fused_gemvs" if fused else "matmuls",
+           "patched": bench(patched), "matmuls": bench(matmuls), "bf16": bench(dense_step),
            "patched_max_abs_error": float((patched().float() - want).abs().max())}
+    if m <= GEMV_MAX_TOKENS:
+        row["fused_gemvs"] = bench(fused_gemvs)
     stock_up, missing = stock_linear(up_codes, up_scales, 6)
     stock_down, _ = stock_linear(down_codes, down_scales, 6) if stock_up is not None else (None, None)
     if stock_up is None:
@@ -207,13 +214,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--parts", nargs="+", choices=("hc", "route", "shared"), default=["hc", "route", "shared"],
+                        help="which steps to time: decode-04's HC mix, decode-05's router, its shared expert")
     parser.add_argument("--sweep", action="store_true", help="time launch shapes instead")
     args = parser.parse_args()
     if args.sweep:
         return sweep()
-    rows = [point(m) for m in args.tokens]
-    routes = [route_point(m) for m in args.tokens]
-    shared = [shared_expert_point(m) for m in args.tokens]
+    parts = set(args.parts)
+    rows = [point(m) for m in args.tokens] if "hc" in parts else []
+    routes = [route_point(m) for m in args.tokens] if "route" in parts else []
+    shared = [shared_expert_point(m) for m in args.tokens] if "shared" in parts else []
     if args.json:
         print(json.dumps({"device": torch.cuda.get_device_name(), "hc_mix": rows, "route": routes,
                           "shared_expert": shared}, indent=1))

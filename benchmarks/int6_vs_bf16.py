@@ -1,6 +1,7 @@
 """The INT6 bit-plane kernels against the kernel stock vLLM 0.33.0 runs for the same INT6 g64 layer
 (Humming, :mod:`benchmarks.stock_kernels`), a bf16 GEMM (cuBLAS) and PyTorch's int4 g128 GEMV
-(tinygemm), side by side in one run, at 1, 2, 4, 8 and 16 tokens and at 512 (prefill), at the
+(tinygemm), side by side in one run, at 1, 2, 4, 8 and 16 tokens and at 512 (prefill: the tiled
+prefill GEMM, and the dequantize-then-GEMM path it replaced), at the
 served shapes and at 8192² and 16384²; ``--int8`` does the same for the INT8 modules (LM head and
 tied embedding, the HC GEMMs) against bf16 and Humming INT8 (Marlin, stock's other INT8 kernel,
 needs vLLM's CUDA build: the output says so).
@@ -16,6 +17,7 @@ stderr as they finish). Needs a CUDA GPU.
     python -m benchmarks.int6_vs_bf16 [--shapes 1280x2560 ...] [--tokens 1 2 4 8 16 512]
     python -m benchmarks.int6_vs_bf16 --int8 [--shapes 248320x2560x128 ...]
     python -m benchmarks.int6_vs_bf16 --sweep --shapes 2560x640 --tokens 4 8
+    python -m benchmarks.int6_vs_bf16 --prefill-sweep --shapes 1280x2560 --tokens 512
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from flashnext.quant.kernels import configs
 from flashnext.quant.kernels._common import sm_count
 from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS, bitplane_gemv
 from flashnext.quant.kernels.decode_mma import (MMA_MAX_TOKENS, bitplane_matmul, bitplane_mma, int8_matmul, int8_mma,
-                                                matmul_variant)
+                                                int8_weights, matmul_variant)
+from flashnext.quant.kernels.prefill_gemm import bitplane_gemm, int8_gemm
 
 # The served INT6 matrices (N x K) of Qwen3.8-Flash-Next at hidden 2560 (manifests/qwen3.8-flash-next.json):
 # the shared expert's gate_up and down; the linear attention's in_proj_qkv (16 + 16 key heads and 48
@@ -104,11 +107,12 @@ def shape_points(n: int, k: int, tokens) -> list[dict]:
         out = {"n": n, "k": k, "tokens": m,
                "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2)}
         if m > MMA_MAX_TOKENS:
-            def prefill():
+            def dequantize_then_gemm():  # what the int6-bitplane module ran before the prefill GEMM
                 dense = dequantize_groups(bitplane_to_codes(planes, k), scales, x.dtype)
                 return torch.nn.functional.linear(x, dense)
-            out["max_rel_error"] = _error(prefill(), ref)
-            out["int6_prefill_us"] = patched = round(bench(prefill), 2)
+            out["max_rel_error"] = _error(bitplane_matmul(x, planes, scales), ref)
+            out["int6_dequantize_gemm_us"] = round(bench(dequantize_then_gemm), 2)
+            out["int6_prefill_gemm_us"] = patched = round(bench(lambda: bitplane_matmul(x, planes, scales)), 2)
         else:
             out["max_rel_error"] = _error(bitplane_matmul(x, planes, scales), ref)
             out["int6_mma_us"] = round(bench(lambda: bitplane_mma(x, planes, scales)), 2)
@@ -148,6 +152,10 @@ def int8_points(n: int, k: int, group: int, tokens) -> list[dict]:
         out = {"n": n, "k": k, "group": group, "tokens": m, "max_rel_error": _error(kernel(x, packed, scales), ref),
                "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
                "int8_us": round(bench(lambda: kernel(x, packed, scales)), 2), "marlin": MARLIN_MISSING}
+        if m > MMA_MAX_TOKENS:  # what int8_matmul ran before the prefill GEMM
+            old = (lambda: torch.cat([int8_mma(c, packed, scales) for c in x.split(MMA_MAX_TOKENS)])
+                   if n * k > 1 << 26 else torch.nn.functional.linear(x, int8_weights(packed, scales, x.dtype)))
+            out["int8_before_us"] = round(bench(old), 2)
         out["int8_read_gbps"] = round((packed.numel() * 4 + scales.numel() * 2) / out["int8_us"] / 1e3, 1)
         _stock_columns(out, stock, missing, x, ref, out["int8_us"])
         rows.append(out)
@@ -186,21 +194,89 @@ def sweep(shapes, tokens) -> list[dict]:
     return out
 
 
+def prefill_sweep(shapes, tokens) -> list[dict]:
+    """The prefill GEMM's launch parameters (``configs.GemmConfig``) at each INT6 shape and token
+    count, against bf16 and Humming; the five fastest per point."""
+    out = []
+    for n, k in shapes:
+        codes, planes, scales, weight = int6_weights(n, k, n + k)
+        stock, missing = stock_linear(codes, scales, 6)
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            row = {"n": n, "k": k, "tokens": m,
+                   "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
+                   "stock_humming_us": round(bench(lambda: stock(x)), 2) if stock else missing, "configs": []}
+            for bm, bn, step, warps, stages in itertools.product((32, 64, 128), (64, 128), (64, 128), (4, 8), (3,)):
+                config = configs.GemmConfig(block_m=bm, block_n=bn, steps=(step,), num_warps=warps, num_stages=stages)
+                try:
+                    t = bench(lambda: bitplane_gemm(x, planes, scales, config=config))
+                except Exception:  # a config the compiler refuses (resources)
+                    t = float("inf")
+                row["configs"].append((round(t, 2), bm, bn, step, warps, stages))
+            row["configs"].sort()
+            row["best"] = row["configs"][:5]
+            del row["configs"]
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            out.append(row)
+    return out
+
+
+def int8_prefill_sweep(shapes, tokens) -> list[dict]:
+    """The INT8 prefill GEMM's tiles (``configs.GemmConfig``; one group a step) at each INT8 shape,
+    against bf16, Humming and the dequantize-then-GEMM path; the five fastest per point."""
+    out = []
+    for n, k, group in shapes:
+        codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
+        scales = (torch.rand(n, k // group, device="cuda") * 0.01 + 1e-4).to(torch.bfloat16)
+        packed = pack_int32(codes, 8)
+        weight = (codes.float() * scales.float().repeat_interleave(group, 1)).to(torch.bfloat16)
+        stock, missing = stock_linear(codes, scales, 8)
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            row = {"n": n, "k": k, "group": group, "tokens": m,
+                   "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
+                   "dequantize_gemm_us": round(bench(lambda: torch.nn.functional.linear(
+                       x, int8_weights(packed, scales, x.dtype))), 2),
+                   "stock_humming_us": round(bench(lambda: stock(x)), 2) if stock else missing, "configs": []}
+            for bm, bn, warps in itertools.product((32, 64, 128), (32, 64, 128), (4,)):
+                config = configs.GemmConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=3)
+                try:
+                    t = bench(lambda: int8_gemm(x, packed, scales, config=config))
+                except Exception:  # a config the compiler refuses (resources)
+                    t = float("inf")
+                row["configs"].append((round(t, 2), bm, bn, warps))
+            row["configs"].sort()
+            row["best"] = row["configs"][:5]
+            del row["configs"]
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=None, help="NxK, default: served shapes, 8192², 16384²")
     parser.add_argument("--tokens", type=int, nargs="+", default=DECODE_TOKENS + [PREFILL_TOKENS])
     parser.add_argument("--sweep", action="store_true", help="time the tensor-core kernel's launch parameters")
+    parser.add_argument("--prefill-sweep", action="store_true", help="time the prefill GEMM's launch parameters")
     parser.add_argument("--int8", action="store_true", help="the INT8 modules' shapes instead (NxKxGROUP)")
     args = parser.parse_args()
     if args.int8:
         shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else INT8_SHAPES)
+        if args.prefill_sweep:
+            rows = int8_prefill_sweep(shapes, args.tokens)
+            print(json.dumps({"device": torch.cuda.get_device_name(), "int8_prefill_sweep": rows}, indent=1))
+            return
         rows = [r for n, k, group in shapes for r in int8_points(n, k, group, args.tokens)]
         print(json.dumps({"device": torch.cuda.get_device_name(), "int8": rows}, indent=1))
         return
     shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SERVED + LARGE)
     if args.sweep:
         print(json.dumps({"device": torch.cuda.get_device_name(), "sweep": sweep(shapes, args.tokens)}, indent=1))
+        return
+    if args.prefill_sweep:
+        rows = prefill_sweep(shapes, args.tokens)
+        print(json.dumps({"device": torch.cuda.get_device_name(), "prefill_sweep": rows}, indent=1))
         return
     rows = [r for n, k in shapes for r in shape_points(n, k, args.tokens)]
     print(json.dumps({"device": torch.cuda.get_device_name(), "int6": rows}, indent=1))

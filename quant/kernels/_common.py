@@ -1,5 +1,6 @@
-"""What every decode kernel here shares: whether Triton interprets, the bf16 dot that survives it,
-the SM count, the split-K counters, INT8 code loads, and "can this kernel take this batch".
+"""What every kernel here shares: whether Triton interprets, the bf16 dot that survives it, the SM
+count, the split-K counters, INT8 code and INT6 bit-plane weight loads, and "can this kernel take
+this batch".
 
 One home for these because each kernel module used to carry its own copy (two ``INTERPRETED``,
 two counter caches) or reached into another module's private helpers; a fix to one (the
@@ -34,6 +35,30 @@ def int8_codes(w_ptr, rows, n_mask, stride_wn, g, GROUP: tl.constexpr):
     columns = tl.arange(0, GROUP)
     row_base = w_ptr + rows[:, None].to(tl.int64) * stride_wn
     return tl.load(row_base + g * GROUP + columns[None, :], mask=n_mask[:, None], other=128).to(tl.int32) - 128
+
+
+@triton.jit
+def bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP: tl.constexpr,
+                      STEP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Step ``step``'s dequantized weights ``q * s`` for ``rows``, fp32 ``[BLOCK_N, STEP]`` in k order
+    (:func:`dot` rounds them to bf16 on the GPU).
+
+    The planes are read with wide loads and the codes rebuilt in registers with ``tl.join``; each
+    group's scale is applied before the dot (as Marlin does), so one ``tl.dot`` covers STEP columns.
+    """
+    half = tl.arange(0, STEP // 2)
+    quarter = tl.arange(0, STEP // 4)
+    row_base = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    lo = tl.load(row_base + step * (STEP // 2) + half[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    hi = tl.load(row_base + K // 2 + step * (STEP // 4) + quarter[None, :], mask=n_mask[:, None],
+                 other=0).to(tl.int32)
+    low = tl.reshape(tl.join(lo & 15, lo >> 4), [BLOCK_N, STEP])
+    high = tl.reshape(tl.join(tl.join(hi & 3, (hi >> 4) & 3), tl.join((hi >> 2) & 3, hi >> 6)), [BLOCK_N, STEP])
+    codes = ((low | (high << 4)) - 32).to(tl.float32)
+    GROUPS: tl.constexpr = STEP // GROUP
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + step * GROUPS + tl.arange(0, GROUPS)[None, :],
+                mask=n_mask[:, None], other=0).to(tl.float32)
+    return tl.reshape(tl.reshape(codes, [BLOCK_N, GROUPS, GROUP]) * s[:, :, None], [BLOCK_N, STEP])
 
 
 def sm_count(device) -> int:

@@ -119,6 +119,33 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class GemmConfig:
+    """:mod:`.prefill_gemm`: an output tile of ``block_m`` tokens by ``block_n`` weight rows, the INT6
+    K steps to try, widest first (as :class:`MmaConfig`; INT8 steps one group), warps, stages."""
+
+    block_m: int = 32
+    block_n: int = 64
+    steps: tuple[int, ...] = (128,)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def step(self, K: int, group: int) -> int:
+        for step in self.steps:
+            if K % step == 0 and step % group == 0:
+                return step
+        return group
+
+
+@dataclass(frozen=True)
+class MlpChoice:
+    """decode-05's bit-plane shared expert: up to how many tokens its step runs as the two fused
+    GEMVs of :mod:`.bitplane_gemv` (gate_up + SiLU, down + gated combine; at most their 4) rather
+    than :func:`.decode_mma.bitplane_matmul` and the elementwise steps (0: never)."""
+
+    fused_max_tokens: int
+
+
+@dataclass(frozen=True)
 class MatmulChoice:
     """:func:`.decode_mma.bitplane_matmul`: up to how many tokens the CUDA-core GEMV runs (at most
     its 4) before the tensor-core kernel takes over."""
@@ -130,7 +157,8 @@ class MatmulChoice:
 KERNELS: dict[str, type] = {
     "bitplane_gemv": GemvConfig, "bitplane_mma": MmaConfig, "int8_mma": MmaConfig, "hc_down_inject": MmaConfig,
     "hc_up_gate_mix": MixConfig, "bitplane_matmul": MatmulChoice, "moe_route": RouteConfig,
-    "qsa_attention": AttentionConfig,
+    "qsa_attention": AttentionConfig, "bitplane_gemm": GemmConfig, "int8_gemm": GemmConfig,
+    "bitplane_mlp": MlpChoice,
 }
 FAMILIES = ("h200", "sm86", DEFAULT)
 
@@ -167,6 +195,19 @@ CONFIGS: dict[tuple[str, str, str], object] = {
     ("bitplane_mma", "shared", "h200"): MmaConfig(block_n=64, programs_per_sm=4, min_split_k=2, steps=(256, 128)),
     ("moe_route", ANY, DEFAULT): RouteConfig(block_n=16, block_k=128),
     ("qsa_attention", ANY, DEFAULT): AttentionConfig(block=32, splits=16, warps=4, stages=2),
+    # seed 000's W8A16 prefill GEMM on the 3090: 32 tokens x 64 rows (102 us against Marlin's 120 at
+    # 512 tokens; 64x64 4% slower); within the 3090's 99 KiB of shared memory per block
+    # (tests/quant/kernels/test_prefill_gemm.py compiles both for sm_86)
+    ("bitplane_gemm", ANY, DEFAULT): GemmConfig(block_m=32, block_n=64, steps=(128,), num_warps=4, num_stages=3),
+    ("int8_gemm", ANY, DEFAULT): GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=3),
+    # H200 sweep, 2026-12-03, 512 tokens (docs/benchmarks.md): 128 tokens x 64 rows, one group a step:
+    # 1280x2560 40.4 -> 29.8 us, 10240x2560 245 -> 99.7 (Humming 19.7 and 49.1)
+    ("bitplane_gemm", ANY, "h200"): GemmConfig(block_m=128, block_n=64, steps=(64,), num_warps=4, num_stages=3),
+    # what decode-05 was built with (seed 000 §3.3's one-token GEMVs on the 3090): fused up to 4 tokens
+    ("bitplane_mlp", ANY, DEFAULT): MlpChoice(fused_max_tokens=4),
+    # H200, 2026-12-03, the whole shared-expert step: the fused GEMVs lose at every size (1 token
+    # 12.45 against 11.66 us unfused, 2: 14.39 / 13.63, 4: 19.93 / 12.51; stock 17.6-17.8)
+    ("bitplane_mlp", ANY, "h200"): MlpChoice(fused_max_tokens=0),
 }
 
 

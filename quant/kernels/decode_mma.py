@@ -35,34 +35,11 @@ import triton.language as tl
 
 from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
 from flashnext.quant.kernels import _common, configs
-from flashnext.quant.kernels._common import INTERPRETED, dot, int8_codes, splitk_counters
+from flashnext.quant.kernels._common import INTERPRETED, bitplane_weights, dot, int8_codes, splitk_counters
 from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS, bitplane_gemv
+from flashnext.quant.kernels.prefill_gemm import bitplane_gemm, fills_device, int8_gemm
 
 MMA_MAX_TOKENS = 16  # the tokens padded to one 16-row tl.dot operand
-
-
-@triton.jit
-def _bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP: tl.constexpr,
-                      STEP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Step ``step``'s dequantized weights ``q * s`` for ``rows``, fp32 ``[BLOCK_N, STEP]`` in k order
-    (:func:`~._common.dot` rounds them to bf16 on the GPU).
-
-    The planes are read with wide loads and the codes rebuilt in registers with ``tl.join``; each
-    group's scale is applied before the dot (as Marlin does), so one ``tl.dot`` covers STEP columns.
-    """
-    half = tl.arange(0, STEP // 2)
-    quarter = tl.arange(0, STEP // 4)
-    row_base = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-    lo = tl.load(row_base + step * (STEP // 2) + half[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
-    hi = tl.load(row_base + K // 2 + step * (STEP // 4) + quarter[None, :], mask=n_mask[:, None],
-                 other=0).to(tl.int32)
-    low = tl.reshape(tl.join(lo & 15, lo >> 4), [BLOCK_N, STEP])
-    high = tl.reshape(tl.join(tl.join(hi & 3, (hi >> 4) & 3), tl.join((hi >> 2) & 3, hi >> 6)), [BLOCK_N, STEP])
-    codes = ((low | (high << 4)) - 32).to(tl.float32)
-    GROUPS: tl.constexpr = STEP // GROUP
-    s = tl.load(s_ptr + rows[:, None] * stride_sn + step * GROUPS + tl.arange(0, GROUPS)[None, :],
-                mask=n_mask[:, None], other=0).to(tl.float32)
-    return tl.reshape(tl.reshape(codes, [BLOCK_N, GROUPS, GROUP]) * s[:, :, None], [BLOCK_N, STEP])
 
 
 @triton.jit
@@ -98,7 +75,7 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, str
             scale = tl.load(s_ptr + rows * stride_sn + step, mask=n_mask, other=0).to(tl.float32)
             acc += dot(x, codes, DOT_FP32) * scale[None, :]
         else:
-            weights = _bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP, STEP,
+            weights = bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP, STEP,
                                         BLOCK_N)
             acc += dot(x, weights, DOT_FP32)
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -177,18 +154,17 @@ def int8_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block_
     return _mma(x, packed.view(torch.uint8), scales, 8, config, silu_columns, silu_div)
 
 
-# Above this many weights a GEMM of more than 16 tokens (prefill) still goes through the kernel, 16
-# rows a launch, rather than materialise a bf16 copy of the weights (the LM head: 0.6 G weights).
-INT8_DEQUANTIZE_LIMIT = 1 << 26
-
-
 def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for any ``x [M, K]`` over compressed-tensors INT8 words: :func:`int8_mma` for
-    decode batches and very large weights, else a GEMM over the weights dequantized to ``x``'s
-    dtype (each ``q * s`` rounded once). Off CUDA without the interpreter, always the GEMM."""
-    if x.shape[0] and (x.is_cuda or INTERPRETED) and (x.shape[0] <= MMA_MAX_TOKENS
-                                                      or packed.numel() * 4 > INT8_DEQUANTIZE_LIMIT):
-        return torch.cat([int8_mma(chunk, packed, scales) for chunk in x.split(MMA_MAX_TOKENS)])
+    decode batches, :func:`~.prefill_gemm.int8_gemm` above 16 tokens where its tiles fill the
+    device (:func:`~.prefill_gemm.fills_device`). Otherwise, and off CUDA without the
+    interpreter, a GEMM over the weights dequantized to ``x``'s dtype (each ``q * s`` rounded once)."""
+    M, K = x.shape
+    if M and (x.is_cuda or INTERPRETED):
+        if M <= MMA_MAX_TOKENS:
+            return int8_mma(x, packed, scales)
+        if fills_device("int8_gemm", M, packed.shape[0], K, x.device):
+            return int8_gemm(x, packed, scales)
     return torch.nn.functional.linear(x, int8_weights(packed, scales, x.dtype))
 
 
@@ -205,18 +181,33 @@ def matmul_variant(M: int, N: int, K: int, device=None, family: str | None = Non
     return "gemv" if M <= min(choice.gemv_max_tokens, GEMV_MAX_TOKENS) else "mma"
 
 
+def fused_gemvs_win(M: int, gate_up: tuple[int, int], down: tuple[int, int], device=None,
+                    family: str | None = None) -> bool:
+    """Whether a bit-plane MLP step of ``M`` tokens (``gate_up`` and ``down`` as ``(N, K)``) runs as
+    the two fused GEMVs of :mod:`.bitplane_gemv` (gate_up + SiLU, down + gated combine) rather than
+    :func:`bitplane_matmul` and the elementwise steps: up to the ``bitplane_mlp`` row's token count
+    for the device, and only where the launch table picks the GEMV for both matrices. On the H200
+    the fused GEMVs lost the whole step at 1, 2 and 4 tokens (docs/benchmarks.md, issue 28)."""
+    if M > min(configs.config_for("bitplane_mlp", device=device, family=family).fused_max_tokens, GEMV_MAX_TOKENS):
+        return False
+    return all(matmul_variant(M, n, k, device, family) == "gemv" for n, k in (gate_up, down))
+
+
 def bitplane_matmul(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for 1..16 tokens over bit-plane weights, with the kernel that measured faster
-    (:func:`matmul_variant`)."""
+    """``x @ W.T`` for any number of tokens over bit-plane weights: for 1..16 the decode kernel that
+    measured faster (:func:`matmul_variant`), above that the tiled prefill GEMM."""
     M, K = x.shape
+    if M > MMA_MAX_TOKENS:
+        return bitplane_gemm(x, planes, scales)
     if matmul_variant(M, planes.shape[0], K, x.device) == "gemv":
         return bitplane_gemv(x, planes, scales)
     return bitplane_mma(x, planes, scales)
 
 
 def warm_bitplane_matmul(planes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Launch, once and on zeros, the kernel variant :func:`bitplane_matmul` takes for 5..16 tokens
-    over this weight: the tensor-core kernel, whose variant does not depend on the token count.
+    """Launch, once and on zeros, the kernel variants :func:`bitplane_matmul` takes for 5..16 tokens
+    (the tensor-core kernel) and for prefill (the tiled GEMM) over this weight; neither variant
+    depends on the token count.
 
     CUDA graphs are captured for 1, 2 and 4 tokens (the profiles' ``cudagraph_capture_sizes``);
     a layer that takes the GEMV there (a small one, or a shared expert that decode-05 runs through
@@ -224,4 +215,5 @@ def warm_bitplane_matmul(planes: torch.Tensor, scales: torch.Tensor) -> None:
     of 5..16 tokens, in the middle of serving and outside vLLM's memory budget (seed 000 §5). Called
     when the weights are loaded, before vLLM measures free memory."""
     K = planes.shape[1] * 4 // 3
-    bitplane_matmul(torch.zeros(MMA_MAX_TOKENS, K, dtype=scales.dtype, device=planes.device), planes, scales)
+    for tokens in (MMA_MAX_TOKENS, MMA_MAX_TOKENS + 1):
+        bitplane_matmul(torch.zeros(tokens, K, dtype=scales.dtype, device=planes.device), planes, scales)

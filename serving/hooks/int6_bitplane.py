@@ -7,9 +7,9 @@ refuses the planes on shape, so compressed-tensors' ``get_quant_method`` asks :f
 first, and the listed modules get
 :class:`~flashnext.serving.quantization.bitplane.BitplaneLinearMethod`:
 
-* ``VLLM_INT6_BITPLANE=1`` (the default): the planes stay as loaded, and decode batches (1..16
-  tokens) multiply through :func:`flashnext.quant.kernels.decode_mma.bitplane_matmul`; prefill
-  through a bf16 GEMM over the dequantized weights;
+* ``VLLM_INT6_BITPLANE=1`` (the default): the planes stay as loaded, and every batch multiplies
+  through :func:`flashnext.quant.kernels.decode_mma.bitplane_matmul` (decode kernels for 1..16
+  tokens, the tiled prefill GEMM of :mod:`flashnext.quant.kernels.prefill_gemm` above);
 * ``VLLM_INT6_BITPLANE=0``: after loading, the planes become the dense words again (the same bytes
   the original snapshot holds) and vLLM's own INT6 scheme takes over, so the dense path is the
   fallback with the overlay still applied.

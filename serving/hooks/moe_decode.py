@@ -142,15 +142,24 @@ def route_step(x: torch.Tensor, rows: torch.Tensor, top_k: int, experts: int, ma
     return align, route(x, rows, top_k, align_block=align)
 
 
+def fused_shared_expert(x: torch.Tensor, up: torch.nn.Module, down: torch.nn.Module) -> bool:
+    """Whether the shared expert's step runs as the two fused bit-plane GEMVs: both layers hold
+    planes, and for this many tokens on this device the launch table says the GEMVs win
+    (:func:`~flashnext.quant.kernels.decode_mma.fused_gemvs_win`)."""
+    from flashnext.quant.kernels.decode_mma import fused_gemvs_win
+    from flashnext.serving.quantization.bitplane import BitplaneLinearMethod
+
+    if not all(isinstance(p.quant_method, BitplaneLinearMethod) and p.quant_method.planes_kept for p in (up, down)):
+        return False
+    return fused_gemvs_win(x.shape[0], (up.weight_packed.shape[0], up.bitplane_cols),
+                           (down.weight_packed.shape[0], down.bitplane_cols), x.device)
+
+
 def _shared_expert(mlp: torch.nn.Module, x: torch.Tensor, routed: torch.Tensor, gate_logit: torch.Tensor):
     """``routed + sigmoid(gate_logit) * shared_expert(x)``, as vLLM's ``Qwen2MoeMLP`` and runner
     compute it, or through the bit-plane kernels for a bit-plane shared expert."""
-    from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS
-    from flashnext.serving.quantization.bitplane import BitplaneLinearMethod
-
     up, down = mlp.gate_up_proj, mlp.down_proj
-    planes = all(isinstance(p.quant_method, BitplaneLinearMethod) and p.quant_method.planes_kept for p in (up, down))
-    if planes and x.shape[0] <= GEMV_MAX_TOKENS:
+    if fused_shared_expert(x, up, down):
         from flashnext.quant.kernels.bitplane_gemv import bitplane_down_combine, bitplane_gate_up_silu
 
         hidden = bitplane_gate_up_silu(x, up.weight_packed, up.weight_scale)

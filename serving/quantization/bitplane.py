@@ -16,7 +16,7 @@ from flashnext.errors import FlashnextError
 from flashnext.quant.formats.bitplane import bitplane_to_codes, bitplane_to_dense6
 from flashnext.quant.formats.packing import dequantize_groups
 from flashnext.quant.kernels._common import can_launch
-from flashnext.quant.kernels.decode_mma import MMA_MAX_TOKENS, bitplane_matmul, warm_bitplane_matmul
+from flashnext.quant.kernels.decode_mma import bitplane_matmul, warm_bitplane_matmul
 from flashnext.serving.hooks.vllm_bases import linear_method_base, loads_with_weight_loader_v2
 
 
@@ -29,9 +29,9 @@ def _compiles_kernels(weights: torch.Tensor) -> bool:
 class BitplaneLinearMethod(linear_method_base()):
     """INT6 bit-plane weights for a linear layer whose compressed-tensors scheme is on ``layer.scheme``.
 
-    ``planes_kept``: multiply by the planes as loaded (decode batches through
-    :func:`~flashnext.quant.kernels.decode_mma.bitplane_matmul`, prefill through a bf16 GEMM over
-    the dequantized weights); otherwise hand the layer to the scheme over the dense words."""
+    ``planes_kept``: multiply by the planes as loaded, every batch through
+    :func:`~flashnext.quant.kernels.decode_mma.bitplane_matmul` (decode kernels up to 16 tokens,
+    the tiled prefill GEMM above); otherwise hand the layer to the scheme over the dense words."""
 
     def __init__(self, quant_config, planes_kept: bool):
         self.quant_config = quant_config
@@ -86,9 +86,9 @@ class BitplaneLinearMethod(linear_method_base()):
         if not self.planes_kept:
             return layer.scheme.apply_weights(layer, x, bias)
         flat = x.reshape(-1, x.shape[-1])
-        if can_launch(flat, MMA_MAX_TOKENS):
+        if can_launch(flat, flat.shape[0]):
             out = bitplane_matmul(flat, layer.weight_packed, layer.weight_scale).to(x.dtype)
-        else:
+        else:  # off CUDA without the interpreter (vLLM's CPU build): no Triton
             weights = dequantize_groups(bitplane_to_codes(layer.weight_packed, layer.bitplane_cols),
                                         layer.weight_scale, x.dtype)
             out = torch.nn.functional.linear(flat, weights)

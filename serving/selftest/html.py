@@ -31,6 +31,16 @@ def _status(s: str) -> str:
     return f'<span class="{cls}">{html.escape(_MARK.get(s, s))}</span>'
 
 
+def _choices(r: SelftestReport) -> list[str]:
+    c = r.kernel_choices
+    if c is None:
+        return []
+    return [f"<p>kernel choices on {_cell(c.device)}: {_status(c.status)} {html.escape(c.detail)}</p>",
+            _table(["decision", "shape", "tokens", "table picks", "fastest here", "times (us)"],
+                   [[p.decision, p.shape, p.tokens, p.table_picks, p.fastest if p.agrees else f"{p.fastest} (!)",
+                     ", ".join(f"{k} {v:.1f}" for k, v in p.timings_us.items())] for p in c.points])]
+
+
 def write_html(r: SelftestReport, path: Path) -> None:
     m = r.machine
     parts = [
@@ -48,6 +58,7 @@ def write_html(r: SelftestReport, path: Path) -> None:
                [[k.layer, k.kind, k.weight_type, k.group_size, k.k, k.n, k.capability / 10, k.kernel, k.marlin,
                  k.humming, "; ".join(k.reasons)] for k in r.kernel_fit.layers]),
         f"<h2>GPU part: {_status(r.gpu_part)}</h2><p>{html.escape(r.gpu_detail)}</p>",
+        *_choices(r),
         f"<p><code>{html.escape(' '.join(r.vllm_command))}</code></p>",
     ]
     if r.runs:

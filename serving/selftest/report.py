@@ -66,6 +66,26 @@ class KernelFit(_Model):
     stand_in: str = Field(description="what the check supplies because no GPU is asked: the device's capability")
 
 
+class KernelChoice(_Model):
+    """One decision of the launch table between flashnext's own kernel variants, timed both ways on
+    this machine's GPU (:mod:`flashnext.quant.kernels.choices`)."""
+
+    decision: str = Field(description="the table's row kind: bitplane_matmul, bitplane_mlp or bitplane_gemm")
+    shape: str
+    tokens: int
+    table_picks: str = Field(description="the variant the table picks on this GPU")
+    fastest: str = Field(description="the variant that measured fastest here")
+    agrees: bool = Field(description="the pick is within 5% of the fastest")
+    timings_us: dict[str, float] = Field(description="each variant's CUDA-graph replay, us")
+
+
+class KernelChoices(_Model):
+    status: Status
+    detail: str = Field(description="how many points agree, and for each that does not, the row to add")
+    device: str | None
+    points: list[KernelChoice]
+
+
 class RunResult(_Model):
     """One ``vllm serve`` of the demo checkpoint and the short bench run against it."""
 
@@ -125,6 +145,8 @@ class SelftestReport(_Model):
     gpu_detail: str
     vllm_command: list[str] = Field(description="the `vllm serve` command line the GPU part runs (or would)")
     thresholds: Thresholds
+    kernel_choices: KernelChoices | None = Field(
+        default=None, description="the launch table's picks timed on the first GPU; null: not run (no CUDA GPU)")
     runs: list[RunResult]
     noise_floor: Agreement | None = Field(description="the A/A rerun against the first run, all patches on")
     patches: list[PatchResult]

@@ -23,7 +23,8 @@ from typing import Callable
 from flashnext import __version__
 from flashnext.errors import FlashnextError
 from flashnext.serving.selftest.report import (
-    KernelFit, KernelLayer, Machine, PatchResult, RunResult, SelftestReport, SeriesCheck, Summary,
+    KernelChoice, KernelChoices, KernelFit, KernelLayer, Machine, PatchResult, RunResult, SelftestReport, SeriesCheck,
+    Summary,
 )
 
 # Patches whose code runs on the quantized layers the kernel fit checks: decode-05 hands the routed
@@ -85,6 +86,26 @@ def installed_vllm_is_patched() -> tuple[bool, str | None]:
 
 
 # -- the kernel fit ----------------------------------------------------------------------------
+
+def check_kernel_choices(device: str = "cuda:0", timer=None) -> KernelChoices:
+    """The launch table's decisions timed both ways on ``device`` (:mod:`flashnext.quant.kernels.choices`);
+    a pick slower than its alternative is advice (the row to add), not a failure."""
+    import torch
+
+    from flashnext.quant.kernels import choices
+
+    dev = torch.device(device)
+    try:
+        points = choices.time_choices(dev, **({"timer": timer} if timer else {}))
+    except Exception as error:  # a kernel that fails to compile or launch on this GPU is what this step finds
+        return KernelChoices(status="failed", detail=f"{type(error).__name__}: {str(error)[:300]}", device=None,
+                             points=[])
+    rows = [KernelChoice(**choices.as_dict(p)) for p in points]
+    slower = [choices.advice(p) for p in points if not p.agrees]
+    detail = f"{len(points) - len(slower)} of {len(points)} picks are the fastest here"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
+    return KernelChoices(status="passed", detail="; ".join([detail, *slower]), device=name, points=rows)
+
 
 def check_kernel_fit(config: dict, workdir: Path, tree: Path | None) -> KernelFit:
     """vLLM's kernel choice and the Marlin / Humming rules for every quantized layer of the model
@@ -172,6 +193,11 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
         fit.detail += " (built with the installed vLLM: the series did not apply)"
     progress(f"          {fit.status}: {fit.detail}")
 
+    choices = None
+    if n_gpus:
+        progress("[gpu] kernel choices: the launch table's picks timed against their alternatives")
+        choices = check_kernel_choices()
+        progress(f"      {choices.status}: {choices.detail}")
     patched, unpatched = None, None
     if n_gpus:
         patched, unpatched = installed_vllm_is_patched()
@@ -214,6 +240,7 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
     report = SelftestReport(
         flashnext_version=__version__, started_at=started, finished_at=_now(), profile=profile_name, machine=machine,
         series=series, kernel_fit=fit, gpu_part=gpu_status, gpu_detail=gpu_detail, vllm_command=argv,
+        kernel_choices=choices,
         thresholds=gpu.THRESHOLDS, runs=runs, noise_floor=part.noise_floor if part else None, patches=results,
         summary=Summary(ok=True, passed=0, failed=0, could_not_run=0, lines=[]))
     report.summary = summarize(report)
@@ -263,6 +290,14 @@ def summarize(r: SelftestReport) -> Summary:
                 lines.append(f"could not run {p.id} off: {p.ab_detail}")
     if r.gpu_part != "passed":
         lines.append(f"could not run the A/B of {len(r.patches)} patches: {r.gpu_detail}")
+    if r.kernel_choices is not None:
+        c = r.kernel_choices
+        if c.status == "failed":
+            failed += 1
+            lines.append(f"FAILED kernel choices: {c.detail}")
+        else:
+            passed += 1
+            lines.extend(f"kernel choice: {line}" for line in c.detail.split("; ")[1:])
     return Summary(ok=failed == 0, passed=passed, failed=failed, could_not_run=cnr, lines=lines)
 
 
