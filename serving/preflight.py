@@ -158,19 +158,45 @@ def _text_config(model: Path | None) -> tuple[dict, str]:
     return Snapshot.open(model).text_config, str(model)
 
 
-def ple_table_bytes(model: Path | None) -> int:
-    """The PLE tables' bytes: from the snapshot's table shards and config, else the pinned manifest."""
+PLE_FORMATS = ("file", "bf16", "nvfp4", "fp8")  # how the table is served: a mapped file, or pinned in a format
+
+
+def manifest_table_allocations(fmt: str) -> list[int]:
+    """The pinned base checkpoint's PLE table as vLLM allocates it in ``fmt`` (bf16, nvfp4, fp8)."""
+    from flashnext.quant.formats import float_rows
+    from flashnext.serving.capacity import base_manifest
+
+    table = base_manifest()["ple_table"]
+    rows, d = int(table["padded_rows"]), int(table["row_elements"])
+    return {"bf16": [rows * d * BF16_BYTES], "fp8": [rows * d],
+            "nvfp4": [rows * d // 2, rows * d // float_rows.NVFP4_BLOCK]}[fmt]
+
+
+def ple_table_allocations(model: Path | None, overlays=()) -> list[int]:
+    """The pinned allocations of the PLE tables, in bytes: one a table (its BF16 rows, from the
+    snapshot's shards and config, else the pinned manifest); for a table that ``flashnext ple build
+    --format`` quantized (config.json's ``ple_embedding_dtype``), vLLM's method allocates its
+    ``weight`` (NVFP4 codes or FP8 rows) and, for NVFP4, its ``weight_scale`` blocks, each whole."""
     from flashnext.serving.capacity import base_manifest
 
     if model is None:
         table = base_manifest()["ple_table"]
-        return int(table["padded_rows"]) * int(table["row_elements"]) * BF16_BYTES
+        return [int(table["padded_rows"]) * int(table["row_elements"]) * BF16_BYTES]
     from flashnext.quant.checkpoint.snapshot import Snapshot
     from flashnext.quant.ple.table import find_ple_source
 
+    from flashnext.quant.overlays.ple_quant import quantized_table_allocations, served_ple_format
+
+    if served_ple_format(model, overlays) is not None:
+        return quantized_table_allocations(model, overlays)
     snap = Snapshot.open(model)
     layers = sorted(set(snap.text_config.get("ple_layer_ids") or ()))
-    return sum(find_ple_source(snap, i).file_size for i in range(len(layers)))
+    return [find_ple_source(snap, i).file_size for i in range(len(layers))]
+
+
+def ple_table_bytes(model: Path | None) -> int:
+    """The PLE tables' bytes as vLLM holds them (:func:`ple_table_allocations`)."""
+    return sum(ple_table_allocations(model))
 
 
 # What the draft loads as its embed_tokens (vLLM's _remap_mtp_weight_name), and how the release
@@ -203,20 +229,26 @@ def draft_embedding_bytes(model: Path | None) -> int:
     return total
 
 
-def pinned_host_terms(shape, plan, model: Path | None, ple_table: Path | None) -> list[PinnedTerm]:
+def pinned_host_terms(shape, plan, model: Path | None, ple_table: Path | None, overlays=(),
+                      ple_format: str | None = None) -> list[PinnedTerm]:
     """Every host allocation the patched engine pins for a profile served as ``shape`` (a
     :class:`~flashnext.serving.capacity.ServingShape`) with ``plan``, each as it is allocated; the
-    model facts are ``model``'s, as ``plan`` is (None: the pinned base checkpoint)."""
+    model facts are ``model``'s, as ``plan`` is (None: the pinned base checkpoint). ``ple_format``
+    (for the base checkpoint, as ``flashnext plan`` asks): the table served from a file, or pinned
+    in that format; None: as the profile and ``model`` say."""
     from flashnext.serving import capacity
 
     exact = shape.exact_host_pool
     terms = [PinnedTerm("QSA K/V", plan.pinned_host_bytes_needed,
                         f"{sum(plan.qsa_layers_per_rank)} layers x {plan.blocks} blocks (flashnext plan)")]
     text = capacity.load_text_config(model)
-    file_backed = ple_table is not None or shape.ple_table_file
+    file_backed = ple_table is not None or shape.ple_table_file or ple_format == "file"
     if text.ple_layer_ids and not file_backed and shape.engram_cpu_offload:
-        terms.append(PinnedTerm("PLE table", capacity.pinned_bytes(ple_table_bytes(model), exact),
-                                "no --ple-table: vLLM's engram cpu_offload pins it whole"))
+        allocations = (manifest_table_allocations(ple_format) if ple_format and model is None
+                       else ple_table_allocations(model, overlays))
+        why = (f"the table pinned as {ple_format}" if ple_format else "no --ple-table") + \
+            ": vLLM's engram cpu_offload pins it whole"
+        terms.append(PinnedTerm("PLE table", sum(capacity.pinned_bytes(n, exact) for n in allocations), why))
     if shape.speculative_method == "mtp" and shape.pipeline_parallel_size > 1 and shape.mtp_slim_draft:
         terms.append(PinnedTerm("MTP draft embedding", capacity.pinned_bytes(draft_embedding_bytes(model), exact),
                                 "patch mtp-02 (VLLM_MTP_SLIM_DRAFT)"))
@@ -228,8 +260,21 @@ def pinned_host_terms(shape, plan, model: Path | None, ple_table: Path | None) -
     return terms
 
 
+def host_fit(shape, plan, terms: list[PinnedTerm], available: int) -> tuple[bool, int | None]:
+    """Whether ``terms`` and the pool's headroom fit ``available`` host bytes, and the largest
+    ``--kv-cache-memory-bytes`` whose QSA K/V would fit beside the rest (None without the
+    exact-size pool, whose pools PyTorch rounds, or when no block fits)."""
+    from flashnext.serving import capacity
+
+    need = sum(t.bytes for t in terms)
+    others = need - plan.pinned_host_bytes_needed
+    per_block = plan.pinned_host_bytes_needed / plan.blocks
+    fits = max(int((available - capacity.HOST_HEADROOM - others) // per_block), 0) if shape.exact_host_pool else 0
+    return need + capacity.HOST_HEADROOM <= available, (fits * max(plan.bytes_per_block) if fits else None)
+
+
 def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path = CGROUP_MEMORY_MAX, *,
-                   model: Path | None = None, ple_table: Path | None = None) -> Finding:
+                   model: Path | None = None, ple_table: Path | None = None, overlays=()) -> Finding:
     """Every pinned host byte (QSA K/V, a pinned PLE table, the MTP draft embedding, the streamed ViT)
     against what this host (and its cgroup) can still give."""
     from flashnext.errors import FlashnextError
@@ -238,7 +283,7 @@ def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path =
     try:
         plan = capacity.plan_profile(profile, model=model)
         shape = capacity.ServingShape.from_profile(profile)
-        terms = pinned_host_terms(shape, plan, model, ple_table)
+        terms = pinned_host_terms(shape, plan, model, ple_table, overlays)
     except FlashnextError as e:
         return Finding("host-ram", False, f"no plan for this profile ({e})", "`flashnext plan --profile "
                        f"{profile.name}` says why", NoGoCode.MEMORY, blocking=False)
@@ -397,7 +442,7 @@ def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_ta
     from flashnext.serving.capacity import FAMILIES
 
     if profile.model_family in FAMILIES:
-        findings.insert(1, check_host_ram(profile, model=model, ple_table=ple_table))
+        findings.insert(1, check_host_ram(profile, model=model, ple_table=ple_table, overlays=overlays))
     if ple_table is not None:
         findings.append(check_ple_table(ple_table, model))
         findings.append(check_ple_drive(ple_table))

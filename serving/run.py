@@ -183,9 +183,20 @@ def wait_ready(base_url: str, timeout_s: float, progress=None, poll_s: float = 2
         time.sleep(poll_s)
 
 
-def require_ple_table(profile, model: Path | None, ple_table: Path | None) -> None:
+def require_ple_table(profile, model: Path | None, ple_table: Path | None, overlays=()) -> None:
     """A profile that serves the PLE table from a file cannot start without one: vLLM would fall back
-    to pinning the whole table (95.4 GiB), which beside the QSA K/V exceeds a 125 GiB host."""
+    to pinning the whole table (95.4 GiB), which beside the QSA K/V exceeds a 125 GiB host. A table
+    that ``flashnext ple build --format`` quantized (the model's or an overlay's config.json says
+    ``ple_embedding_dtype``) is vLLM's own to serve from pinned host memory: no file, and none taken."""
+    if model is not None and profile.model_family == "qwen4_exp":
+        from flashnext.quant.overlays.ple_quant import served_ple_format
+
+        quantized = served_ple_format(model, overlays)
+        if quantized is not None:
+            if ple_table is not None:
+                raise FlashnextError(f"the PLE table is {quantized} (config.json's ple_embedding_dtype): vLLM serves "
+                                     "it from pinned host memory, not from a file; drop --ple-table")
+            return
     if profile.uses_ple_table and ple_table is None:
         src = shlex.quote(str(model)) if model is not None and str(model).isprintable() else "SNAPSHOT"
         raise FlashnextError(

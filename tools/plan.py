@@ -6,8 +6,11 @@ from pathlib import Path
 
 import click
 
+from flashnext.errors import UsageError
 from flashnext.sizes import format_size
 from flashnext.tools._common import emit_json, held_back_output, json_option, user_errors
+
+REFERENCE_HOST_GIB = 125  # the reference rig's host RAM (seed 000)
 
 
 def _print(profile: str, p) -> None:
@@ -57,10 +60,16 @@ def _print(profile: str, p) -> None:
               help="Override the profile's prefix caching (on means --mamba-cache-mode align).")
 @click.option("--model", type=click.Path(path_type=Path), default=None,
               help="A snapshot directory or config.json to plan for; default: the pinned base checkpoint's config.")
+@click.option("--ple-format", type=click.Choice(["file", "bf16", "nvfp4", "fp8"]), default=None,
+              help="Count the host memory with the PLE table served from a file (--ple-table) or pinned in this "
+                   "format (`flashnext ple build --format`); for the pinned base checkpoint.")
+@click.option("--host-ram", type=click.FloatRange(min=1), default=None,
+              help="Say whether every pinned host byte fits a host of this many GiB (default with --ple-format: "
+                   "125, the reference rig), and which --kv-cache-memory-bytes does.")
 @json_option
 @user_errors
 def main(profile: str, kv_cache_memory_bytes: int | None, prefix_caching: bool | None, model: Path | None,
-         as_json: bool) -> None:
+         ple_format: str | None, host_ram: float | None, as_json: bool) -> None:
     """KV cache plan for a profile: attention block size, state page, blocks per rank, blocks for one
     max-length request, token capacity and concurrency, pinned host memory and VRAM. The grouping is
     vLLM 0.33.0's own (`pip install 'flashnext[serve]'`)."""
@@ -68,9 +77,40 @@ def main(profile: str, kv_cache_memory_bytes: int | None, prefix_caching: bool |
     from flashnext.serving.profiles import load_profile
 
     loaded = load_profile(profile)
+    if ple_format is not None and model is not None:
+        raise UsageError("--ple-format is for the pinned base checkpoint; with --model the snapshot's config says "
+                         "how its table is stored")
     with held_back_output():  # vLLM's and torch's import-time notes: the plan is the first line
         result = plan_profile(loaded, kv_cache_memory_bytes, prefix_caching, model)
+        host = _host(loaded, result, model, ple_format, host_ram) if ple_format or host_ram else None
     if as_json:
-        emit_json({"profile": profile, **result.to_json()})
+        emit_json({"profile": profile, **result.to_json(), **({"host": host} if host else {})})
     else:
         _print(profile, result)
+        if host:
+            _print_host(host)
+
+
+def _host(profile, plan, model: Path | None, ple_format: str | None, host_ram: float | None) -> dict:
+    """Every pinned host byte of the profile (the preflight's terms) against a host of ``host_ram`` GiB."""
+    from flashnext.serving import capacity
+    from flashnext.serving.preflight import host_fit, pinned_host_terms
+
+    shape = capacity.ServingShape.from_profile(profile, plan.kv_cache_memory_bytes)
+    terms = pinned_host_terms(shape, plan, model, None, ple_format=ple_format)
+    available = int((host_ram or REFERENCE_HOST_GIB) * (1 << 30))
+    fits, kv_fits = host_fit(shape, plan, terms, available)
+    return {"host_bytes": available, "headroom_bytes": capacity.HOST_HEADROOM, "ple_format": ple_format,
+            "pinned": {t.name: t.bytes for t in terms}, "pinned_total_bytes": sum(t.bytes for t in terms),
+            "fits": fits, "largest_kv_cache_memory_bytes_that_fits": kv_fits}
+
+
+def _print_host(host: dict) -> None:
+    terms = " + ".join(f"{name} {format_size(n)}" for name, n in host["pinned"].items())
+    verdict = "fits" if host["fits"] else "does NOT fit"
+    click.echo(f"  pinned host in all   {terms} = {format_size(host['pinned_total_bytes'])} + "
+               f"{format_size(host['headroom_bytes'])} headroom: {verdict} a {format_size(host['host_bytes'])} host")
+    kv = host["largest_kv_cache_memory_bytes_that_fits"]
+    if not host["fits"]:
+        click.echo(f"  fits with            --kv-cache-memory-bytes {kv:,} or less" if kv else
+                   "  fits with            no KV setting: serve the PLE table from a file or quantized")

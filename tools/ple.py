@@ -91,17 +91,43 @@ def layout_cmd(src: Path, dense_layer_id: int, as_json: bool) -> None:
 
 @main.command("build")
 @click.option("--src", type=click.Path(path_type=Path), required=True, help="The model snapshot (read only).")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="The table file to write.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="bf16: the table file to write; nvfp4/fp8: the overlay directory to write.")
+@click.option("--format", "fmt", type=click.Choice(["bf16", "nvfp4", "fp8"]), default="bf16", show_default=True,
+              help="bf16: the raw table file for VLLM_PLE_MMAP_PATH; nvfp4 or fp8: an overlay of the table "
+                   "quantized, which vLLM's own PLE methods read (pinned host memory, no file).")
+@click.option("--device", default="cpu", show_default=True,
+              help="With --format nvfp4|fp8: where the rows are quantized (cpu, or cuda[:N]: the block search "
+                   "is the build's cost).")
 @layer_option
-@click.option("--force", is_flag=True, help="Rebuild an existing table file.")
+@click.option("--force", is_flag=True, help="Rebuild an existing table file or overlay flashnext made.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Show a progress bar of the bytes copied on stderr.")
 @json_option
 @user_errors
-def build(src: Path, out: Path, dense_layer_id: int, force: bool, progress: bool, as_json: bool) -> None:
-    """Write the raw table file vLLM maps (VLLM_PLE_MMAP_PATH) and its sidecar OUT.json.
+def build(src: Path, out: Path, fmt: str, device: str, dense_layer_id: int, force: bool, progress: bool,
+          as_json: bool) -> None:
+    """Write the raw table file vLLM maps (VLLM_PLE_MMAP_PATH) and its sidecar OUT.json, or with
+    --format nvfp4|fp8 an overlay of the table in that format (every PLE layer's).
 
-    An interrupted build resumes where it stopped when run again with the same arguments."""
+    An interrupted bf16 build resumes where it stopped when run again with the same arguments."""
+    if fmt != "bf16":
+        from flashnext.quant.overlays.ple_quant import quantize_ple_table
+
+        report = quantize_ple_table(src, out, fmt, force=force, progress=progress, device=device)
+        if as_json:
+            emit_json(report)
+            return
+        click.echo(f"wrote {out}: the PLE table as {fmt} (ple_embedding_dtype {report['ple_embedding_dtype']})")
+        for t in report["tables"]:
+            line = f"{t['prefix']}: {t['rows']} rows, relative squared error {t['relative_mse']:.3e}"
+            if "absmax_comparison" in t:
+                c = t["absmax_comparison"]
+                line += f" (on {c['rows']} sampled rows: {c['searched']:.3e} against absmax block scales' {c['absmax']:.3e})"
+            click.echo(line)
+        return
+    if device != "cpu":
+        raise UsageError("--device is for --format nvfp4|fp8; the bf16 table file is a copy")
     from flashnext.quant.ple.table import build_table
 
     result = build_table(src, out, dense_layer_id, force=force, progress=progress)

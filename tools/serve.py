@@ -72,7 +72,7 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     prof = load_profile(profile)
     if check and no_check:
         raise UsageError("--check and --no-check contradict each other: pass one")
-    require_ple_table(prof, model, ple_table)
+    require_ple_table(prof, model, ple_table, tuple(overlays))
     if check:
         return preflight_report(profile, model, overlays, ple_table, engine or engine_found(), False)
     req = ServeRequest(prof, model, tuple(overlays), ple_table, bind, port)

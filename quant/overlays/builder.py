@@ -53,6 +53,8 @@ OVERLAY_KINDS: dict[str, OverlayKind] = {
     "int6-bitplane": OverlayKind("flashnext.quant.overlays.int6_repack:Int6Repack"),
     "int6-to-int8": OverlayKind("flashnext.quant.overlays.int6_repack:Int6Repack"),
     "int6-dense": OverlayKind("flashnext.quant.overlays.int6_repack:Int6Repack"),
+    "ple-nvfp4": OverlayKind("flashnext.quant.overlays.ple_quant:PleQuantize", card_tags=("nvfp4", "ple")),
+    "ple-fp8": OverlayKind("flashnext.quant.overlays.ple_quant:PleQuantize", card_tags=("fp8", "ple")),
 }
 
 

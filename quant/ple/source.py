@@ -76,6 +76,11 @@ def find_ple_source(snap: Snapshot, dense_layer_id: int = 0) -> PleSource:
     if not isinstance(ids, list) or not all(type(i) is int and i >= 1 for i in ids):
         raise FlashnextError(f"{where}: ple_layer_ids must be a list of positive integers")
     layer_ids = sorted(set(ids))
+    quantized = tc.get("ple_embedding_dtype")
+    if quantized is not None:
+        raise FlashnextError(f"{where} says ple_embedding_dtype {quantized!r}: the table is quantized for vLLM's own "
+                             "PLE methods (flashnext ple build --format); table files and their checks take the "
+                             "BF16 snapshot")
     formula = ple_layout(tc, dense_layer_id, where)
     if dense_layer_id >= len(layer_ids):
         raise FlashnextError(f"PLE layer {dense_layer_id} does not exist: ple_layer_ids is {layer_ids}")

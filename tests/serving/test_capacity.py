@@ -129,6 +129,33 @@ def test_cli_json_and_text():
     assert "QSA arena            48,880 rows per rank" in r.stdout and "4 x 12,220, 4 x 12,220, 5 x 9,776" in r.stdout
 
 
+@pytest.mark.parametrize("fmt, kv, table, fits", [
+    ("file", 783_000_000, None, True),
+    ("nvfp4", 550_000_000, 320_001_536 * 80 + 320_001_536 * 10, True),  # 90 B a row: 26.82 GiB
+    ("nvfp4", 783_000_000, 320_001_536 * 90, True),
+    ("fp8", 783_000_000, 320_001_536 * 160, True),  # 47.68 GiB
+    ("bf16", 550_000_000, 320_001_536 * 320, False),  # 95.37 GiB: the seed's reason for the file
+])
+def test_plan_says_whether_the_host_fits_each_ple_format(fmt, kv, table, fits):
+    """Issue 29: the table's pinned bytes with the QSA pools on the reference rig's 125 GiB host; where
+    it does not fit, the KV setting that does."""
+    r = CliRunner().invoke(cli, ["plan", "--profile", "3x3090", "--kv-cache-memory-bytes", str(kv), "--ple-format",
+                                 fmt, "--json"])
+    assert r.exit_code == 0, r.output
+    host = json.loads(r.stdout)["host"]
+    assert host["pinned"].get("PLE table") == table and host["fits"] is fits and host["host_bytes"] == 125 << 30
+    assert host["pinned"]["QSA K/V"] == json.loads(r.stdout)["pinned_host_bytes"]
+    if not fits:
+        kv_fits = host["largest_kv_cache_memory_bytes_that_fits"]
+        assert 0 < kv_fits < kv
+        again = CliRunner().invoke(cli, ["plan", "--profile", "3x3090", "--kv-cache-memory-bytes", str(kv_fits),
+                                         "--ple-format", fmt, "--json"])
+        assert json.loads(again.stdout)["host"]["fits"]
+    text = CliRunner().invoke(cli, ["plan", "--profile", "3x3090", "--kv-cache-memory-bytes", str(kv), "--ple-format",
+                                    fmt])
+    assert ("fits a 125.00 GiB host" if fits else "does NOT fit") in text.stdout
+
+
 def test_cli_refuses_other_families():
     r = CliRunner().invoke(cli, ["plan", "--profile", "8xh200-glm53-hisparse"])
     assert r.exit_code == 1 and r.output.count("\n") == 1 and "qwen4_exp" in r.output

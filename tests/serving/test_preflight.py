@@ -156,6 +156,27 @@ def test_pinned_sizes_from_the_snapshots_tensors(demo_snapshot, demo_table):
     assert pf.draft_embedding_bytes(demo_snapshot) == stored
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_a_quantized_ple_table_is_pinned_at_its_own_size(fmt, demo_snapshot, tmp_path):
+    """A view with `ple build --format` applied: vLLM's method pins the table's codes (and NVFP4's block
+    scales) as its own allocations, at the quantized sizes, not the BF16 table's."""
+    from flashnext.quant.overlays.ple_quant import quantize_ple_table
+    from flashnext.quant.overlays.view import apply_overlays
+    from flashnext.quant.ple.table import find_ple_source
+    from flashnext.quant.checkpoint.snapshot import Snapshot
+
+    quantize_ple_table(demo_snapshot, tmp_path / "ov", fmt)
+    apply_overlays(demo_snapshot, [tmp_path / "ov"], tmp_path / "view")
+    source = find_ple_source(Snapshot.open(demo_snapshot))
+    rows, d = source.layout.padded_rows, source.row_elements
+    expected = sorted([rows * d // 2, rows * d // 16] if fmt == "nvfp4" else [rows * d])
+    assert sorted(pf.ple_table_allocations(tmp_path / "view")) == expected
+    assert pf.ple_table_bytes(demo_snapshot) == rows * d * 2  # the BF16 table, for comparison
+    finding = pf.check_host_ram(load_profile("3x3090"), meminfo_file(tmp_path, 125, 118), tmp_path / "absent",
+                                model=tmp_path / "view")
+    assert finding.terms["PLE table"] == sum(expected)  # the exact-size pool: no rounding
+
+
 def test_host_ram_counts_pytorch_power_of_two_rounding(tmp_path):
     """Without the exact-size pool each 5.65 GiB layer pool becomes 8 GiB: 96 GiB for 12 layers (seed 000 §2),
     and the ViT's 0.77 GiB row becomes 1 GiB."""
@@ -302,3 +323,23 @@ def test_ple_table_sidecar_and_sampling(demo_snapshot, tmp_path):
                                       "--ple-table", str(table), "--engine", "native"])
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert "[FAIL] ple-table" in result.output and "NO-GO" in result.output
+
+
+def test_serve_takes_a_quantized_ple_overlay_without_a_table_file(demo_snapshot, tmp_path):
+    """`serve --profile 3x3090 --model SNAPSHOT --overlay PLE-NVFP4`: the table is vLLM's to pin, so no
+    --ple-table is asked for (and one given is refused), and the preflight counts the quantized table."""
+    from flashnext.errors import FlashnextError
+    from flashnext.quant.overlays.ple_quant import quantize_ple_table, quantized_table_allocations
+    from flashnext.serving.run import require_ple_table
+
+    quantize_ple_table(demo_snapshot, tmp_path / "nvfp4", "nvfp4")
+    profile = load_profile("3x3090")
+    with pytest.raises(FlashnextError, match="--ple-table FILE"):
+        require_ple_table(profile, demo_snapshot, None)
+    require_ple_table(profile, demo_snapshot, None, (tmp_path / "nvfp4",))
+    with pytest.raises(FlashnextError, match="drop --ple-table"):
+        require_ple_table(profile, demo_snapshot, tmp_path / "table.bin", (tmp_path / "nvfp4",))
+    finding = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), tmp_path / "absent", model=demo_snapshot,
+                                overlays=(tmp_path / "nvfp4",))
+    assert finding.terms["PLE table"] == sum(quantized_table_allocations(demo_snapshot, (tmp_path / "nvfp4",)))
+    assert finding.terms["PLE table"] < pf.ple_table_bytes(demo_snapshot) / 3

@@ -157,3 +157,21 @@ def test_fused_layers_resolve_through_their_shards(demo_snapshot, overlays, mode
             assert described(vllm_scheme(ours, vname, mapper)) == vllm == builder[0], vname
             checked += 1
     assert checked > 10 and mixed == 1
+
+
+def test_the_reverse_overlay_over_bit_planes(demo_snapshot, overlays, model_cls, tmp_path):
+    """``repack-int6 --reverse`` over a view with bit planes (its base): the view of it resolves as the
+    plain checkpoint does, with no module left listed as bit planes."""
+    from flashnext.quant.overlays.int6_repack import repack_int6
+    from flashnext.quant.overlays.view import apply_overlays
+
+    planes = tmp_path / "planes"
+    apply_overlays(demo_snapshot, [overlays["bitplane"]], planes)
+    repack_int6(planes, tmp_path / "dense", mode="reverse")
+    view = tmp_path / "view"
+    apply_overlays(planes, [tmp_path / "dense"], view)
+    names = names_of(demo_snapshot, view)
+    check_agreement(config_of(view), names, model_cls, lm_head_gap(names))
+    assert BitplaneRecord.from_config(config_of(view)) is None or not BitplaneRecord.from_config(config_of(view)).modules
+    plain = three_ways(config_of(demo_snapshot), names, model_cls)
+    assert three_ways(config_of(view), names, model_cls) == plain

@@ -1,0 +1,278 @@
+"""``flashnext ple build --format nvfp4|fp8``: the PLE table as an overlay that vLLM 0.33.0's own
+PLE methods read, small enough for host memory.
+
+The BF16 table (95.4 GiB for Qwen3.8-Flash-Next) becomes NVFP4 (26.8 GiB: 90 B a row) or FP8
+(47.7 GiB) in the layout of :mod:`flashnext.quant.formats.float_rows`, and config.json's text
+config gains ``ple_embedding_dtype``, which makes vLLM's ``Qwen4ExpPLEEmbeddingMethod`` pick its
+NVFP4 or FP8 method. With engram's ``cpu_offload`` (vLLM's default) the table then sits in pinned
+host memory and the GPU gathers its rows through UVA: no file, no page faults, no prefetch.
+
+The build streams each shard in bounded chunks twice: once for the table's largest magnitude (the
+global scale), once to quantize and write. Each shard's rewritten file holds, in the base file's
+order, every untouched tensor byte for byte and each table shard's ``weight`` with, for NVFP4, its
+``weight_scale`` after it; the file of the first shard also takes the table's global scale. The
+report gives the relative squared error against the BF16 rows, and for NVFP4 that of plain absmax
+block scales over the same rows.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from flashnext.errors import FlashnextError
+from flashnext.progress import Progress
+from flashnext.quant.checkpoint.snapshot import Snapshot
+from flashnext.quant.formats import float_rows
+from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
+from flashnext.quant.overlays.builder import OverlayBuilder
+from flashnext.quant.ple.source import PleSource, find_ple_source
+
+KINDS = {"nvfp4": "ple-nvfp4", "fp8": "ple-fp8"}
+CHUNK_ROWS = 1 << 16
+# Plain absmax block scales are quantized too, for the report's comparison, on every this-many-th
+# chunk: on all of them they would cost a quarter of the build again.
+ABSMAX_SAMPLE_EVERY = 8
+
+
+@dataclass
+class _Errors:
+    squared: float = 0.0
+    reference: float = 0.0
+    sample_rows: int = 0
+    sample_squared: float = 0.0
+    sample_absmax_squared: float = 0.0
+    sample_reference: float = 0.0
+
+    @staticmethod
+    def _ratio(value: float, reference: float) -> float | None:
+        return value / reference if reference > 0 else None
+
+    def as_report(self, nvfp4: bool) -> dict:
+        out = {"relative_mse": self._ratio(self.squared, self.reference)}
+        if nvfp4:
+            out["absmax_comparison"] = {
+                "rows": self.sample_rows, "searched": self._ratio(self.sample_squared, self.sample_reference),
+                "absmax": self._ratio(self.sample_absmax_squared, self.sample_reference)}
+        return out
+
+
+def _chunks(source: PleSource):
+    for shard in source.shards:
+        for start in range(0, shard.rows, CHUNK_ROWS):
+            stop = min(shard.rows, start + CHUNK_ROWS)
+            yield shard, start, stop
+
+
+def _tables(snap: Snapshot) -> list[PleSource]:
+    layers = snap.text_config.get("ple_layer_ids") or []
+    tables = [find_ple_source(snap, i) for i in range(len(set(layers)))]
+    if not tables:
+        raise FlashnextError(f"{snap.root}: config.json has no PLE layers (ple_layer_ids)")
+    for table in tables:
+        if table.dtype != "BF16":
+            raise FlashnextError(f"{table.prefix}: the PLE table is {table.dtype}; --format quantizes a BF16 table "
+                                 "(build from the BF16 release)")
+        if table.row_elements % float_rows.NVFP4_BLOCK:
+            raise FlashnextError(f"{table.prefix}: rows of {table.row_elements} values are not whole blocks of "
+                                 f"{float_rows.NVFP4_BLOCK}")
+    return tables
+
+
+class PleQuantize(OverlayBuilder):
+    """The BF16 PLE table of every PLE layer as NVFP4 or FP8."""
+
+    kinds = tuple(KINDS.values())
+    tool = "flashnext ple build"
+
+    def __init__(self, snap: Snapshot, fmt: str, device: str = "cpu"):
+        from flashnext.quant.quantizers.device import usable_device
+
+        if fmt not in KINDS:
+            raise FlashnextError(f"--format {fmt}: one of bf16, {', '.join(KINDS)}")
+        super().__init__(snap)
+        self.fmt = fmt
+        self.device = usable_device(device)
+        self.tables = _tables(snap)
+        if snap.text_config.get("ple_embedding_dtype") is not None:
+            raise FlashnextError(f"config.json already says ple_embedding_dtype "
+                                 f"{snap.text_config['ple_embedding_dtype']!r}: build from the BF16 snapshot")
+        self.errors = {t.prefix: _Errors() for t in self.tables}
+        self.scales: dict[str, float] = {}
+
+    @property
+    def kind(self) -> str:
+        return KINDS[self.fmt]
+
+    def _scale_name(self, table: PleSource) -> str:
+        return f"{table.prefix}.ngram_embedding." + ("weight_scale_2" if self.fmt == "nvfp4" else "weight_scale")
+
+    def _specs(self, shard, d: int) -> list[TensorSpec]:
+        if self.fmt == "nvfp4":
+            return [TensorSpec(shard.name, "U8", (shard.rows, d // 2)),
+                    TensorSpec(shard.name.removesuffix(".weight") + ".weight_scale", "F8_E4M3",
+                               (shard.rows, d // float_rows.NVFP4_BLOCK))]
+        return [TensorSpec(shard.name, "F8_E4M3", (shard.rows, d))]
+
+    def plan(self) -> dict[str, list[TensorSpec]]:
+        replaced = {s.name: (t, s) for t in self.tables for s in t.shards}
+        files = {self.snap.weight_map[name] for name in replaced}
+        plans = {}
+        for filename in sorted(files):
+            specs = []
+            for spec in self.snap.header(filename).specs_in_file_order():
+                if spec.name in replaced:
+                    table, shard = replaced[spec.name]
+                    specs += self._specs(shard, table.row_elements)
+                else:
+                    specs.append(spec)
+            plans[filename] = specs
+        for table in self.tables:
+            plans[self.snap.weight_map[table.shards[0].name]].append(TensorSpec(self._scale_name(table), "F32", (1,)))
+        return plans
+
+    def rewritten(self) -> set[str]:
+        return {s.name for t in self.tables for s in t.shards}
+
+    def new_weight_map(self, plans: dict[str, list[TensorSpec]]) -> dict[str, str]:
+        weight_map = dict(self.snap.weight_map)
+        for filename, specs in plans.items():
+            for spec in specs:
+                weight_map.setdefault(spec.name, filename)
+        return weight_map
+
+    def fill(self, writers: dict[str, ShardWriter], progress: bool) -> None:
+        total = 2 * sum(s.entry.nbytes for t in self.tables for s in t.shards)
+        with Progress(total, progress, f"{self.tool} --format {self.fmt}") as bar:
+            for table in self.tables:
+                amax = 0.0
+                for shard, start, stop in _chunks(table):
+                    rows = read_rows(shard.path, shard.entry, start, stop).to(self.device)
+                    amax = max(amax, float(rows.float().abs().max())) if rows.numel() else amax
+                    bar.update(rows.numel() * 2)
+                self._write_table(table, amax, writers, bar)
+
+    def _write_table(self, table: PleSource, amax: float, writers: dict[str, ShardWriter], bar) -> None:
+        errors = self.errors[table.prefix]
+        if self.fmt == "nvfp4":
+            scale = float_rows.nvfp4_global_scale(amax)
+        else:
+            scale = float_rows.fp8_scale(amax)
+        self.scales[table.prefix] = scale
+        d = table.row_elements
+        for n, (shard, start, stop) in enumerate(_chunks(table)):
+            rows = read_rows(shard.path, shard.entry, start, stop).to(self.device)
+            x = rows.float()
+            writer = writers[self.snap.weight_map[shard.name]]
+            if self.fmt == "nvfp4":
+                weight, block_scales = float_rows.nvfp4_encode(rows, scale)
+                decoded = float_rows.nvfp4_decode(weight, block_scales, scale)
+                writer.write_bytes(shard.name.removesuffix(".weight") + ".weight_scale",
+                                   block_scales.view(torch.uint8).cpu().numpy().tobytes(),
+                                   start * (d // float_rows.NVFP4_BLOCK))
+                writer.write_bytes(shard.name, weight.cpu().numpy().tobytes(), start * (d // 2))
+            else:
+                weight = float_rows.fp8_encode(rows, scale)
+                decoded = float_rows.fp8_decode(weight, scale)
+                writer.write_bytes(shard.name, weight.view(torch.uint8).cpu().numpy().tobytes(), start * d)
+            squared, reference = float(((decoded.float() - x) ** 2).sum()), float((x ** 2).sum())
+            errors.squared += squared
+            errors.reference += reference
+            if self.fmt == "nvfp4" and n % ABSMAX_SAMPLE_EVERY == 0:
+                plain = float_rows.nvfp4_decode(*float_rows.nvfp4_encode(rows, scale, search=False), scale)
+                errors.sample_rows += rows.shape[0]
+                errors.sample_squared += squared
+                errors.sample_reference += reference
+                errors.sample_absmax_squared += float(((plain.float() - x) ** 2).sum())
+            bar.update(rows.numel() * 2)
+        writers[self.snap.weight_map[table.shards[0].name]].write(
+            self._scale_name(table), torch.tensor([scale], dtype=torch.float32))
+
+    def new_config(self) -> dict:
+        config = copy.deepcopy(self.snap.config)
+        text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+        text["ple_embedding_dtype"] = float_rows.FORMATS[self.fmt]
+        return config
+
+    def report(self) -> dict:
+        tables = []
+        for t in self.tables:
+            tables.append({"prefix": t.prefix, "rows": t.layout.padded_rows, "row_elements": t.row_elements,
+                           "global_scale": self.scales.get(t.prefix),
+                           **self.errors[t.prefix].as_report(self.fmt == "nvfp4")})
+        return {"tool": self.tool, "format": self.fmt, "ple_embedding_dtype": float_rows.FORMATS[self.fmt],
+                "device": str(self.device),
+                "block_scales": "least squared error per block of 16" if self.fmt == "nvfp4" else None,
+                "tables": tables}
+
+    @classmethod
+    def card_section(cls, report: dict) -> list[str]:
+        lines = [f"## The PLE table as {report.get('format', '?').upper()}", "",
+                 f"`ple_embedding_dtype: {report.get('ple_embedding_dtype')}`: vLLM 0.33.0's own PLE method reads it; "
+                 "with engram's `cpu_offload` the table sits in pinned host memory.", ""]
+        for t in report.get("tables", []):
+            error = t.get("relative_mse")
+            lines.append(f"- `{t['prefix']}`: {t['rows']:,} rows, relative squared error against BF16 {error:.3e}"
+                         if error is not None else f"- `{t['prefix']}`")
+        return lines
+
+
+_PLE_PART = r"^(?P<table>.*ple\.ple_embedding\.ngram_embedding)\.shard_\d+\.(?P<part>weight|weight_scale)$"
+
+
+def served_ple_format(model, overlays=()) -> str | None:
+    """config.json's ``ple_embedding_dtype`` of what vLLM will load from ``model`` with ``overlays``
+    applied in order (a view's config.json is its last overlay's that has one): ``"nvfp4"``,
+    ``"float8_e4m3fn"``, or None for the BF16 table (and where no config.json is there to read:
+    the commands that need one say so themselves)."""
+    from pathlib import Path
+
+    from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, read_config
+
+    where = next((Path(o) for o in reversed(overlays) if (Path(o) / CONFIG_FILE).is_file()), Path(model))
+    if not (where / CONFIG_FILE).is_file():
+        return None
+    config = read_config(where / CONFIG_FILE)
+    text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    return text.get("ple_embedding_dtype")
+
+
+def quantized_table_allocations(model, overlays=()) -> list[int]:
+    """The bytes of each tensor vLLM's NVFP4 or FP8 method allocates for the quantized PLE tables that
+    ``model`` with ``overlays`` serves (per table: its ``weight``, and for NVFP4 its ``weight_scale``),
+    from the safetensors headers of the last overlay (or the view) that holds them."""
+    import re
+    from pathlib import Path
+
+    from flashnext.quant.checkpoint.snapshot import INDEX_FILE, read_index
+    from flashnext.quant.formats.safetensors_io import read_header
+
+    part = re.compile(_PLE_PART)
+    for where in [*(Path(o) for o in reversed(overlays)), Path(model)]:
+        if not (where / INDEX_FILE).is_file():
+            continue
+        weight_map = read_index(where / INDEX_FILE)["weight_map"]
+        sizes: dict[tuple[str, str], int] = {}
+        headers = {}
+        for name, filename in weight_map.items():
+            m = part.match(name)
+            if not m or not (where / filename).is_file():
+                continue
+            header = headers.get(filename) or headers.setdefault(filename, read_header(where / filename))
+            if name in header.entries:
+                key = (m["table"], m["part"])
+                sizes[key] = sizes.get(key, 0) + header.entries[name].nbytes
+        if sizes:
+            return [sizes[key] for key in sorted(sizes)]
+    raise FlashnextError(f"{model}: config.json says the PLE table is quantized, but no PLE table tensors were found")
+
+
+def quantize_ple_table(src, out, fmt: str, force: bool = False, progress: bool = False, device: str = "cpu") -> dict:
+    """Build the ``fmt`` PLE overlay ``out`` from snapshot ``src`` (never modified). Returns the report.
+
+    >>> report = quantize_ple_table(Path("snapshot"), Path("ple-nvfp4"), "nvfp4")   # doctest: +SKIP
+    >>> report["tables"][0]["relative_mse"]
+    """
+    return PleQuantize(Snapshot.open(src), fmt, device).build(out, force=force, progress=progress)
