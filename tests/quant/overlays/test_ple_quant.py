@@ -88,6 +88,11 @@ def test_vllms_own_method_reads_the_overlay(fmt, built, demo_snapshot):
     relative = float(((vllm_rows - reference) ** 2).sum() / (reference ** 2).sum())
     assert relative < BOUNDS[fmt], relative
     assert report["tables"][0]["relative_mse"] < BOUNDS[fmt]
+    # what vLLM's method asked the embedding to allocate (patch host-pool pins exactly that much) is
+    # what the preflight counts for this table, tensor for tensor
+    from flashnext.quant.overlays.ple_quant import quantized_table_allocations
+
+    assert sorted(got["allocated"]) == sorted(quantized_table_allocations(view))
 
 
 def test_the_overlay_is_an_overlay_like_any_other(built, demo_snapshot):
@@ -140,3 +145,4 @@ def test_the_command(demo_snapshot, tmp_path):
                                            *args])
         assert refused.exit_code == code, refused.output
     assert not (tmp_path / "q").exists()
+
