@@ -61,6 +61,19 @@ def bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, 
     return tl.reshape(tl.reshape(codes, [BLOCK_N, GROUPS, GROUP]) * s[:, :, None], [BLOCK_N, STEP])
 
 
+@triton.jit
+def step_product(x, w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP: tl.constexpr,
+                 STEP: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, BITS: tl.constexpr):
+    """``x [tokens, STEP] @ W[rows, step's columns].T`` in fp32, for INT8 words (``STEP == GROUP``:
+    exact integer products, scaled once per group) or INT6 bit planes (the weights ``bf16(q * s)``)."""
+    if BITS == 8:
+        codes = int8_codes(w_ptr, rows, n_mask, stride_wn, step, GROUP)
+        scale = tl.load(s_ptr + rows * stride_sn + step, mask=n_mask, other=0).to(tl.float32)
+        return dot(x, codes, DOT_FP32) * scale[None, :]
+    weights = bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP, STEP, BLOCK_N)
+    return dot(x, weights, DOT_FP32)
+
+
 def sm_count(device) -> int:
     """The device's streaming multiprocessors; 4 off CUDA, so interpreted runs split K a little."""
     if device.type != "cuda":

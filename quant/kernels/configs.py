@@ -45,6 +45,14 @@ def _split(fixed: int | None, programs_per_sm: int, least: int, blocks: int, mos
     return max(1, min(most, max(least, triton.cdiv(programs_per_sm * sms, blocks))))
 
 
+def _widest_step(steps: tuple[int, ...], K: int, group: int) -> int:
+    """The first of ``steps`` that divides K and holds whole groups; else one group."""
+    for step in steps:
+        if K % step == 0 and step % group == 0:
+            return step
+    return group
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     """:mod:`.bitplane_gemv`: rows per program, K per step (the widest of it and 512..64 that divides
@@ -74,10 +82,7 @@ class MmaConfig:
     num_stages: int = 3
 
     def step(self, K: int, group: int) -> int:
-        for step in self.steps:
-            if K % step == 0 and step % group == 0:
-                return step
-        return group
+        return _widest_step(self.steps, K, group)
 
     def splits(self, blocks: int, most: int, sms: int) -> int:
         return _split(self.split_k, self.programs_per_sm, self.min_split_k, blocks, most, sms)
@@ -130,10 +135,7 @@ class GemmConfig:
     num_stages: int = 3
 
     def step(self, K: int, group: int) -> int:
-        for step in self.steps:
-            if K % step == 0 and step % group == 0:
-                return step
-        return group
+        return _widest_step(self.steps, K, group)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
 from flashnext.quant.kernels import _common, configs
-from flashnext.quant.kernels._common import INTERPRETED, bitplane_weights, dot, int8_codes, splitk_counters
+from flashnext.quant.kernels._common import INTERPRETED, splitk_counters, step_product
 from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS, bitplane_gemv
 from flashnext.quant.kernels.prefill_gemm import bitplane_gemm, fills_device, int8_gemm
 
@@ -70,14 +70,8 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, str
     for step in range(first, last):
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + step * STEP + columns[None, :], mask=m_mask[:, None],
                     other=0.0)
-        if BITS == 8:  # STEP == GROUP: exact integer products, scaled once per group
-            codes = int8_codes(w_ptr, rows, n_mask, stride_wn, step, GROUP)
-            scale = tl.load(s_ptr + rows * stride_sn + step, mask=n_mask, other=0).to(tl.float32)
-            acc += dot(x, codes, DOT_FP32) * scale[None, :]
-        else:
-            weights = bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP, STEP,
-                                        BLOCK_N)
-            acc += dot(x, weights, DOT_FP32)
+        acc += step_product(x, w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP, STEP, BLOCK_N,
+                            DOT_FP32, BITS)
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_ptr = y_ptr + tokens[:, None] * stride_ym + rows[None, :]
     if SPLIT_K == 1:

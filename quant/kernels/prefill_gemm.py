@@ -8,7 +8,9 @@ bf16 copy of the weight outside vLLM's memory budget. Here each program owns a `
 BLOCK_N`` output tile (tokens x weight rows), walks K in steps, rebuilds the step's weights in
 registers exactly as :mod:`.decode_mma` does (the same helpers, so the numerics are the decode
 kernel's: INT6 multiplies ``bf16(q * s)``, INT8 the exact codes scaled once per group) and
-accumulates ``tl.dot`` products in fp32. No split-K: at prefill sizes the tiles fill the GPU.
+accumulates ``tl.dot`` products in fp32. No split-K: where the tiles do not fill the device (a few
+hundred rows over a long K), :func:`fills_device` says so, and ``int8_matmul`` takes
+dequantize-then-GEMM there instead.
 
 The token blocks of one weight block are consecutive program ids, so they run together and read the
 weight block from L2 rather than from memory once each. The tile is the seed's W8A16 prefill GEMM's
@@ -30,7 +32,7 @@ import triton.language as tl
 
 from flashnext.quant.kernels import configs
 from flashnext.quant.kernels import _common
-from flashnext.quant.kernels._common import INTERPRETED, bitplane_weights, dot, int8_codes
+from flashnext.quant.kernels._common import INTERPRETED, step_product
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -48,14 +50,8 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for step in range(0, K // STEP):
         x = tl.load(x_rows + step * STEP + columns[None, :], mask=m_mask[:, None], other=0.0)
-        if BITS == 8:  # STEP == GROUP: exact integer products, scaled once per group
-            codes = int8_codes(w_ptr, rows, n_mask, stride_wn, step, GROUP)
-            scale = tl.load(s_ptr + rows * stride_sn + step, mask=n_mask, other=0).to(tl.float32)
-            acc += dot(x, codes, DOT_FP32) * scale[None, :]
-        else:
-            weights = bitplane_weights(w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP, STEP,
-                                        BLOCK_N)
-            acc += dot(x, weights, DOT_FP32)
+        acc += step_product(x, w_ptr, s_ptr, rows, n_mask, stride_wn, stride_sn, step, K, GROUP, STEP, BLOCK_N,
+                            DOT_FP32, BITS)
     out = y_ptr + tokens[:, None].to(tl.int64) * stride_ym + rows[None, :]
     tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
 
