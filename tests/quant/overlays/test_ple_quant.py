@@ -146,3 +146,17 @@ def test_the_command(demo_snapshot, tmp_path):
         assert refused.exit_code == code, refused.output
     assert not (tmp_path / "q").exists()
 
+
+def test_bad_inputs_are_one_line_and_write_nothing(snapshot_copy, tmp_path):
+    """The builders' guards hold for this one too: an --out inside the source, or the source itself,
+    is one line and exit 1, and the snapshot is left byte for byte as it was."""
+    from flashnext.tools.cli import main as cli
+    from support.hostile import tree_state
+
+    before = tree_state(snapshot_copy)
+    for out in (snapshot_copy / "ple-nvfp4", snapshot_copy):
+        result = CliRunner().invoke(cli, ["ple", "build", "--src", str(snapshot_copy), "--out", str(out),
+                                          "--format", "nvfp4", "--no-progress"])
+        assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert tree_state(snapshot_copy) == before
+
