@@ -98,14 +98,15 @@ def time_choices(device: torch.device, timer: Callable[[Callable[[], object]], f
     from flashnext.quant.kernels.prefill_gemm import bitplane_gemm
 
     gen = torch.Generator().manual_seed(seed)
-    gate_up = _int6(2 * SHARED_INTERMEDIATE, HIDDEN, device, gen)
-    down = _int6(HIDDEN, SHARED_INTERMEDIATE, device, gen)
+    shapes = ((2 * SHARED_INTERMEDIATE, HIDDEN), (HIDDEN, SHARED_INTERMEDIATE))  # gate_up, down: (N, K)
+    gate_up, down = (_int6(n, k, device, gen) for n, k in shapes)
+    matrices = tuple(zip((gate_up, down), shapes))
     points = []
 
     def x_of(m: int, k: int) -> torch.Tensor:
         return torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
 
-    for (planes, scales), (n, k) in ((gate_up, (2 * SHARED_INTERMEDIATE, HIDDEN)), (down, (HIDDEN, SHARED_INTERMEDIATE))):
+    for (planes, scales), (n, k) in matrices:
         for m in DECODE_TOKENS:
             x = x_of(m, k)
             points.append(ChoicePoint("bitplane_matmul", f"{n}x{k}", m, matmul_variant(m, n, k, device), {
@@ -123,13 +124,12 @@ def time_choices(device: torch.device, timer: Callable[[Callable[[], object]], f
         def layers():
             return combine(bitplane_matmul(silu_and_mul(bitplane_matmul(x, *gate_up)), *down), gate, routed)
 
-        pick = "fused" if fused_gemvs_win(m, (2 * SHARED_INTERMEDIATE, HIDDEN), (HIDDEN, SHARED_INTERMEDIATE),
-                                          device) else "layers"
+        pick = "fused" if fused_gemvs_win(m, *shapes, device) else "layers"
         points.append(ChoicePoint("bitplane_mlp", f"shared expert {HIDDEN}/{SHARED_INTERMEDIATE}", m, pick,
                                   {"fused": timer(fused), "layers": timer(layers)}))
     rows = {family: row for (kernel, _, family), row in configs.CONFIGS.items() if kernel == "bitplane_gemm"}
     table_row = configs.config_for("bitplane_gemm", device=device)
-    for (planes, scales), (n, k) in ((gate_up, (2 * SHARED_INTERMEDIATE, HIDDEN)), (down, (HIDDEN, SHARED_INTERMEDIATE))):
+    for (planes, scales), (n, k) in matrices:
         x = x_of(PREFILL_TOKENS, k)
         timings = {f"row {family}": timer(lambda row=row: bitplane_gemm(x, planes, scales, config=row))
                    for family, row in rows.items()}

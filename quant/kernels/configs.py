@@ -27,6 +27,7 @@ kernels' keyword overrides; those win over the table.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -232,6 +233,14 @@ def device_family(device: torch.device) -> str:
     if torch.cuda.get_device_capability(device) == (8, 6):
         return "sm86"
     return DEFAULT
+
+
+def launch_config(kernel: str, N: int, K: int, device, config=None, **overrides):
+    """``config`` (the caller's) or the table's row for an ``[N, K]`` weight on ``device``, with the
+    caller's keyword overrides (those not None) applied: what a kernel's entry point launches."""
+    config = config or config_for(kernel, N, K, device)
+    given = {name: value for name, value in overrides.items() if value is not None}
+    return dataclasses.replace(config, **given) if given else config
 
 
 def default_config(kernel: str, cls: str = ANY):

@@ -27,8 +27,6 @@ rounded where vLLM's unfused ``hc_silu`` rounds.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
@@ -115,13 +113,6 @@ def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int
     return y
 
 
-def _config(kernel: str, N: int, K: int, device, config: configs.MmaConfig | None, **overrides) -> configs.MmaConfig:
-    """The table's config (or the caller's), with the caller's keyword overrides applied."""
-    config = config or configs.config_for(kernel, N, K, device)
-    given = {name: value for name, value in overrides.items() if value is not None}
-    return replace(config, **given) if given else config
-
-
 def bitplane_mma(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, block_n: int | None = None,
                  split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  config: configs.MmaConfig | None = None) -> torch.Tensor:
@@ -130,8 +121,8 @@ def bitplane_mma(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, bl
     K = x.shape[1]
     if planes.dtype != torch.uint8 or planes.shape[1] * 4 != K * 3:
         raise ValueError(f"planes must be uint8 [N, 3K/4] for K={K}, got {planes.dtype} {list(planes.shape)}")
-    config = _config("bitplane_mma", planes.shape[0], K, x.device, config, block_n=block_n, split_k=split_k,
-                     num_warps=num_warps, num_stages=num_stages)
+    config = configs.launch_config("bitplane_mma", planes.shape[0], K, x.device, config, block_n=block_n,
+                                   split_k=split_k, num_warps=num_warps, num_stages=num_stages)
     return _mma(x, planes, scales, 6, config)
 
 
@@ -143,8 +134,8 @@ def int8_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block_
     K = x.shape[1]
     if packed.dtype != torch.int32 or packed.shape[1] * 4 != K or not packed.is_contiguous():
         raise ValueError(f"packed must be contiguous int32 [N, K/4] for K={K}, got {packed.dtype} {list(packed.shape)}")
-    config = _config("int8_mma", packed.shape[0], K, x.device, config, block_n=block_n, split_k=split_k,
-                     num_warps=num_warps, num_stages=num_stages)
+    config = configs.launch_config("int8_mma", packed.shape[0], K, x.device, config, block_n=block_n, split_k=split_k,
+                                   num_warps=num_warps, num_stages=num_stages)
     return _mma(x, packed.view(torch.uint8), scales, 8, config, silu_columns, silu_div)
 
 

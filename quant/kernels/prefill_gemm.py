@@ -24,8 +24,6 @@ memory, never mid-service.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
@@ -85,13 +83,6 @@ def fills_device(kernel: str, M: int, N: int, K: int, device) -> bool:
     return triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n) >= _common.sm_count(device)
 
 
-def _config(kernel: str, N: int, K: int, device, config: configs.GemmConfig | None,
-            **overrides) -> configs.GemmConfig:
-    config = config or configs.config_for(kernel, N, K, device)
-    given = {name: value for name, value in overrides.items() if value is not None}
-    return replace(config, **given) if given else config
-
-
 def bitplane_gemm(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                   config: configs.GemmConfig | None = None) -> torch.Tensor:
@@ -103,8 +94,8 @@ def bitplane_gemm(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, b
     K = x.shape[1]
     if planes.dtype != torch.uint8 or planes.shape[1] * 4 != K * 3:
         raise ValueError(f"planes must be uint8 [N, 3K/4] for K={K}, got {planes.dtype} {list(planes.shape)}")
-    config = _config("bitplane_gemm", planes.shape[0], K, x.device, config, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                     num_stages=num_stages)
+    config = configs.launch_config("bitplane_gemm", planes.shape[0], K, x.device, config, block_m=block_m,
+                                   block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     return _gemm(x, planes, scales, 6, config)
 
 
@@ -119,6 +110,6 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block
     K = x.shape[1]
     if packed.dtype != torch.int32 or packed.shape[1] * 4 != K or not packed.is_contiguous():
         raise ValueError(f"packed must be contiguous int32 [N, K/4] for K={K}, got {packed.dtype} {list(packed.shape)}")
-    config = _config("int8_gemm", packed.shape[0], K, x.device, config, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                     num_stages=num_stages)
+    config = configs.launch_config("int8_gemm", packed.shape[0], K, x.device, config, block_m=block_m,
+                                   block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     return _gemm(x, packed.view(torch.uint8), scales, 8, config)
