@@ -329,7 +329,9 @@ def test_serve_takes_a_quantized_ple_overlay_without_a_table_file(demo_snapshot,
     """`serve --profile 3x3090 --model SNAPSHOT --overlay PLE-NVFP4`: the table is vLLM's to pin, so no
     --ple-table is asked for (and one given is refused), and the preflight counts the quantized table."""
     from flashnext.errors import FlashnextError
-    from flashnext.quant.overlays.ple_quant import quantize_ple_table, quantized_table_allocations
+    from flashnext.quant.checkpoint.snapshot import Snapshot
+    from flashnext.quant.overlays.ple_quant import quantize_ple_table
+    from flashnext.quant.ple.table import find_ple_source
     from flashnext.serving.run import require_ple_table
 
     quantize_ple_table(demo_snapshot, tmp_path / "nvfp4", "nvfp4")
@@ -341,5 +343,7 @@ def test_serve_takes_a_quantized_ple_overlay_without_a_table_file(demo_snapshot,
         require_ple_table(profile, demo_snapshot, tmp_path / "table.bin", (tmp_path / "nvfp4",))
     finding = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), tmp_path / "absent", model=demo_snapshot,
                                 overlays=(tmp_path / "nvfp4",))
-    assert finding.terms["PLE table"] == sum(quantized_table_allocations(demo_snapshot, (tmp_path / "nvfp4",)))
+    source = find_ple_source(Snapshot.open(demo_snapshot))
+    rows, d = source.layout.padded_rows, source.row_elements
+    assert finding.terms["PLE table"] == rows * d // 2 + rows * d // 16  # codes and block scales, 4.5 bits a value
     assert finding.terms["PLE table"] < pf.ple_table_bytes(demo_snapshot) / 3

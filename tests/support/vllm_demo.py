@@ -23,7 +23,7 @@ def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheCo
     speculative decoding, as ``--speculative-config '{"method": "mtp"}'`` sets it); yields it and
     vLLM's ``qsa`` module (imported after the model module, which it imports back)."""
     model_config = ModelConfig(model=snapshot, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16",
-                               hf_overrides=hf_overrides)
+                               hf_overrides=hf_overrides if hf_overrides is not None else {})
     speculative = None
     if mtp:
         speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model_config,
