@@ -23,6 +23,7 @@ stderr as they finish). Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -163,6 +164,21 @@ def int8_points(n: int, k: int, group: int, tokens) -> list[dict]:
     return rows
 
 
+def best_five(row: dict, launches) -> dict:
+    """``row`` with ``best``: the five fastest of ``launches`` (``(label, fn)``: ``(us, *label)``),
+    a launch the compiler refuses (resources) timed as infinite; printed to stderr as it finishes."""
+    timed = []
+    for label, fn in launches:
+        try:
+            t = bench(fn)
+        except Exception:  # noqa: BLE001 - a refused launch is a result of the sweep
+            t = float("inf")
+        timed.append((round(t, 2), *label))
+    row["best"] = sorted(timed)[:5]
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
 def sweep(shapes, tokens) -> list[dict]:
     """The tensor-core kernel's launch parameters, timed against bf16 at each shape."""
     out = []
@@ -174,23 +190,15 @@ def sweep(shapes, tokens) -> list[dict]:
         for m in tokens:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             row = {"n": n, "k": k, "tokens": m,
-                   "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2), "configs": []}
+                   "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2)}
+            default = configs.config_for("bitplane_mma", n, k, x.device)
+            split = default.splits(triton.cdiv(n, default.block_n), k // default.step(k, 64), sm_count(x.device))
+            launches = []
             for bn, warps, stages, split_scale in itertools.product((32, 64, 128), (4, 8), (3, 4, 5, 8), (1, 2)):
-                default = configs.config_for("bitplane_mma", n, k, x.device)
-                blocks = triton.cdiv(n, default.block_n)
-                split = default.splits(blocks, k // default.step(k, 64), sm_count(x.device))
-                split = max(1, min(k // 64, split * split_scale * 64 // bn))
-                try:
-                    t = bench(lambda: bitplane_mma(x, planes, scales, block_n=bn, split_k=split, num_warps=warps,
-                                                   num_stages=stages))
-                except Exception:  # a config the compiler refuses (resources)
-                    t = float("inf")
-                row["configs"].append((round(t, 2), bn, warps, stages, split))
-            row["configs"].sort()
-            row["best"] = row["configs"][:5]
-            del row["configs"]
-            print(json.dumps(row), file=sys.stderr, flush=True)
-            out.append(row)
+                s = max(1, min(k // 64, split * split_scale * 64 // bn))
+                launches.append(((bn, warps, stages, s), functools.partial(
+                    bitplane_mma, x, planes, scales, block_n=bn, split_k=s, num_warps=warps, num_stages=stages)))
+            out.append(best_five(row, launches))
     return out
 
 
@@ -205,19 +213,13 @@ def prefill_sweep(shapes, tokens) -> list[dict]:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             row = {"n": n, "k": k, "tokens": m,
                    "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
-                   "stock_humming_us": round(bench(lambda: stock(x)), 2) if stock else missing, "configs": []}
+                   "stock_humming_us": round(bench(lambda: stock(x)), 2) if stock else missing}
+            launches = []
             for bm, bn, step, warps, stages in itertools.product((32, 64, 128), (64, 128), (64, 128), (4, 8), (3,)):
-                config = configs.GemmConfig(block_m=bm, block_n=bn, steps=(step,), num_warps=warps, num_stages=stages)
-                try:
-                    t = bench(lambda: bitplane_gemm(x, planes, scales, config=config))
-                except Exception:  # a config the compiler refuses (resources)
-                    t = float("inf")
-                row["configs"].append((round(t, 2), bm, bn, step, warps, stages))
-            row["configs"].sort()
-            row["best"] = row["configs"][:5]
-            del row["configs"]
-            print(json.dumps(row), file=sys.stderr, flush=True)
-            out.append(row)
+                tile = configs.GemmConfig(block_m=bm, block_n=bn, steps=(step,), num_warps=warps, num_stages=stages)
+                launches.append(((bm, bn, step, warps, stages),
+                                 functools.partial(bitplane_gemm, x, planes, scales, config=tile)))
+            out.append(best_five(row, launches))
     return out
 
 
@@ -237,19 +239,12 @@ def int8_prefill_sweep(shapes, tokens) -> list[dict]:
                    "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
                    "dequantize_gemm_us": round(bench(lambda: torch.nn.functional.linear(
                        x, int8_weights(packed, scales, x.dtype))), 2),
-                   "stock_humming_us": round(bench(lambda: stock(x)), 2) if stock else missing, "configs": []}
+                   "stock_humming_us": round(bench(lambda: stock(x)), 2) if stock else missing}
+            launches = []
             for bm, bn, warps in itertools.product((32, 64, 128), (32, 64, 128), (4,)):
-                config = configs.GemmConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=3)
-                try:
-                    t = bench(lambda: int8_gemm(x, packed, scales, config=config))
-                except Exception:  # a config the compiler refuses (resources)
-                    t = float("inf")
-                row["configs"].append((round(t, 2), bm, bn, warps))
-            row["configs"].sort()
-            row["best"] = row["configs"][:5]
-            del row["configs"]
-            print(json.dumps(row), file=sys.stderr, flush=True)
-            out.append(row)
+                tile = configs.GemmConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=3)
+                launches.append(((bm, bn, warps), functools.partial(int8_gemm, x, packed, scales, config=tile)))
+            out.append(best_five(row, launches))
     return out
 
 
