@@ -215,7 +215,7 @@ def prefill_sweep(shapes, tokens) -> list[dict]:
                    "bf16_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
                    "stock_humming_us": round(bench(lambda: stock(x)), 2) if stock else missing}
             launches = []
-            for bm, bn, step, warps, stages in itertools.product((32, 64, 128), (64, 128), (64, 128), (4, 8), (3,)):
+            for bm, bn, step, warps, stages in itertools.product((32, 64, 128, 256), (64, 128), (64, 128), (4, 8), (3,)):
                 tile = configs.GemmConfig(block_m=bm, block_n=bn, steps=(step,), num_warps=warps, num_stages=stages)
                 launches.append(((bm, bn, step, warps, stages),
                                  functools.partial(bitplane_gemm, x, planes, scales, config=tile)))

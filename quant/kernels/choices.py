@@ -9,7 +9,10 @@ table picks there and what measured fastest, and which row to add where they dif
   shared expert's two matrices (``MatmulChoice.gemv_max_tokens``);
 * ``bitplane_mlp``: decode-05's shared-expert step as the two fused GEMVs, or as the layers'
   kernels and the elementwise steps, compiled as vLLM's graph runs them (``MlpChoice``);
-* ``bitplane_gemm``: the prefill GEMM's tile at 512 tokens, every row the table holds for it.
+* ``bitplane_gemm``: the prefill GEMM's tile at 512 tokens, every row the table holds for it;
+* ``prefill``: at 512 tokens, the tiled GEMM over the stored words or the weight dequantized and a
+  cuBLAS GEMM (``PrefillChoice``), at the shared expert's matrices and the hyper-connection mixers'
+  INT8 ones.
 
 Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``); the inputs are random codes
 at the served shapes.
@@ -31,6 +34,9 @@ from flashnext.quant.kernels import configs
 HIDDEN, SHARED_INTERMEDIATE = 2560, 640  # Qwen3.8-Flash-Next's hidden size and shared expert
 DECODE_TOKENS = (1, 2, 4)  # the profiles' CUDA-graph sizes
 PREFILL_TOKENS = 512
+# The hyper-connection mixers' INT8 g64 GEMMs: down/inject (low rank + 4 + padding, over 4 x hidden)
+# and up (4 x hidden, over the low rank)
+HC_INT8_SHAPES = ((336, 4 * HIDDEN), (4 * HIDDEN, 320))
 # A pick within this share of the fastest variant agrees: closer than that, replays of one graph differ.
 AGREEMENT = 0.05
 
@@ -68,6 +74,10 @@ def _int6(n: int, k: int, device, gen: torch.Generator) -> tuple[torch.Tensor, t
     return codes_to_bitplane(codes).to(device), scales.to(device)
 
 
+def _scales(n: int, groups: int, device, gen: torch.Generator) -> torch.Tensor:
+    return (torch.rand(n, groups, generator=gen) * 0.01 + 1e-4).to(torch.bfloat16).to(device)
+
+
 def _compiled(fn, *example):
     """``fn`` compiled by Inductor for ``example`` (what vLLM's compiled graph runs on a GPU), or ``fn``."""
     if not example[0].is_cuda:
@@ -94,8 +104,13 @@ def time_choices(device: torch.device, timer: Callable[[Callable[[], object]], f
     """Every decision of the module docstring, timed on ``device`` with ``timer`` (a function's time
     in us); the table's picks are those ``device`` gets."""
     from flashnext.quant.kernels.bitplane_gemv import bitplane_down_combine, bitplane_gate_up_silu, bitplane_gemv
-    from flashnext.quant.kernels.decode_mma import bitplane_matmul, bitplane_mma, fused_gemvs_win, matmul_variant
-    from flashnext.quant.kernels.prefill_gemm import bitplane_gemm
+    from torch.nn import functional as F
+
+    from flashnext.quant.formats.packing import pack_int32
+    from flashnext.quant.kernels.decode_mma import (bitplane_matmul, bitplane_mma, fused_gemvs_win, matmul_variant,
+                                                    prefill_through)
+    from flashnext.quant.kernels.dequantize import bitplane_dequantize, int8_dequantize
+    from flashnext.quant.kernels.prefill_gemm import bitplane_gemm, int8_gemm
 
     gen = torch.Generator().manual_seed(seed)
     shapes = ((2 * SHARED_INTERMEDIATE, HIDDEN), (HIDDEN, SHARED_INTERMEDIATE))  # gate_up, down: (N, K)
@@ -135,6 +150,19 @@ def time_choices(device: torch.device, timer: Callable[[Callable[[], object]], f
                    for family, row in rows.items()}
         pick = next(f"row {family}" for family, row in rows.items() if row == table_row)
         points.append(ChoicePoint("bitplane_gemm", f"{n}x{k}", PREFILL_TOKENS, pick, timings))
+    through = prefill_through(device)
+    for (planes, scales), (n, k) in matrices:
+        x = x_of(PREFILL_TOKENS, k)
+        points.append(ChoicePoint("prefill", f"{n}x{k} INT6", PREFILL_TOKENS, through, {
+            "gemm": timer(lambda: bitplane_gemm(x, planes, scales)),
+            "dequantize": timer(lambda: F.linear(x, bitplane_dequantize(planes, scales, x.dtype)))}))
+    for n, k in HC_INT8_SHAPES:
+        codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        packed, scales = pack_int32(codes, 8).to(device), _scales(n, k // 64, device, gen)
+        x = x_of(PREFILL_TOKENS, k)
+        points.append(ChoicePoint("prefill", f"{n}x{k} INT8", PREFILL_TOKENS, through, {
+            "gemm": timer(lambda: int8_gemm(x, packed, scales)),
+            "dequantize": timer(lambda: F.linear(x, int8_dequantize(packed, scales, x.dtype)))}))
     return points
 
 

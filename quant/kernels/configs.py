@@ -156,12 +156,25 @@ class MatmulChoice:
     gemv_max_tokens: int
 
 
+@dataclass(frozen=True)
+class PrefillChoice:
+    """How the int6-bitplane and int8-modules layers multiply a prefill (more than 16 tokens):
+    ``"gemm"``, the tiled ``tl.dot`` GEMM of :mod:`.prefill_gemm` over the stored words, or
+    ``"dequantize"``, the whole weight dequantized by :mod:`.dequantize` and a cuBLAS GEMM."""
+
+    through: str
+
+    def __post_init__(self):
+        if self.through not in ("gemm", "dequantize"):
+            raise ValueError(f"PrefillChoice.through: gemm or dequantize, not {self.through!r}")
+
+
 # kernel -> the type of its rows
 KERNELS: dict[str, type] = {
     "bitplane_gemv": GemvConfig, "bitplane_mma": MmaConfig, "int8_mma": MmaConfig, "hc_down_inject": MmaConfig,
     "hc_up_gate_mix": MixConfig, "bitplane_matmul": MatmulChoice, "moe_route": RouteConfig,
     "qsa_attention": AttentionConfig, "bitplane_gemm": GemmConfig, "int8_gemm": GemmConfig,
-    "bitplane_mlp": MlpChoice,
+    "bitplane_mlp": MlpChoice, "prefill": PrefillChoice,
 }
 FAMILIES = ("h200", "sm86", DEFAULT)
 
@@ -187,10 +200,11 @@ CONFIGS: dict[tuple[str, str, str], object] = {
     # the GEMV wins for one token everywhere and up to four below 2^22 weights (2026-12-01)
     ("bitplane_matmul", "small", DEFAULT): MatmulChoice(gemv_max_tokens=4),
     ("bitplane_matmul", "large", DEFAULT): MatmulChoice(gemv_max_tokens=1),
-    # H200, 2026-12-02 (docs/benchmarks.md, against stock vLLM): at 4 tokens the tensor-core kernel
-    # wins at both shared-expert shapes (2560x640: 4.33 against the GEMV's 5.77 us, stock 4.79;
-    # 1280x2560: 6.48 against 9.61), so the GEMV keeps 1-2 tokens only
-    ("bitplane_matmul", "small", "h200"): MatmulChoice(gemv_max_tokens=2),
+    # H200, 2026-12-02/03 (docs/benchmarks.md, against stock vLLM): from 2 tokens the tuned
+    # tensor-core kernel wins at the shared expert's gate_up (1280x2560: 5.46 against the GEMV's
+    # 6.87 us at 2 tokens; the selftest's timing: 5.6 against 7.0) and ties at its down (2560x640:
+    # 3.97 against 3.95), so the GEMV keeps one token only
+    ("bitplane_matmul", "small", "h200"): MatmulChoice(gemv_max_tokens=1),
     # H200 sweep, 2026-12-02: below 2^22 weights (the shared expert's shapes) 64-row blocks and K
     # split down to one step a program (about 4 programs per SM, capped by the steps): 1280x2560 at
     # 4 tokens 6.48 -> 5.49 us, 2560x640 4.33 -> 4.07; at 6144x2560 and 10240x2560 the same launch
@@ -206,6 +220,17 @@ CONFIGS: dict[tuple[str, str, str], object] = {
     # H200 sweep, 2026-12-03, 512 tokens (docs/benchmarks.md): 128 tokens x 64 rows, one group a step:
     # 1280x2560 40.4 -> 29.8 us, 10240x2560 245 -> 99.7 (Humming 19.7 and 49.1)
     ("bitplane_gemm", ANY, "h200"): GemmConfig(block_m=128, block_n=64, steps=(64,), num_warps=4, num_stages=3),
+    # H200 sweep, 2026-12-03 (second run), 512 tokens: 128 tokens x 64 rows; the HC up GEMM
+    # (10240x320) 18.9 us against Humming's 20.4 and dequantize + GEMM's 40.3. (The HC down GEMM's 24
+    # tiles leave the SMs idle: fills_device sends it to dequantize + GEMM, 45 us, Humming 29.)
+    ("int8_gemm", ANY, "h200"): GemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    # the seed's W8A16 tl.dot GEMM (seed 000: 102 us against Marlin's 120 at 512 tokens on the 3090)
+    ("prefill", ANY, DEFAULT): PrefillChoice(through="gemm"),
+    # H200, 2026-12-03 (docs/benchmarks.md): the dequantization kernel and cuBLAS beat both the tiled
+    # GEMM and Humming at 512 tokens: shared gate_up 11.8 us (GEMM 29.8, Humming 19.8), down 8.0
+    # (13.0, 16.2), HC down/inject 14.7 (45.2 through dequantize + GEMM on the host's path, 29.1), HC
+    # up 11.9 (18.6, 20.3); at 2048 tokens too
+    ("prefill", ANY, "h200"): PrefillChoice(through="dequantize"),
     # what decode-05 was built with (seed 000 §3.3's one-token GEMVs on the 3090): fused up to 4 tokens
     ("bitplane_mlp", ANY, DEFAULT): MlpChoice(fused_max_tokens=4),
     # H200, 2026-12-03, the whole shared-expert step: the fused GEMVs lose at every size (1 token

@@ -35,6 +35,7 @@ from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
 from flashnext.quant.kernels import _common, configs
 from flashnext.quant.kernels._common import INTERPRETED, splitk_counters, step_product
 from flashnext.quant.kernels.bitplane_gemv import GEMV_MAX_TOKENS, bitplane_gemv
+from flashnext.quant.kernels.dequantize import bitplane_dequantize, int8_dequantize
 from flashnext.quant.kernels.prefill_gemm import bitplane_gemm, fills_device, int8_gemm
 
 MMA_MAX_TOKENS = 16  # the tokens padded to one 16-row tl.dot operand
@@ -139,17 +140,24 @@ def int8_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block_
     return _mma(x, packed.view(torch.uint8), scales, 8, config, silu_columns, silu_div)
 
 
+def prefill_through(device) -> str:
+    """``"gemm"`` or ``"dequantize"``: how a prefill multiplies on ``device`` (``configs``' ``prefill`` row)."""
+    return configs.config_for("prefill", device=device).through
+
+
 def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for any ``x [M, K]`` over compressed-tensors INT8 words: :func:`int8_mma` for
-    decode batches, :func:`~.prefill_gemm.int8_gemm` above 16 tokens where its tiles fill the
-    device (:func:`~.prefill_gemm.fills_device`). Otherwise, and off CUDA without the
-    interpreter, a GEMM over the weights dequantized to ``x``'s dtype (each ``q * s`` rounded once)."""
+    decode batches; above 16 tokens :func:`~.prefill_gemm.int8_gemm` where the device's ``prefill``
+    row says ``gemm`` and its tiles fill the device (:func:`~.prefill_gemm.fills_device`), else a
+    GEMM over the weights dequantized to ``x``'s dtype (each ``q * s`` rounded once) by
+    :func:`~.dequantize.int8_dequantize` (on the host off CUDA without the interpreter)."""
     M, K = x.shape
     if M and (x.is_cuda or INTERPRETED):
         if M <= MMA_MAX_TOKENS:
             return int8_mma(x, packed, scales)
-        if fills_device("int8_gemm", M, packed.shape[0], K, x.device):
+        if prefill_through(x.device) == "gemm" and fills_device("int8_gemm", M, packed.shape[0], K, x.device):
             return int8_gemm(x, packed, scales)
+        return torch.nn.functional.linear(x, int8_dequantize(packed, scales, x.dtype))
     return torch.nn.functional.linear(x, int8_weights(packed, scales, x.dtype))
 
 
@@ -180,9 +188,13 @@ def fused_gemvs_win(M: int, gate_up: tuple[int, int], down: tuple[int, int], dev
 
 def bitplane_matmul(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for any number of tokens over bit-plane weights: for 1..16 the decode kernel that
-    measured faster (:func:`matmul_variant`), above that the tiled prefill GEMM."""
+    measured faster (:func:`matmul_variant`), above that the device's ``prefill`` row: the tiled
+    prefill GEMM, or the weight dequantized by :func:`~.dequantize.bitplane_dequantize` and a
+    cuBLAS GEMM."""
     M, K = x.shape
     if M > MMA_MAX_TOKENS:
+        if prefill_through(x.device) == "dequantize":
+            return torch.nn.functional.linear(x, bitplane_dequantize(planes, scales, x.dtype))
         return bitplane_gemm(x, planes, scales)
     if matmul_variant(M, planes.shape[0], K, x.device) == "gemv":
         return bitplane_gemv(x, planes, scales)

@@ -36,7 +36,7 @@ def record(self, *args, grid, warmup, **kwargs):
 
 JITFunction.run = record
 
-from flashnext.quant.kernels import bitplane_gemv, decode_mma, hc_mix, moe_route, prefill_gemm  # noqa: E402
+from flashnext.quant.kernels import bitplane_gemv, decode_mma, dequantize, hc_mix, moe_route, prefill_gemm  # noqa: E402
 
 
 def bf16(*shape):
@@ -69,6 +69,10 @@ decode_mma.bitplane_matmul(x, *gate_up)
 decode_mma.bitplane_matmul(bf16(PREFILL, SHARED), *down)
 prefill_gemm.int8_gemm(x, *lm_head)  # int8_matmul's pick where the tiles fill the device
 prefill_gemm.int8_gemm(bf16(PREFILL, LOWRANK), *hc_up)
+# where they do not (the HC down/inject GEMM), and every prefill where a row says "dequantize"
+dequantize.int8_dequantize(*hc_down, torch.bfloat16)
+dequantize.bitplane_dequantize(*gate_up, torch.bfloat16)
+dequantize.bitplane_dequantize(*down, torch.bfloat16)
 
 backend = make_backend(RTX_3090)
 seen = set()

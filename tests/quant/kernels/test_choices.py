@@ -21,8 +21,10 @@ def scripted(times):
 
 
 # how many functions time_choices times: two matrices and the step at each decode size, two variants
-# each; the prefill GEMM at both matrices with every row the table holds for it
-TIMED = 3 * len(choices.DECODE_TOKENS) * 2 + 2 * len({f for (k, _, f) in configs.CONFIGS if k == "bitplane_gemm"})
+# each; the prefill GEMM at both matrices with every row the table holds for it; the prefill path
+# (GEMM or dequantize + cuBLAS) at the two INT6 and the two INT8 matrices
+TIMED = (3 * len(choices.DECODE_TOKENS) * 2 + 2 * len({f for (k, _, f) in configs.CONFIGS if k == "bitplane_gemm"})
+         + (2 + len(choices.HC_INT8_SHAPES)) * 2)
 
 
 def times(ascending: bool) -> list[float]:
@@ -35,13 +37,14 @@ def points_with(ascending: bool):
 
 def test_the_picks_are_the_tables_for_the_device():
     points = points_with(ascending=True)
-    assert {p.decision for p in points} == {"bitplane_matmul", "bitplane_mlp", "bitplane_gemm"}
+    assert {p.decision for p in points} == {"bitplane_matmul", "bitplane_mlp", "bitplane_gemm", "prefill"}
     by = {(p.decision, p.shape, p.tokens): p for p in points}
     # the default rows (what a 3090 gets): the GEMV up to 4 tokens below 2^22 weights, the fused step to 4
     assert all(by[("bitplane_matmul", shape, m)].table_picks == "gemv" for shape in ("1280x2560", "2560x640")
                for m in choices.DECODE_TOKENS)
     assert all(p.table_picks == "fused" for p in points if p.decision == "bitplane_mlp")
     assert all(p.table_picks == "row default" for p in points if p.decision == "bitplane_gemm")
+    assert [p.table_picks for p in points if p.decision == "prefill"] == ["gemm"] * 4
     # each first-timed variant is the table's default pick here, and measured fastest: all agree
     assert all(p.agrees for p in points), [choices.advice(p) for p in points if not p.agrees]
 

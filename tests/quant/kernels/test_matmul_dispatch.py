@@ -13,9 +13,10 @@ H200_SMS = 132
 
 
 @pytest.mark.parametrize("shape", [GATE_UP, DOWN])
-@pytest.mark.parametrize("tokens,variant", [(1, "gemv"), (2, "gemv"), (4, "mma"), (8, "mma"), (16, "mma")])
+@pytest.mark.parametrize("tokens,variant", [(1, "gemv"), (2, "mma"), (4, "mma"), (8, "mma"), (16, "mma")])
 def test_h200_shared_expert_dispatch(shape, tokens, variant):
-    # 4 tokens on the down shape: the GEMV ran 5.77 us, the tensor-core kernel 4.33, stock 4.79
+    # 4 tokens on the down shape: the GEMV ran 5.77 us, the tensor-core kernel 4.33, stock 4.79;
+    # 2 tokens on gate_up: 6.87 against 5.46 (docs/benchmarks.md, issue 28)
     assert matmul_variant(tokens, *shape, family="h200") == variant
 
 

@@ -13,7 +13,7 @@ from support import SUPPORT_DIR
 
 SM86_SHARED_BYTES = 99 * 1024  # the RTX 3090's opt-in shared memory per block
 EXPECTED = {"_gemv_kernel", "_gate_up_kernel", "_down_combine_kernel", "_route_kernel", "_mma_kernel",
-            "_up_gate_mix_kernel", "_gemm_kernel"}
+            "_up_gate_mix_kernel", "_gemm_kernel", "_bitplane_dequantize_kernel", "_int8_dequantize_kernel"}
 
 
 def test_every_launch_a_3090_makes_fits_its_shared_memory():

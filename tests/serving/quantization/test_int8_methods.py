@@ -43,9 +43,13 @@ def loaded(method) -> torch.nn.Module:
 
 
 def test_linear_and_embedding_share_one_apply():
-    from flashnext.serving.quantization.int8 import Int8EmbeddingMethod, Int8LinearMethod
+    """One INT8 multiply for both: the embedding method (an LM head's) defers to the linear one's
+    wherever vLLM's chooser gives the LM head no kernel of its own (tests/serving/patches/test_int8_lm_head.py)."""
+    from flashnext.serving.quantization.int8 import Int8EmbeddingMethod, Int8LinearMethod, _Int8Matmul
 
-    assert Int8LinearMethod.apply is Int8EmbeddingMethod.apply
+    assert Int8LinearMethod.apply is _Int8Matmul.apply and issubclass(Int8EmbeddingMethod, _Int8Matmul)
+    method = Int8EmbeddingMethod(128)
+    assert method.scheme is None and method.kernel == "int8_matmul"  # before create_weights, and on the CPU
     from vllm.model_executor.layers.linear import LinearMethodBase
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
