@@ -110,7 +110,8 @@ def build(src: Path, out: Path, fmt: str, device: str, dense_layer_id: int, forc
     """Write the raw table file vLLM maps (VLLM_PLE_MMAP_PATH) and its sidecar OUT.json, or with
     --format nvfp4|fp8 an overlay of the table in that format (every PLE layer's).
 
-    An interrupted bf16 build resumes where it stopped when run again with the same arguments."""
+    An interrupted build, of either kind, resumes where it stopped when run again with the same
+    arguments."""
     if fmt != "bf16":
         from flashnext.quant.overlays.ple_quant import quantize_ple_table
 

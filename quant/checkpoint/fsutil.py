@@ -164,6 +164,15 @@ class HeldDirectory:
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
+    def read_regular(self, name: str) -> bytes:
+        """The bytes of the regular file ``name`` here, never through a link (a FIFO is refused,
+        not waited on)."""
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FlashnextError(f"{self.path / name} is not a regular file")
+            return f.read()
+
     def remove_tree(self, name: str) -> None:
         """Remove ``name`` here: a link or file by unlinking, a directory with all it holds (never
         following a link inside it)."""
@@ -590,6 +599,111 @@ def _commit(parent: HeldDirectory, partial: str, name: str, replacing: bool) -> 
     parent.remove_tree(old)
 
 
+class OutputDirectory:
+    """An output directory being built under its lock (what :func:`output_directory` yields): its
+    partial sibling is made, found again, committed and removed through the held parent."""
+
+    def __init__(self, path: Path, parent: HeldDirectory, inputs: dict[str, Path | None], replacing: bool):
+        self.path = path
+        self.parent = parent
+        self.inputs = inputs
+        self.replacing = replacing  # an existing output (flashnext's, with --force) is replaced at the commit
+
+    def make_partial(self, name: str, made_by: str) -> HeldDirectory:
+        """A new partial directory ``name`` beside the output, made exclusively, held open, with
+        flashnext's marker in it."""
+        where = self.path.parent / name
+        try:
+            os.mkdir(name, 0o777, dir_fd=self.parent.fd)
+        except FileExistsError:
+            raise FlashnextError(f"{where} exists and is not a leftover of flashnext's; remove it") from None
+        try:
+            partial = self.parent.open_directory(name)
+        except OSError:
+            raise FlashnextError(f"{where} was replaced as it was made; is someone else writing in that "
+                                 "folder?") from None
+        try:
+            write_marker(partial.through(), made_by)
+        except BaseException:
+            self.discard(name, partial)
+            partial.close()
+            raise
+        return partial
+
+    def open_partial(self, name: str, identity: tuple[int, int]) -> HeldDirectory | None:
+        """The partial directory ``name`` held open again, if it is the very directory ``identity``
+        (device and inode; never a link to it) and carries flashnext's marker; else None."""
+        if not self.parent.holds(name, identity) or _marker_at(self.parent, name) is None:
+            return None
+        try:
+            partial = self.parent.open_directory(name)
+        except OSError:
+            return None
+        if partial.identity() != identity:  # swapped between the look and the open
+            partial.close()
+            return None
+        return partial
+
+    def remove_partial(self, name: str) -> bool:
+        """Remove ``name`` beside the output if it is a link or a directory flashnext made (the rule
+        of :func:`remove_leftovers`); False, and nothing removed, for anything else."""
+        st = self.parent.lstat(name)
+        if st is None:
+            return True
+        if stat.S_ISLNK(st.st_mode):
+            os.unlink(name, dir_fd=self.parent.fd)
+            return True
+        if stat.S_ISDIR(st.st_mode) and _marker_at(self.parent, name) is not None:
+            self.parent.remove_tree(name)
+            return True
+        return False
+
+    def commit(self, name: str, partial: HeldDirectory) -> None:
+        """Rename the complete ``partial`` (still the very directory made as ``name``) to the
+        output, once it still overlaps no input."""
+        os.fsync(partial.fd)
+        if not self.parent.holds(name, partial.identity()):
+            raise FlashnextError(f"{self.path.parent / name} was replaced while it was being written; "
+                                 "is someone else writing in that folder?")
+        refuse_overlap_open(self.parent, self.path.name, self.inputs)
+        _commit(self.parent, name, self.path.name, replacing=self.replacing)
+        os.fsync(self.parent.fd)
+
+    def discard(self, name: str, partial: HeldDirectory) -> None:
+        """Remove the partial ``name``, if it is still the very directory held as ``partial``."""
+        if self.parent.holds(name, partial.identity()):
+            self.parent.remove_tree(name)
+
+
+@contextmanager
+def output_directory(out: Path, force: bool, inputs: dict[str, Path | None]) -> Iterator[OutputDirectory]:
+    """The rules of every output directory, for a caller that manages its partial itself (a
+    resumable build): the output's lock held, its leftovers removed (a previous output that an
+    interrupted ``--force`` replace had set aside put back), an existing ``out`` refused unless
+    ``force`` and flashnext made it, and ``out`` never, inside or around one of ``inputs`` (by path,
+    on what is open, and again at the commit). On an exception the parent directories this call
+    created (and left empty) are removed."""
+    out = Path(out).absolute()
+    refuse_overlap(out, inputs)
+    created = make_parents(out)
+    try:
+        with output_lock(out) as parent:
+            refuse_overlap_open(parent, out.name, inputs)
+            restored = remove_leftovers(out, parent)
+            existing = parent.lstat(out.name)
+            if existing is not None:
+                if not force:
+                    how = f" (put back from {restored.name}, left by a --force replace that was interrupted)" \
+                        if restored else ""
+                    raise _already_exists(out, how)
+                if not stat.S_ISDIR(existing.st_mode) or _marker_at(parent, out.name) is None:
+                    _not_flashnexts(out)
+            yield OutputDirectory(out, parent, inputs, replacing=existing is not None)
+    except BaseException:
+        remove_empty(created)
+        raise
+
+
 @contextmanager
 def atomic_directory(out: Path, force: bool = False, inputs: dict[str, Path | None] | None = None,
                      made_by: str = "flashnext", held: bool = False) -> Iterator[Path]:
@@ -605,52 +719,17 @@ def atomic_directory(out: Path, force: bool = False, inputs: dict[str, Path | No
     only (not for a child process's command line).
     """
     out = Path(out).absolute()
-    inputs = inputs or {}
-    refuse_overlap(out, inputs)
-    created = make_parents(out)
-    try:
-        with output_lock(out) as parent:
-            refuse_overlap_open(parent, out.name, inputs)
-            restored = remove_leftovers(out, parent)
-            existing = parent.lstat(out.name)
-            if existing is not None:
-                if not force:
-                    how = f" (put back from {restored.name}, left by a --force replace that was interrupted)" \
-                        if restored else ""
-                    raise _already_exists(out, how)
-                if not stat.S_ISDIR(existing.st_mode) or _marker_at(parent, out.name) is None:
-                    _not_flashnexts(out)
-            name = f".{out.name}.partial-{os.getpid()}"
-            try:
-                os.mkdir(name, 0o777, dir_fd=parent.fd)
-            except FileExistsError:
-                raise FlashnextError(f"{out.parent / name} exists and is not a leftover of flashnext's; "
-                                     "remove it") from None
-            try:
-                partial = parent.open_directory(name)
-            except OSError:
-                raise FlashnextError(f"{out.parent / name} was replaced as it was made; is someone else "
-                                     "writing in that folder?") from None
-            mine = partial.identity()
-            try:
-                write_marker(partial.through(), made_by)
-                yield partial.through() if held else out.parent / name
-                os.fsync(partial.fd)
-                if not parent.holds(name, mine):
-                    raise FlashnextError(f"{out.parent / name} was replaced while it was being written; "
-                                         "is someone else writing in that folder?")
-                refuse_overlap_open(parent, out.name, inputs)
-                _commit(parent, name, out.name, replacing=existing is not None)
-                os.fsync(parent.fd)
-            except BaseException:
-                if parent.holds(name, mine):
-                    parent.remove_tree(name)
-                raise
-            finally:
-                partial.close()
-    except BaseException:
-        remove_empty(created)
-        raise
+    with output_directory(out, force, inputs or {}) as output:
+        name = f".{out.name}.partial-{os.getpid()}"
+        partial = output.make_partial(name, made_by)
+        try:
+            yield partial.through() if held else out.parent / name
+            output.commit(name, partial)
+        except BaseException:
+            output.discard(name, partial)
+            raise
+        finally:
+            partial.close()
 
 
 def write_text_at(parent: HeldDirectory, name: str, text: str) -> None:
@@ -677,6 +756,39 @@ def write_text_at(parent: HeldDirectory, name: str, text: str) -> None:
         if parent.holds(tmp, mine):
             os.unlink(tmp, dir_fd=parent.fd)
         raise
+
+
+def write_new_file(path: Path, text: str) -> None:
+    """A new small file ``path``, for a command whose output is one file it never replaces: written
+    to a temporary sibling through the held parent, then given its name only if that name is free
+    (``renameat2`` RENAME_NOREPLACE, else a hard link, each refusing an existing name, a link
+    included). So the name is created exclusively, never through a link, and holds the whole text
+    or nothing; an existing ``path`` is one line."""
+    path = Path(path)
+    try:
+        parent = HeldDirectory.open(path.parent)
+    except FlashnextError:
+        raise FlashnextError(f"{path.parent} is not a directory to write {path.name} in") from None
+    with parent:
+        if parent.lstat(path.name) is not None:
+            raise FlashnextError(f"{path} already exists: choose another name (it is never replaced)")
+        tmp = f".{path.name}.tmp-{os.getpid()}"
+        fd = parent.create(tmp)
+        mine = _identity(os.fstat(fd))
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                if not _renameat2(parent.fd, tmp, path.name, RENAME_NOREPLACE):
+                    os.link(tmp, path.name, src_dir_fd=parent.fd, dst_dir_fd=parent.fd, follow_symlinks=False)
+            except FileExistsError:
+                raise FlashnextError(f"{path} already exists: choose another name (it is never replaced)") from None
+            os.fsync(parent.fd)
+        finally:
+            if parent.holds(tmp, mine):
+                os.unlink(tmp, dir_fd=parent.fd)
 
 
 def write_text_atomic(path: Path, text: str, inputs: dict[str, Path | None] | None = None) -> None:

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -215,7 +216,10 @@ class ShardWriter:
     ...     w.write("a", torch.zeros(2))
     """
 
-    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None,
+                 written: set[str] | None = None):
+        """``written``: reopen the shard an interrupted build made at ``path`` (never through a
+        link, never truncated) to go on writing it; those tensors were written in full then."""
         self.path = Path(path)
         self.specs = {s.name: s for s in specs}
         prefix, offsets = _encode_header(specs, metadata or {})
@@ -223,10 +227,37 @@ class ShardWriter:
         self._offsets = offsets
         # A 0-element tensor (safetensors allows them) has no bytes for anyone to write.
         self._pending = {s.name for s in specs if s.nbytes}
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(self._fd, prefix, 0)
         self.size = len(prefix) + sum(s.nbytes for s in specs)
+        if written is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        else:
+            self._fd = self._reopen(written)
+        os.pwrite(self._fd, prefix, 0)
         os.ftruncate(self._fd, self.size)
+
+    def _reopen(self, written: set[str]) -> int:
+        unknown = written - set(self.specs)
+        if unknown:
+            raise FlashnextError(f"{self.path}: has no tensor {sorted(unknown)[0]!r}")
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            raise FlashnextError(f"{self.path}: cannot be opened again ({e.strerror})") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != self.size:
+            os.close(fd)
+            raise FlashnextError(f"{self.path} is not the {self.size}-byte shard this build began")
+        self._pending -= written
+        return fd
+
+    @property
+    def written(self) -> set[str]:
+        """The tensors written in full so far."""
+        return {name for name, spec in self.specs.items() if spec.nbytes and name not in self._pending}
+
+    def sync(self) -> None:
+        """Make what was written so far durable (before a journal says it was)."""
+        os.fsync(self._fd)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         spec = self.specs.get(name)

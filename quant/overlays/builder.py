@@ -7,6 +7,13 @@ its guards (:func:`~flashnext.quant.checkpoint.fsutil.atomic_directory`), every 
 rewritten shard copied byte for byte, the shards closed only when complete, the index's
 ``total_size``, and ``overlay.json`` pinning each replaced base file by hash.
 
+A builder whose fill takes hours opts into resuming (``resumable = True``): it says what a resume
+must find unchanged (:meth:`OverlayBuilder.resume_identity`), gives its progress as JSON
+(:meth:`OverlayBuilder.resume_state`) and takes it back (:meth:`OverlayBuilder.restore`), and calls
+:meth:`OverlayBuilder.checkpoint` in ``fill`` after each unit of work. The skeleton then builds in a
+partial overlay that an interruption keeps, with its journal (:mod:`~flashnext.quant.overlays.resume`),
+and the next run of the same build continues it.
+
 :data:`OVERLAY_KINDS` is the one table of overlay kinds: for each, the builder as a ``"module:Class"``
 path (imported only when the kind is asked for, as vLLM's model registry does, so that reading a
 manifest never imports torch-heavy builders), the tags its Hub model card carries, and the
@@ -22,13 +29,14 @@ from __future__ import annotations
 
 import copy
 import importlib
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Callable, ClassVar
 
-from flashnext.quant.checkpoint.fsutil import (atomic_directory, check_free_space, existing_ancestor, output_file,
-                                               write_json)
+from flashnext.quant.checkpoint.fsutil import (atomic_directory, check_free_space, existing_ancestor, output_directory,
+                                               output_file, write_json)
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot, read_config, read_index
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, copy_tensor_bytes, read_header, shard_size
@@ -75,6 +83,9 @@ class OverlayBuilder(ABC):
     kinds: ClassVar[tuple[str, ...]]  # the overlay kinds it makes (overlay.json's "kind")
     tool: ClassVar[str]  # the command that runs it
     headroom: ClassVar[int] = 1 << 20  # free space wanted beyond the shards
+    # An interrupted build continues where it stopped (see the module's docstring).
+    resumable: ClassVar[bool] = False
+    _run = None  # the ResumableOutput of a resumable build under way
 
     def __init__(self, snap: Snapshot):
         self.snap = snap
@@ -119,54 +130,113 @@ class OverlayBuilder(ABC):
         may not be, contain or lie inside any of them, so ``--force`` cannot remove one."""
         return {}
 
-    def build(self, out: Path, force: bool = False, progress: bool = True) -> dict:
-        """Write the overlay ``out`` (never inside or over the snapshot). Returns the report."""
+    def resume_identity(self) -> dict:
+        """For a resumable builder: what a resume must find as the interrupted build had it (the
+        source's identity, the settings the output depends on), each under the name the line that
+        starts over gives it ("source snapshot"); JSON values. The overlay kind is always part of it."""
+        raise NotImplementedError
+
+    def resume_state(self) -> dict:
+        """For a resumable builder: its progress as JSON, enough to go on from (work done, running
+        sums). Floats come back exactly."""
+        raise NotImplementedError
+
+    def restore(self, state: dict) -> None:
+        """For a resumable builder: go on from ``state`` (a :meth:`resume_state` of this very build's);
+        raise FlashnextError or ValueError, changing nothing, on one it cannot take."""
+        raise NotImplementedError
+
+    def checkpoint(self) -> None:
+        """Record the work done so far: a resumable builder's ``fill`` calls this after each unit of
+        work; what the shards hold is made durable, then the journal says so. A no-op otherwise."""
+        if self._run is not None:
+            self._run.save(self.resume_state())
+
+    def build(self, out: Path, force: bool = False, progress: bool = True,
+              notice: Callable[[str], None] | None = None) -> dict:
+        """Write the overlay ``out`` (never inside or over the snapshot). Returns the report.
+        ``notice`` takes the line a resumable build says when it resumes or starts over (default:
+        stderr)."""
         snap = self.snap
         plans = self.plan()
         metadata = {f: snap.header(f).metadata for f in plans}
         needed = sum(shard_size(specs, metadata[f]) for f, specs in plans.items()) + self.headroom
-        check_free_space(existing_ancestor(out), needed, f"the overlay {out}")
         manifest = OverlayManifest.new(self.kind, self.tool, snap.origin)
-        rewritten = self.rewritten()
         inputs = {"the source snapshot": snap.root, **self.inputs()}
+        if self.resumable:
+            return self._build_resumable(out, force, progress, notice or _to_stderr, plans, metadata, needed,
+                                         manifest, inputs)
+        check_free_space(existing_ancestor(out), needed, f"the overlay {out}")
         # Written through the partial directory's descriptor: a swap of it, or of its parent, for a
         # link into the snapshot changes nothing.
         with atomic_directory(out, force=force, inputs=inputs, made_by=self.tool, held=True) as tmp:
             writers = {f: ShardWriter(output_file(tmp, f), specs, metadata[f]) for f, specs in plans.items()}
+            return self._write_overlay(tmp, writers, plans, manifest, progress)
+
+    def _build_resumable(self, out: Path, force: bool, progress: bool, notice: Callable[[str], None],
+                         plans: dict[str, list[TensorSpec]], metadata: dict[str, dict], needed: int,
+                         manifest: OverlayManifest, inputs: dict[str, Path]) -> dict:
+        from flashnext.quant.overlays.resume import ResumableOutput
+
+        source = {"overlay kind": self.kind, **self.resume_identity()}
+        with output_directory(out, force, inputs) as output, \
+                ResumableOutput(output, self.tool, source, notice) as run:
+            resumed = run.resume(plans, metadata, self.restore)
+            check_free_space(existing_ancestor(out), max(0, needed - run.allocated()), f"the overlay {out}")
+            if not resumed:
+                run.start(plans, metadata, self.resume_state())
+            self._run = run
             try:
-                for filename, writer in writers.items():
-                    header = snap.header(filename)
-                    for spec in plans[filename]:
-                        if spec.name in header.entries and spec.name not in rewritten:
-                            copy_tensor_bytes(snap.path(filename), header.entries[spec.name], writer)
-                self.fill(writers, progress)
-                for writer in writers.values():
-                    writer.close()
-            except BaseException:
-                for writer in writers.values():
-                    writer.abort()
+                report = self._write_overlay(run.path, run.writers, plans, manifest, progress)
+                run.commit()
+            except FlashnextError:
+                run.discard()
                 raise
-            sizes = {f: w.size for f, w in writers.items()}
-            files = list(plans)
-            weight_map = self.new_weight_map(plans)
-            if weight_map is not None or any(sizes[f] != snap.header(f).file_size for f in plans):
-                index = copy.deepcopy(snap.index)
-                if weight_map is not None:
-                    index["weight_map"] = weight_map
-                index.setdefault("metadata", {})["total_size"] = _total_size(snap, index["weight_map"], plans)
-                write_json(tmp / INDEX_FILE, index)
-                files.append(INDEX_FILE)
-            write_json(tmp / CONFIG_FILE, self.new_config())
-            files.append(CONFIG_FILE)
-            report = self.report() | {"bytes_written": sum(sizes.values())}
-            manifest.report = report
-            for name in files:
-                manifest.replace(tmp, name, snap.path(name))
-            manifest.write(tmp)
-            check_readable(tmp, self.tool)
-            # Last, so that every read of the snapshot (the copies, fill's, the hashes just pinned)
-            # is covered: a source rewritten after it was read makes no overlay.
-            snap.check_unchanged()
+            finally:
+                self._run = None
+            return report
+
+    def _write_overlay(self, tmp: Path, writers: dict[str, ShardWriter], plans: dict[str, list[TensorSpec]],
+               manifest: OverlayManifest, progress: bool) -> dict:
+        """Fill the shards open in ``writers`` inside the partial overlay ``tmp``, then write the rest
+        of the overlay there and read it back. Untouched tensors are copied on every run, a resumed
+        one's too: a byte copy is cheap, and so it is this run's source that they come from."""
+        snap = self.snap
+        rewritten = self.rewritten()
+        try:
+            for filename, writer in writers.items():
+                header = snap.header(filename)
+                for spec in plans[filename]:
+                    if spec.name in header.entries and spec.name not in rewritten:
+                        copy_tensor_bytes(snap.path(filename), header.entries[spec.name], writer)
+            self.fill(writers, progress)
+            for writer in writers.values():
+                writer.close()
+        except BaseException:
+            for writer in writers.values():
+                writer.abort()
+            raise
+        sizes = {f: w.size for f, w in writers.items()}
+        files = list(plans)
+        weight_map = self.new_weight_map(plans)
+        if weight_map is not None or any(sizes[f] != snap.header(f).file_size for f in plans):
+            index = copy.deepcopy(snap.index)
+            if weight_map is not None:
+                index["weight_map"] = weight_map
+            index.setdefault("metadata", {})["total_size"] = _total_size(snap, index["weight_map"], plans)
+            write_json(tmp / INDEX_FILE, index)
+            files.append(INDEX_FILE)
+        write_json(tmp / CONFIG_FILE, self.new_config())
+        files.append(CONFIG_FILE)
+        report = self.report() | {"bytes_written": sum(sizes.values())}
+        manifest.report = report
+        for name in files:
+            manifest.replace(tmp, name, snap.path(name))
+        manifest.write(tmp)
+        check_readable(tmp, self.tool)
+        # Last, so that every read of the snapshot (the copies, fill's, the hashes just pinned)
+        # is covered: a source rewritten after it was read makes no overlay.
+        snap.check_unchanged()
         return report
 
 
@@ -197,3 +267,7 @@ def _total_size(snap: Snapshot, weight_map: dict[str, str], plans: dict[str, lis
         else:
             total += sum(e.nbytes for e in snap.header(filename).entries.values())
     return total
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

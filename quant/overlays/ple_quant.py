@@ -13,14 +13,21 @@ order, every untouched tensor byte for byte and each table shard's ``weight`` wi
 ``weight_scale`` after it; the file of the first shard also takes the table's global scale. The
 report gives the relative squared error against the BF16 rows, and for NVFP4 that of plain absmax
 block scales over the same rows.
+
+The build is resumable (the skeleton's ``resumable`` mode): after every chunk of either pass the
+journal records the chunks done, the running largest magnitude and the error sums, so an
+interrupted build goes on at the next chunk, and its overlay and report are those of an
+uninterrupted one, byte for byte.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import hashlib
+import json
 
 import torch
+from pydantic import Field
 
 from flashnext.errors import FlashnextError
 from flashnext.progress import Progress
@@ -29,6 +36,7 @@ from flashnext.quant.formats import float_rows
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
 from flashnext.quant.overlays.builder import OverlayBuilder
 from flashnext.quant.ple.source import PleSource, find_ple_source
+from flashnext.quant.records.strict import Count, StrictRecord
 
 KINDS = {"nvfp4": "ple-nvfp4", "fp8": "ple-fp8"}
 CHUNK_ROWS = 1 << 16
@@ -37,11 +45,12 @@ CHUNK_ROWS = 1 << 16
 ABSMAX_SAMPLE_EVERY = 8
 
 
-@dataclass
-class _Errors:
+class _Errors(StrictRecord):
+    """The report's error sums of one table, as the journal holds them."""
+
     squared: float = 0.0
     reference: float = 0.0
-    sample_rows: int = 0
+    sample_rows: Count = 0
     sample_squared: float = 0.0
     sample_absmax_squared: float = 0.0
     sample_reference: float = 0.0
@@ -59,11 +68,30 @@ class _Errors:
         return out
 
 
+class _TableProgress(StrictRecord):
+    """How far the build of one table got: what an interrupted build goes on from."""
+
+    amax_chunks: Count = 0  # chunks of the first pass done
+    amax: float = 0.0  # the largest magnitude in them
+    chunks: Count = 0  # chunks quantized and written
+    errors: _Errors = Field(default_factory=_Errors)  # over the chunks written
+
+
 def _chunks(source: PleSource):
     for shard in source.shards:
         for start in range(0, shard.rows, CHUNK_ROWS):
             stop = min(shard.rows, start + CHUNK_ROWS)
             yield shard, start, stop
+
+
+def _chunk_count(source: PleSource) -> int:
+    return sum(-(-shard.rows // CHUNK_ROWS) for shard in source.shards)
+
+
+def _bytes_of_chunks(source: PleSource, chunks: int) -> int:
+    """The BF16 bytes of the first ``chunks`` chunks of ``source``."""
+    return sum((stop - start) * source.row_elements * 2
+               for _, (_, start, stop) in zip(range(chunks), _chunks(source)))
 
 
 def _tables(snap: Snapshot) -> list[PleSource]:
@@ -86,6 +114,7 @@ class PleQuantize(OverlayBuilder):
 
     kinds = tuple(KINDS.values())
     tool = "flashnext ple build"
+    resumable = True
 
     def __init__(self, snap: Snapshot, fmt: str, device: str = "cpu"):
         from flashnext.quant.quantizers.device import usable_device
@@ -99,7 +128,7 @@ class PleQuantize(OverlayBuilder):
         if snap.text_config.get("ple_embedding_dtype") is not None:
             raise FlashnextError(f"config.json already says ple_embedding_dtype "
                                  f"{snap.text_config['ple_embedding_dtype']!r}: build from the BF16 snapshot")
-        self.errors = {t.prefix: _Errors() for t in self.tables}
+        self.table_progress = {t.prefix: _TableProgress() for t in self.tables}
         self.scales: dict[str, float] = {}
 
     @property
@@ -143,26 +172,71 @@ class PleQuantize(OverlayBuilder):
                 weight_map.setdefault(spec.name, filename)
         return weight_map
 
+    def resume_identity(self) -> dict:
+        from flashnext import __version__
+        from flashnext.quant.ple.table import source_identity
+
+        snap = self.snap
+
+        def digest(obj) -> str:
+            return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+        # The PLE shards as the bf16 file build pins them (header hash and sampled bytes), the
+        # headers of the files rewritten, config.json and the index. The device is not in it: a
+        # build begun on a GPU may go on on the CPU.
+        return {"source snapshot": {"tables": [source_identity(t) for t in self.tables],
+                                    "headers": {f: hashlib.sha256(snap.header(f).header_bytes).hexdigest()
+                                                for f in sorted(self.plan())},
+                                    "config": digest(snap.config), "index": digest(snap.index)},
+                "chunking": {"chunk_rows": CHUNK_ROWS, "absmax_sample_every": ABSMAX_SAMPLE_EVERY},
+                "flashnext version": __version__}
+
+    def resume_state(self) -> dict:
+        return {prefix: p.model_dump(mode="json") for prefix, p in self.table_progress.items()}
+
+    def restore(self, state: dict) -> None:
+        from flashnext.quant.records.jsonfile import validate
+
+        if set(state) != set(self.table_progress):
+            raise FlashnextError(f"its journal is of the tables {sorted(state)}, not {sorted(self.table_progress)}")
+        restored = {}
+        for table in self.tables:
+            p = validate(state[table.prefix], _TableProgress, f"the journal's {table.prefix}")
+            n = _chunk_count(table)
+            if p.amax_chunks > n or p.chunks > n or (p.chunks and p.amax_chunks < n):
+                raise FlashnextError(f"its journal's chunk counts for {table.prefix} do not fit its {n} chunks")
+            restored[table.prefix] = p
+        self.table_progress = restored
+
     def fill(self, writers: dict[str, ShardWriter], progress: bool) -> None:
         total = 2 * sum(s.entry.nbytes for t in self.tables for s in t.shards)
-        with Progress(total, progress, f"{self.tool} --format {self.fmt}") as bar:
+        done = sum(_bytes_of_chunks(t, self.table_progress[t.prefix].amax_chunks)
+                   + _bytes_of_chunks(t, self.table_progress[t.prefix].chunks) for t in self.tables)
+        with Progress(total, progress, f"{self.tool} --format {self.fmt}", initial=done) as bar:
             for table in self.tables:
-                amax = 0.0
-                for shard, start, stop in _chunks(table):
+                state = self.table_progress[table.prefix]
+                for n, (shard, start, stop) in enumerate(_chunks(table)):
+                    if n < state.amax_chunks:
+                        continue
                     rows = read_rows(shard.path, shard.entry, start, stop).to(self.device)
-                    amax = max(amax, float(rows.float().abs().max())) if rows.numel() else amax
+                    state.amax = max(state.amax, float(rows.float().abs().max())) if rows.numel() else state.amax
+                    state.amax_chunks = n + 1
                     bar.update(rows.numel() * 2)
-                self._write_table(table, amax, writers, bar)
+                    self.checkpoint()
+                self._write_table(table, writers, bar)
 
-    def _write_table(self, table: PleSource, amax: float, writers: dict[str, ShardWriter], bar) -> None:
-        errors = self.errors[table.prefix]
+    def _write_table(self, table: PleSource, writers: dict[str, ShardWriter], bar) -> None:
+        state = self.table_progress[table.prefix]
+        errors = state.errors
         if self.fmt == "nvfp4":
-            scale = float_rows.nvfp4_global_scale(amax)
+            scale = float_rows.nvfp4_global_scale(state.amax)
         else:
-            scale = float_rows.fp8_scale(amax)
+            scale = float_rows.fp8_scale(state.amax)
         self.scales[table.prefix] = scale
         d = table.row_elements
         for n, (shard, start, stop) in enumerate(_chunks(table)):
+            if n < state.chunks:
+                continue
             rows = read_rows(shard.path, shard.entry, start, stop).to(self.device)
             x = rows.float()
             writer = writers[self.snap.weight_map[shard.name]]
@@ -186,7 +260,10 @@ class PleQuantize(OverlayBuilder):
                 errors.sample_squared += squared
                 errors.sample_reference += reference
                 errors.sample_absmax_squared += float(((plain.float() - x) ** 2).sum())
+            state.chunks = n + 1
             bar.update(rows.numel() * 2)
+            self.checkpoint()
+        # Written again by a resumed build whose chunks were all done: the same four bytes.
         writers[self.snap.weight_map[table.shards[0].name]].write(
             self._scale_name(table), torch.tensor([scale], dtype=torch.float32))
 
@@ -201,7 +278,7 @@ class PleQuantize(OverlayBuilder):
         for t in self.tables:
             tables.append({"prefix": t.prefix, "rows": t.layout.padded_rows, "row_elements": t.row_elements,
                            "global_scale": self.scales.get(t.prefix),
-                           **self.errors[t.prefix].as_report(self.fmt == "nvfp4")})
+                           **self.table_progress[t.prefix].errors.as_report(self.fmt == "nvfp4")})
         return {"tool": self.tool, "format": self.fmt, "ple_embedding_dtype": float_rows.FORMATS[self.fmt],
                 "device": str(self.device),
                 "block_scales": "least squared error per block of 16" if self.fmt == "nvfp4" else None,

@@ -35,7 +35,7 @@ from flashnext.quant.ple.sidecar import (BLOCK_BYTES, BUILDER, CopyStats, Sideca
 from flashnext.quant.ple.source import PleSource, TableShard, find_ple_source
 from flashnext.quant.records.inputs import open_regular
 from flashnext.quant.records.jsonfile import parse_json, validate
-from flashnext.quant.records.strict import StrictRecord
+from flashnext.quant.records.strict import PartialIdentity, StrictRecord
 
 __all__ = ["build_table", "verify_table", "find_ple_source", "read_sidecar", "sidecar_path"]
 
@@ -67,7 +67,7 @@ def _content_sample(shard: TableShard) -> str:
     return digest.hexdigest()
 
 
-def _source_identity(source: PleSource) -> list:
+def source_identity(source: PleSource) -> list:
     """What an interrupted build may resume against: each shard's name, dtype and shape, its file's
     safetensors header hash and a sampled hash of its bytes."""
     return [[s.index, s.name, s.entry.dtype, list(s.entry.shape), header_sha256(s.path), _content_sample(s)]
@@ -135,22 +135,6 @@ def _flashnext_table(out: Path) -> bool:
     return True
 
 
-def _read_entry(parent: HeldDirectory, name: str) -> bytes:
-    """The bytes of the regular file ``name`` in ``parent``, never through a link."""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent.fd)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FlashnextError(f"{parent.path / name} is not a regular file")
-        return f.read()
-
-
-class PartialIdentity(StrictRecord):
-    """The partial file a build created: device and inode, so a resumed build writes only into it."""
-
-    dev: int
-    inode: int
-
-
 class BuildJournal(StrictRecord):
     """``OUT.journal``, beside the partial table of an interrupted ``ple build``: the source it was
     built from, the partial file, and the shards already in it (keyed by shard index, as JSON keys)."""
@@ -197,7 +181,7 @@ def _resume(parent: HeldDirectory, out: Path, identity: list, force: bool) -> tu
     if parent.lstat(partial.name) is None:
         return None, {}
     try:
-        journal = validate(parse_json(_read_entry(parent, journal_path.name), str(journal_path)), BuildJournal,
+        journal = validate(parse_json(parent.read_regular(journal_path.name), str(journal_path)), BuildJournal,
                            str(journal_path))
         shards = {int(k): shard for k, shard in journal.shards.items()}
     except (FlashnextError, ValueError, OSError) as e:
@@ -270,7 +254,7 @@ def _build_locked(snap: Snapshot, source: PleSource, output: OutputFile, force: 
             raise FlashnextError(f"{sidecar_path(out)} exists and is not a flashnext sidecar; remove it or "
                                  "choose another --out") from None
     partial, journal_path = _partial_path(out), _journal_path(out)
-    identity = _source_identity(source)
+    identity = source_identity(source)
     fd, done = _resume(parent, out, identity, force)
     bar = None
 
@@ -287,8 +271,9 @@ def _build_locked(snap: Snapshot, source: PleSource, output: OutputFile, force: 
             write_text_at(parent, journal_path.name, journal_text())
             fd = output.create(partial.name)
         write_text_at(parent, journal_path.name, journal_text())
-        remaining = sum(s.entry.nbytes for s in source.shards if s.index not in done)
-        bar = Progress(remaining, progress, "ple build")
+        total = sum(s.entry.nbytes for s in source.shards)
+        bar = Progress(total, progress, "ple build",
+                       initial=sum(s.entry.nbytes for s in source.shards if s.index in done))
         os.ftruncate(fd, source.file_size)
         for shard in source.shards:
             if shard.index in done:

@@ -43,6 +43,14 @@ class BuilderInfo(StrictRecord):
     version: str = Field(description="flashnext's version.")
 
 
+class PartialIdentity(StrictRecord):
+    """The partial file or directory an interrupted build created: device and inode, so that a
+    resumed build writes only into the very one it made."""
+
+    dev: int
+    inode: int
+
+
 def record_schema(model: type, title: str) -> dict:
     """The JSON schema shipped for ``model`` (a record or a :func:`strict_dataclass`) under
     ``manifests/``: pydantic's, with its dialect and a title."""
