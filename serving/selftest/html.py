@@ -19,10 +19,11 @@ def _cell(value) -> str:
     return html.escape(str(value))
 
 
-def _table(head: list[str], rows: list[list]) -> str:
+def _table(head: list[str], rows: list[list], raw: set[int] = frozenset()) -> str:
+    """``raw``: the columns whose cells are markup already."""
     out = ["<table><tr>", *(f"<th>{html.escape(h)}</th>" for h in head), "</tr>"]
     for row in rows:
-        out.append("<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in row) + "</tr>")
+        out.append("<tr>" + "".join(f"<td>{v if i in raw else _cell(v)}</td>" for i, v in enumerate(row)) + "</tr>")
     return "".join(out) + "</table>"
 
 
@@ -41,6 +42,33 @@ def _choices(r: SelftestReport) -> list[str]:
                      ", ".join(f"{k} {v:.1f}" for k, v in p.timings_us.items())] for p in c.points])]
 
 
+def _ple_formats(r: SelftestReport) -> list[str]:
+    f = r.ple_formats
+    return [f"<p>PLE formats: {_status(f.status)} {html.escape(f.detail)}<br>stand-in: {html.escape(f.stand_in)}</p>",
+            _table(["format", "ple_embedding_dtype", "check", "vLLM method", "backend", "rows read",
+                    "rows differing from flashnext's decoder", "relative squared error against BF16",
+                    "bound on the demo", "vLLM allocates (B)", "preflight counts (B)", "detail"],
+                   [[c.format, c.ple_embedding_dtype, _status(c.status), c.vllm_method, c.vllm_backend, c.rows,
+                     c.rows_differing, c.relative_mse, c.error_bound, ", ".join(map(str, c.allocated_bytes)),
+                     ", ".join(map(str, c.preflight_bytes)), c.detail] for c in f.formats], raw={2}),
+            "<p>These are the demo table's numbers, not the real model's: what a format does to the real model's "
+            "answers is measured only by serving it (docs/ple.md's A/B).</p>"]
+
+
+def _ple_format_ab(r: SelftestReport) -> str:
+    ab = r.ple_format_ab
+    floor = {"agree": "within the A/A floor", "disagree": "beyond the A/A floor"}.get(ab.against_floor, "-")
+    numbers = ""
+    if ab.agreement is not None:
+        a = ab.agreement
+        numbers = (f"<br>{a.identical}/{a.answers} identical, {a.matching_fraction:.4f} of {a.by} match, mean KL "
+                   f"{_cell(a.mean_kl_nats)} nats, decode change {_cell(ab.decode_change_pct)} %")
+    return (f"<h2>The PLE table as NVFP4 against BF16: {_status(ab.status)}</h2><p>{html.escape(ab.detail)}"
+            f"<br>against the A/A floor: {floor} (informational: the format changes the numbers by design){numbers}"
+            "<br>On the demo checkpoint: its numbers are not the real model's, and the format's effect on the real "
+            "model is not measured by this selftest.</p>")
+
+
 def write_html(r: SelftestReport, path: Path) -> None:
     m = r.machine
     parts = [
@@ -57,6 +85,7 @@ def write_html(r: SelftestReport, path: Path) -> None:
         _table(["layer", "kind", "type", "group", "K", "N", "capability", "vLLM picks", "Marlin", "Humming", "problem"],
                [[k.layer, k.kind, k.weight_type, k.group_size, k.k, k.n, k.capability / 10, k.kernel, k.marlin,
                  k.humming, "; ".join(k.reasons)] for k in r.kernel_fit.layers]),
+        *_ple_formats(r),
         f"<h2>GPU part: {_status(r.gpu_part)}</h2><p>{html.escape(r.gpu_detail)}</p>",
         *_choices(r),
         f"<p><code>{html.escape(' '.join(r.vllm_command))}</code></p>",
@@ -79,6 +108,7 @@ def write_html(r: SelftestReport, path: Path) -> None:
                      f"<td>{_status(p.kernel_fit) if p.kernel_fit else '-'}</td><td>{_status(p.ab)}</td>"
                      f"<td>{_cell(p.decode_change_pct)}</td><td>{_cell(p.ab_detail)}</td></tr>" for p in r.patches)
                  + "</table>")
+    parts.append(_ple_format_ab(r))
     style = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:collapse;"
              "margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}.bad{color:#a00;"
              "font-weight:bold}.skip{color:#777}.ok{color:#070}code{font-size:12px}")

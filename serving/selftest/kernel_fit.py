@@ -12,8 +12,9 @@ be imported without libcuda, so :class:`CapabilityStandIn` is vLLM's ``Platform`
 and a fixed capability, put in place of ``current_platform`` only in vLLM's quantization, kernel and
 MoE-oracle modules while a model is built; the layers themselves are built by the CPU platform.
 
-Run as ``python -m flashnext.serving.selftest.kernel_fit CONFIG_DIR OUT.json`` in a fresh
-interpreter (the selftest does, with the patched vLLM tree first on the path).
+Run as ``python -m flashnext.serving.selftest.kernel_fit CONFIG_DIR OUT.json [PLE_REQUEST PLE_OUT]``
+in a fresh interpreter (the selftest does, with the patched vLLM tree first on the path); with the
+last two, the interpreter first reads the PLE overlays back through vLLM (:mod:`.ple_formats`).
 """
 
 from __future__ import annotations
@@ -83,24 +84,33 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
+def one_rank(config) -> None:
+    """vLLM's distributed state as one gloo rank, set up once per interpreter (the PLE read-back
+    runs in the same interpreter before the kernel fit)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        with set_current_vllm_config(config):
+            init_distributed_environment(world_size=1, rank=0,
+                                         distributed_init_method="tcp://127.0.0.1:" + _free_port(), local_rank=0,
+                                         backend="gloo")
+            initialize_model_parallel(1, 1)
+    torch.set_default_dtype(torch.bfloat16)
+
+
 def _build(config_dir: str):
     """vLLM's config and model class for ``config_dir``, one gloo rank, ready to build."""
-    import torch
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.utils import configure_quant_config
     from vllm.model_executor.models import ModelRegistry
 
     model_config = ModelConfig(model=config_dir, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16")
     config = VllmConfig(model_config=model_config, cache_config=CacheConfig())
     config.engram_config.cpu_offload = False  # the PLE table in (CPU) device memory: nothing to pin here
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:" + _free_port(),
-                                     local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
-    torch.set_default_dtype(torch.bfloat16)
+    one_rank(config)
     importlib.import_module("vllm.models.qwen4_exp.nvidia.model")
     qsa = importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa")
     # QSA never runs flash-attn's varlen kernel over its cache; the probe only guards an import
@@ -178,8 +188,33 @@ def check(config_dir: str, capabilities=CAPABILITIES) -> dict:
     return {"layers": rows, "errors": errors}
 
 
+def ple_read_back(request_path: str, out: str) -> None:
+    """The PLE formats' read-back (:func:`.ple_formats.read_back`), its result (or why it failed)
+    written to ``out`` whatever happens, so that the kernel fit after it runs either way."""
+    from pathlib import Path
+
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    from flashnext.serving.selftest import ple_formats
+
+    request = json.loads(Path(request_path).read_text())
+    try:
+        first = next(iter(request["views"].values()), None)
+        if first is not None:
+            model_config = ModelConfig(model=first, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16")
+            one_rank(VllmConfig(model_config=model_config, cache_config=CacheConfig()))
+        result = {"formats": ple_formats.read_back(request, Path(out).parent)}
+    except Exception as e:  # reported as the check's failure; the kernel fit still runs
+        result = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
+    Path(out).write_text(json.dumps(result))
+
+
 def main(argv: list[str]) -> int:
-    config_dir, out = argv
+    """``CONFIG_DIR OUT.json [PLE_REQUEST.json PLE_OUT.json]``: the kernel fit, after the PLE
+    formats' read-back when asked (one interpreter: vLLM's import is paid once)."""
+    config_dir, out, *ple = argv
+    if ple:
+        ple_read_back(*ple)
     result = check(config_dir)
     with open(out, "w") as f:
         json.dump(result, f)

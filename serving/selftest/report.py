@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from flashnext.errors import FlashnextError
 from flashnext.quant.records.jsonfile import read_json
 
-SCHEMA_VERSION = 1
+# 2: the PLE formats' check and the A/B of the PLE table as NVFP4 against BF16.
+SCHEMA_VERSION = 2
 
 # A check's outcome. "could_not_run" is not a failure: it says what this machine cannot run and why.
 Status = Literal["passed", "failed", "could_not_run"]
@@ -86,6 +87,32 @@ class KernelChoices(_Model):
     points: list[KernelChoice]
 
 
+class PleFormatCheck(_Model):
+    """The demo's PLE table built as one format (``flashnext ple build --format``) and read back
+    through vLLM 0.33.0's own ``Qwen4ExpNGramEmbedding``."""
+
+    format: Literal["nvfp4", "fp8"]
+    ple_embedding_dtype: str = Field(description="what the overlay's config.json says, which picks vLLM's method")
+    status: Status
+    detail: str
+    vllm_method: str | None = Field(description="the PLE method vLLM chose for the overlay's config")
+    vllm_backend: str | None = Field(description="the PLE embedding class vLLM built")
+    rows: int = Field(description="rows of the table vLLM returned (all of them)")
+    rows_differing: int | None = Field(description="rows not bit for bit flashnext's decoder's (0: exact)")
+    relative_mse: float | None = Field(description="squared error of vLLM's rows against the BF16 rows over the "
+                                                   "BF16 rows' squared sum, on the demo's table (not the real model's)")
+    error_bound: float = Field(description="the most relative_mse the format gives on the demo's table, with headroom")
+    allocated_bytes: list[int] = Field(description="each tensor vLLM's method asked its embedding to allocate")
+    preflight_bytes: list[int] = Field(description="each tensor the preflight counts as pinned for this table")
+
+
+class PleFormats(_Model):
+    status: Status
+    detail: str
+    stand_in: str = Field(description="what the CPU cannot run: the served (pinned-host) backend")
+    formats: list[PleFormatCheck]
+
+
 class RunResult(_Model):
     """One ``vllm serve`` of the demo checkpoint and the short bench run against it."""
 
@@ -117,6 +144,23 @@ class PatchResult(_Model):
     decode_change_pct: float | None = Field(description="decode tok/s with the switch off against on (+: faster off)")
 
 
+class PleFormatAB(_Model):
+    """The demo served with its PLE table as NVFP4 (a view of the overlay the CPU part built, no
+    ``VLLM_PLE_MMAP_PATH``: vLLM's own method, pinned host memory) against the first run's BF16
+    table, as ``flashnext bench --against``/``--baseline`` compares them, beside the A/A floor."""
+
+    format: Literal["nvfp4"]
+    status: Status = Field(description="passed: served and benched with the overlay; failed: the server did not "
+                                       "start with it, or requests failed; could_not_run: why not here")
+    against_floor: Verdict = Field(description="token agreement and mean KL held to the thresholds the patches are: "
+                                               "informational, since a format changes the numbers by design, and "
+                                               "the demo's change says nothing of the real model's")
+    detail: str
+    run: str | None = Field(description="its entry in runs")
+    agreement: Agreement | None
+    decode_change_pct: float | None = Field(description="decode tok/s against the BF16 run (+: faster as NVFP4)")
+
+
 class Thresholds(_Model):
     matching_slack: float = Field(description="a patch agrees when its token agreement is at least the A/A "
                                               "floor's minus this")
@@ -133,7 +177,7 @@ class Summary(_Model):
 
 
 class SelftestReport(_Model):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     flashnext_version: str
     started_at: str
     finished_at: str
@@ -141,6 +185,7 @@ class SelftestReport(_Model):
     machine: Machine
     series: SeriesCheck
     kernel_fit: KernelFit
+    ple_formats: PleFormats
     gpu_part: Status
     gpu_detail: str
     vllm_command: list[str] = Field(description="the `vllm serve` command line the GPU part runs (or would)")
@@ -150,6 +195,7 @@ class SelftestReport(_Model):
     runs: list[RunResult]
     noise_floor: Agreement | None = Field(description="the A/A rerun against the first run, all patches on")
     patches: list[PatchResult]
+    ple_format_ab: PleFormatAB
     summary: Summary
 
 

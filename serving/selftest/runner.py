@@ -1,8 +1,10 @@
 """``flashnext selftest``: what runs, in order, and the verdict.
 
 CPU part (always): the patch series against the installed vLLM (``patch_series.check_series``:
-zero fuzz on a shadow copy, compiled, probed) and the kernel fit (:mod:`.kernel_fit`, vLLM's own
-model built on the CPU from the demo config, in the patched tree, at capabilities 8.6 and 9.0).
+zero fuzz on a shadow copy, compiled, probed), the kernel fit (:mod:`.kernel_fit`, vLLM's own
+model built on the CPU from the demo config, in the patched tree, at capabilities 8.6 and 9.0) and
+the PLE formats (:mod:`.ple_formats`: the demo's table as NVFP4 and FP8 overlays, read back through
+vLLM's own PLE module in the same interpreter as the kernel fit).
 GPU part (CUDA GPUs for the profile's pipeline and a patched vLLM installed): :mod:`.gpu`.
 """
 
@@ -23,8 +25,8 @@ from typing import Callable
 from flashnext import __version__
 from flashnext.errors import FlashnextError
 from flashnext.serving.selftest.report import (
-    KernelChoice, KernelChoices, KernelFit, KernelLayer, Machine, PatchResult, RunResult, SelftestReport, SeriesCheck,
-    Summary,
+    KernelChoice, KernelChoices, KernelFit, KernelLayer, Machine, PatchResult, PleFormatAB, PleFormats, RunResult,
+    SelftestReport, SeriesCheck, Summary,
 )
 
 # Patches whose code runs on the quantized layers the kernel fit checks: decode-05 hands the routed
@@ -110,19 +112,51 @@ def check_kernel_choices(device: str = "cuda:0", timer=None) -> KernelChoices:
 def check_kernel_fit(config: dict, workdir: Path, tree: Path | None) -> KernelFit:
     """vLLM's kernel choice and the Marlin / Humming rules for every quantized layer of the model
     ``config`` (a config.json dict), at 8.6 and 9.0; ``tree``: the patched vLLM to build it with."""
+    return check_in_vllm(config, workdir, tree)[0]
+
+
+def check_in_vllm(config: dict, workdir: Path, tree: Path | None, snapshot: Path | None = None,
+                  built: dict | None = None) -> tuple[KernelFit, PleFormats | None]:
+    """The kernel fit (:func:`check_kernel_fit`) and, given the PLE overlays ``built`` from
+    ``snapshot`` (:func:`.ple_formats.build_views`), their read-back through vLLM's own PLE module:
+    one fresh vLLM interpreter for both, so that vLLM's import (10-20 s) is paid once."""
+    from flashnext.serving.selftest import ple_formats
     from flashnext.serving.selftest.kernel_fit import CAPABILITIES, STAND_IN
 
     model_dir = workdir / "kernel-fit-config"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     out = workdir / "kernel-fit.json"
-    done = subprocess.run([sys.executable, "-m", "flashnext.serving.selftest.kernel_fit", str(model_dir), str(out)],
-                          capture_output=True, text=True, env=_cpu_env(tree), timeout=1200)
-    caps = list(CAPABILITIES)
+    argv = [sys.executable, "-m", "flashnext.serving.selftest.kernel_fit", str(model_dir), str(out)]
+    if built is not None:
+        ple_dir = workdir / "ple-read-back"
+        ple_dir.mkdir(parents=True, exist_ok=True)
+        request, ple_out = ple_dir / "request.json", ple_dir / "result.json"
+        request.write_text(json.dumps({"snapshot": str(snapshot),
+                                       "views": {fmt: b["view"] for fmt, b in built.items() if "view" in b}}))
+        argv += [str(request), str(ple_out)]
+    done = subprocess.run(argv, capture_output=True, text=True, env=_cpu_env(tree), timeout=1200)
+    tail = [x for x in done.stderr.strip().splitlines() if x.strip() and not x.startswith(("INFO", "WARNING"))]
+    last = (tail or ["no output"])[-1][:400]
+    ple = None
+    if built is not None:
+        read, why = None, None
+        if ple_out.is_file():
+            result = json.loads(ple_out.read_text())
+            read, why = result.get("formats"), result.get("error")
+        else:
+            why = f"the vLLM interpreter stopped before the read-back: {last}"
+        ple = ple_formats.judge(snapshot, built, read, why)
+    return _kernel_fit(done, out, last, CAPABILITIES, STAND_IN), ple
+
+
+def _kernel_fit(done, out: Path, last: str, capabilities, stand_in: str) -> KernelFit:
+    """The kernel fit's record from the interpreter's exit (``done``), its output ``out`` and the
+    last line it printed to stderr (``last``)."""
+    caps = list(capabilities)
     if done.returncode != 0 or not out.is_file():
-        tail = [x for x in done.stderr.strip().splitlines() if x.strip() and not x.startswith(("INFO", "WARNING"))]
-        return KernelFit(status="failed", detail=f"the kernel-fit build failed: {(tail or ['no output'])[-1][:400]}",
-                         capabilities=caps, layers=[], stand_in=STAND_IN)
+        return KernelFit(status="failed", detail=f"the kernel-fit build failed: {last}",
+                         capabilities=caps, layers=[], stand_in=stand_in)
     result = json.loads(out.read_text())
     layers = [KernelLayer(**{k: v for k, v in row.items() if k != "fits"}) for row in result["layers"]]
     misfits = [row for row in result["layers"] if not row["fits"]]
@@ -132,11 +166,11 @@ def check_kernel_fit(config: dict, workdir: Path, tree: Path | None) -> KernelFi
     if problems:
         return KernelFit(status="failed", detail=f"{len(problems)} problem(s): {problems[0]}" +
                          (f" (and {len(problems) - 1} more in the report)" if len(problems) > 1 else ""),
-                         capabilities=caps, layers=layers, stand_in=STAND_IN)
+                         capabilities=caps, layers=layers, stand_in=stand_in)
     kinds = sorted({row.kernel for row in layers})
     n = len({row.layer for row in layers})
     return KernelFit(status="passed", detail=f"{n} quantized layers fit at {', '.join(f'{c / 10:.1f}' for c in caps)}: "
-                     f"{', '.join(kinds)}", capabilities=caps, layers=layers, stand_in=STAND_IN)
+                     f"{', '.join(kinds)}", capabilities=caps, layers=layers, stand_in=stand_in)
 
 
 # -- the whole run -----------------------------------------------------------------------------
@@ -167,7 +201,7 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
     from flashnext.serving import patch_series
     from flashnext.serving.patch_series import load_series
     from flashnext.serving.profiles import load_profile
-    from flashnext.serving.selftest import gpu
+    from flashnext.serving.selftest import gpu, ple_formats
 
     started = _now()
     profile = load_profile(profile_name)
@@ -183,15 +217,22 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
     n_gpus, names = gpu_count(gpus)
     pp = gpu.pipeline_size(profile)
 
-    progress("[cpu 1/2] the patch series against the installed vLLM (zero fuzz, compile, probes)")
+    progress("[cpu 1/3] the patch series against the installed vLLM (zero fuzz, compile, probes)")
     series = check_series(patches)
     progress(f"          {series.status}: {series.detail}")
     tree = patch_series.patched_tree(workdir / "patched-vllm") if series.status == "passed" else None
-    progress("[cpu 2/2] kernel fit: the demo's quantized layers in vLLM's own model at 8.6 and 9.0")
-    fit = check_kernel_fit(config, workdir, tree)
+    progress("[cpu 2/3] PLE formats: the demo's PLE table built as NVFP4 and FP8 overlays")
+    snapshot = workdir / "demo"
+    demo.write_demo_checkpoint(snapshot)
+    built = ple_formats.build_views(snapshot, workdir / "ple-formats")
+    progress("[cpu 3/3] in vLLM's own code on the CPU: kernel fit (the demo's quantized layers at 8.6 and 9.0) "
+             "and the PLE overlays read back by Qwen4ExpNGramEmbedding")
+    fit, ple = check_in_vllm(config, workdir, tree, snapshot, built)
     if tree is None:
         fit.detail += " (built with the installed vLLM: the series did not apply)"
-    progress(f"          {fit.status}: {fit.detail}")
+        ple.detail += " (read with the installed vLLM: the series did not apply)"
+    progress(f"          kernel fit {fit.status}: {fit.detail}")
+    progress(f"          PLE formats {ple.status}: {ple.detail}")
 
     choices = None
     if n_gpus:
@@ -217,16 +258,21 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
         from flashnext.quant.ple.table import build_table
         from flashnext.serving.selftest.tokenizer import write_tokenizer
 
-        snapshot = workdir / "demo"
-        progress("[gpu] writing the demo checkpoint, its tokenizer and PLE table")
-        demo.write_demo_checkpoint(snapshot)
+        from flashnext.quant.overlays.view import apply_overlays
+
+        progress("[gpu] writing the demo's tokenizer, its PLE table and a view of its NVFP4 PLE overlay")
         write_tokenizer(snapshot)
         table = None
         if profile.uses_ple_table:
             table = workdir / "ple-table.bin"
             build_table(snapshot, table, progress=False)
+        # A view made now holds the tokenizer too (`flashnext overlay apply`'s machinery, as `serve --overlay`).
+        nvfp4_view = None
+        if "overlay" in built["nvfp4"]:
+            nvfp4_view = workdir / "demo-ple-nvfp4"
+            apply_overlays(snapshot, [Path(built["nvfp4"]["overlay"])], nvfp4_view)
         part = gpu.run_gpu_part(snapshot, profile, patches, table, launcher or gpu.Launcher(), out_tmp / "runs",
-                                out_tmp, progress)
+                                out_tmp, progress, ple_view=nvfp4_view)
         runs = [r.result for r in part.runs]
         failed_runs = [r for r in runs if r.name in ("on", "on-again") and r.error]
         if failed_runs:
@@ -235,14 +281,21 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
             gpu_detail = f"{len(runs)} server starts on {n_gpus} GPU(s)"
 
     results = patch_results(patches, series, fit, part, gpu_detail)
+    if part is not None and part.ple_ab is not None:
+        ple_ab = part.ple_ab
+    else:
+        why = (f"the A/B needs the GPU part: {gpu_detail}" if part is None
+               else f"the NVFP4 overlay was not built: {built['nvfp4'].get('error')}")
+        ple_ab = PleFormatAB(format="nvfp4", status="could_not_run", against_floor="could_not_run", detail=why,
+                             run=None, agreement=None, decode_change_pct=None)
     machine = Machine(cuda_gpus=n_gpus, gpu_names=names, vllm_version=version, vllm_patched=patched,
                       unpatched_probe=unpatched)
     report = SelftestReport(
         flashnext_version=__version__, started_at=started, finished_at=_now(), profile=profile_name, machine=machine,
-        series=series, kernel_fit=fit, gpu_part=gpu_status, gpu_detail=gpu_detail, vllm_command=argv,
+        series=series, kernel_fit=fit, ple_formats=ple, gpu_part=gpu_status, gpu_detail=gpu_detail, vllm_command=argv,
         kernel_choices=choices,
         thresholds=gpu.THRESHOLDS, runs=runs, noise_floor=part.noise_floor if part else None, patches=results,
-        summary=Summary(ok=True, passed=0, failed=0, could_not_run=0, lines=[]))
+        ple_format_ab=ple_ab, summary=Summary(ok=True, passed=0, failed=0, could_not_run=0, lines=[]))
     report.summary = summarize(report)
     return report
 
@@ -264,11 +317,14 @@ def patch_results(patches, series: SeriesCheck, fit: KernelFit, part, gpu_detail
 
 
 def summarize(r: SelftestReport) -> Summary:
-    """Counts over the checks that stand alone: the series, the kernel fit, the GPU part, each A/B."""
+    """Counts over the checks that stand alone: the series, the kernel fit, the PLE formats, the GPU
+    part, each A/B (the PLE table as NVFP4 counts as failed only when it could not be served: its
+    difference from BF16 is the format's, and is reported)."""
     passed = failed = cnr = 0
     lines = []
     for name, status, detail in (("series", r.series.status, r.series.detail),
                                  ("kernel fit", r.kernel_fit.status, r.kernel_fit.detail),
+                                 ("PLE formats", r.ple_formats.status, r.ple_formats.detail),
                                  ("GPU part", r.gpu_part, r.gpu_detail)):
         if status == "passed":
             passed += 1
@@ -288,8 +344,21 @@ def summarize(r: SelftestReport) -> Summary:
             cnr += 1
             if r.gpu_part == "passed":
                 lines.append(f"could not run {p.id} off: {p.ab_detail}")
+    ab = r.ple_format_ab
+    if ab.status == "passed":
+        passed += 1
+        lines.append(f"PLE table as NVFP4 against BF16 on the demo ({_PLE_AB_MARK[ab.against_floor]}): {ab.detail}. "
+                     "The demo's numbers, not the real model's: run docs/ple.md's A/B on it")
+    elif ab.status == "failed":
+        failed += 1
+        lines.append(f"FAILED the PLE table as NVFP4: {ab.detail}")
+    else:
+        cnr += 1
+        if r.gpu_part == "passed":
+            lines.append(f"could not run the PLE table as NVFP4: {ab.detail}")
     if r.gpu_part != "passed":
-        lines.append(f"could not run the A/B of {len(r.patches)} patches: {r.gpu_detail}")
+        lines.append(f"could not run the A/B of {len(r.patches)} patches and of the PLE table as NVFP4 against BF16: "
+                     f"{r.gpu_detail}")
     if r.kernel_choices is not None:
         c = r.kernel_choices
         if c.status == "failed":
@@ -299,6 +368,9 @@ def summarize(r: SelftestReport) -> Summary:
             passed += 1
             lines.extend(f"kernel choice: {line}" for line in c.detail.split("; ")[1:])
     return Summary(ok=failed == 0, passed=passed, failed=failed, could_not_run=cnr, lines=lines)
+
+
+_PLE_AB_MARK = {"agree": "within the A/A floor", "disagree": "beyond the A/A floor", "could_not_run": "no comparison"}
 
 
 def write_outputs(report: SelftestReport, out_tmp: Path) -> list[str]:

@@ -12,7 +12,14 @@ for token, as a greedy server's do. What a patch's switch would change is told t
 * ``STANDIN_REFUSE=NAME=VALUE``: when the environment has NAME=VALUE, exit 1 at startup with a
   ValueError line, as vLLM refuses a configuration.
 
-``python selftest_standin_server.py --port P --model NAME``
+With ``--model-path``, the directory ``vllm serve`` was given: when its config.json says
+``ple_embedding_dtype`` (a quantized PLE table), the test tells it what the format changes:
+
+* ``STANDIN_PLE_SHIFT=X``: the second-ranked logit of every position moves by X (the answers stay;
+  the logprobs differ a little, as a table within the format's error moves them);
+* ``STANDIN_PLE_REFUSE=1``: exit 1 at startup with a ValueError line (a build that cannot serve it).
+
+``python selftest_standin_server.py --port P --model NAME [--model-path DIR]``
 """
 
 import argparse
@@ -33,12 +40,24 @@ def _matches(var: str) -> bool:
     return bool(name) and os.environ.get(name) == value
 
 
-def _token(prompt: str, i: int, salt: str, shifted: bool) -> tuple[str, dict[str, float]]:
+def _quantized_ple(model_path: str | None) -> str | None:
+    """config.json's ``ple_embedding_dtype`` of the served directory (None: the BF16 table)."""
+    if not model_path:
+        return None
+    try:
+        config = json.load(open(os.path.join(model_path, "config.json")))
+    except OSError:
+        return None
+    return (config.get("text_config") or config).get("ple_embedding_dtype")
+
+
+def _token(prompt: str, i: int, salt: str, shifted: bool, nudge: float = 0.0) -> tuple[str, dict[str, float]]:
     """The i-th token of the answer to ``prompt`` and its top-5 logprobs (``shifted``: the same
-    choice from other logits, as a numerically different build gives)."""
+    choice from other logits, as a numerically different build gives; ``nudge``: the second
+    logit moved by that much)."""
     h = hashlib.sha256(f"{salt}|{prompt}|{i}".encode()).digest()
     ranked = [WORDS[(h[0] + k * 7) % len(WORDS)] for k in range(5)]
-    logits = [3.0 - k + (0.8 if shifted and k == 1 else 0.0) for k in range(5)]
+    logits = [3.0 - k + (0.8 if shifted and k == 1 else 0.0) + (nudge if k == 1 else 0.0) for k in range(5)]
     z = math.log(sum(math.exp(x) for x in logits) + 2.0)  # the rest of the vocabulary holds a little mass
     return ranked[0], {t: x - z for t, x in zip(ranked, logits)}
 
@@ -47,6 +66,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # the stream ends when the connection closes
     model = "standin"
     diverge = False
+    nudge = 0.0
 
     def log_message(self, *args):
         pass
@@ -80,7 +100,7 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         for i in range(n):
             salt = "switch-off" if self.diverge and i >= 3 else "same"
-            text, top = _token(prompt, i, salt, self.diverge)
+            text, top = _token(prompt, i, salt, self.diverge, self.nudge)
             choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
             if body.get("logprobs"):
                 k = int(body.get("top_logprobs") or 1)
@@ -105,11 +125,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model", required=True)
+    ap.add_argument("--model-path", default=None)
     args = ap.parse_args()
     if _matches("STANDIN_REFUSE"):
         print(f"ValueError: stand-in: this build refuses {os.environ['STANDIN_REFUSE']}", file=sys.stderr)
         return 1
+    quantized = _quantized_ple(args.model_path)
+    if quantized and os.environ.get("STANDIN_PLE_REFUSE") == "1":
+        print(f"ValueError: stand-in: this build cannot serve ple_embedding_dtype {quantized!r}", file=sys.stderr)
+        return 1
     Handler.model, Handler.diverge = args.model, _matches("STANDIN_DIVERGE")
+    Handler.nudge = float(os.environ.get("STANDIN_PLE_SHIFT", "0")) if quantized else 0.0
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
     return 0
 

@@ -1,5 +1,6 @@
-"""``flashnext selftest``'s CPU part through the CLI on this machine (no GPU): the series check and
-the kernel fit run vLLM 0.33.0's real code; the GPU part says it could not run, per patch.
+"""``flashnext selftest``'s CPU part through the CLI on this machine (no GPU): the series check, the
+kernel fit and the PLE formats' read-back run vLLM 0.33.0's real code; the GPU part says it could
+not run, per patch and for the PLE table as NVFP4.
 
 The kernel fit's one stand-in is the CUDA platform as vLLM's kernel chooser sees it (a Platform with
 the CUDA enum at capability 8.6 or 9.0): vLLM's CudaPlatform needs libcuda to import.
@@ -66,11 +67,27 @@ def test_the_cpu_part_end_to_end_through_the_cli(tmp_path):
     for p in report.patches:
         assert p.probe == "passed" and p.ab == "could_not_run" and "no CUDA GPU here" in p.ab_detail, p
     assert {p.id for p in report.patches if p.kernel_fit} == {"decode-05", "int6-bitplane"}
+    # The PLE formats: vLLM's own Qwen4ExpNGramEmbedding (in the interpreter of the kernel fit, from
+    # the patched tree) read every row of each overlay as flashnext's decoder does.
+    ple = report.ple_formats
+    assert ple.status == "passed", ple.detail
+    by = {c.format: c for c in ple.formats}
+    assert by["nvfp4"].vllm_method == "Qwen4ExpPLENvFp4EmbeddingMethod"
+    assert by["fp8"].vllm_method == "Qwen4ExpPLEFp8EmbeddingMethod"
+    for c in by.values():
+        assert c.rows == 16896 and c.rows_differing == 0 and 0 < c.relative_mse < c.error_bound
+        assert c.allocated_bytes == c.preflight_bytes and c.vllm_backend == "Qwen4ExpPLEDeviceEmbedding"
+    ab = report.ple_format_ab
+    assert ab.status == "could_not_run" and "no CUDA GPU here" in ab.detail
     assert "--pipeline-parallel-size" in report.vllm_command
     page = (out / "report.html").read_text()
     assert "could not run" in page and "MarlinLinearKernel" in page and "<script" not in page
+    assert "Qwen4ExpPLENvFp4EmbeddingMethod" in page and "not the real model" in page
     summary = json.loads(done.stdout)
     assert summary["ok"] is True and summary["patches"]["decode-03"] == "could_not_run"
+    assert summary["ple_formats"]["nvfp4"] == {"status": "passed", "rows_differing": 0,
+                                               "relative_mse": by["nvfp4"].relative_mse}
+    assert summary["ple_format_ab"]["status"] == "could_not_run"
 
 
 @pytest.mark.slow
