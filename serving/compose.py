@@ -17,7 +17,7 @@ import yaml
 
 from flashnext import __version__, envs
 from flashnext.errors import FlashnextError
-from flashnext.serving.profiles import Profile
+from flashnext.serving.profiles import Profile, is_shipped
 
 IMAGE = f"flashnext/vllm-openai:v0.33.0-flashnext{__version__}"
 BASE_IMAGE = "vllm/vllm-openai:v0.33.0"
@@ -26,6 +26,7 @@ CONTAINER_PORT = 8000
 MODEL_DIR = "/models/snapshot"
 OVERLAY_DIR = "/models/overlays"
 PLE_PATH = "/models/ple/table.bin"
+PROFILE_DIR_IN_CONTAINER = "/models/profile"  # where a profile file that is not shipped is mounted
 # The repository, when flashnext runs from a source checkout (the image is built from one); an
 # installed wheel has no build context, so its compose file names the image only.
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
@@ -116,8 +117,12 @@ def compose_model(req: ServeRequest) -> dict:
     for another host)."""
     p, c = req.profile, req.profile.container
     volumes = [_bind(_bind_source("--model", req.model), MODEL_DIR)]
+    profile_arg = p.name
+    if not is_shipped(p):  # the image has the shipped profiles only: a profile file goes in read-only
+        profile_arg = f"{PROFILE_DIR_IN_CONTAINER}/{p.name}.json"
+        volumes.append(_bind(_bind_source("--profile", p.path), profile_arg))
     # `serve` on the host ran the preflight before it started the container
-    command = ["serve", "--engine", "native", "--profile", p.name, "--model", MODEL_DIR,
+    command = ["serve", "--engine", "native", "--profile", profile_arg, "--model", MODEL_DIR,
                "--listen", "0.0.0.0", "--port", str(CONTAINER_PORT), "--no-check"]
     for i, overlay in enumerate(req.overlays):
         target = f"{OVERLAY_DIR}/{i}"

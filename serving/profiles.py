@@ -10,7 +10,9 @@ the copy too. Adding a profile is adding a file; its keys are exactly :class:`Pr
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 from dataclasses import field
 from pathlib import Path
 
@@ -62,20 +64,84 @@ class Profile:
         return None
 
 
+# A profile's name is its file's name without ``.json``; it also names serve's state folder and the
+# Compose project, so it is one plain path component.
+PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 def available() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
+def is_profile_file(arg: str) -> bool:
+    """Whether ``--profile ARG`` names a profile file (``flashnext plan --write-profile``'s, say)
+    rather than a shipped profile: a path with a folder in it, or a ``.json`` name."""
+    return "/" in arg or arg.endswith(".json")
+
+
 def load_profile(name: str, directory: Path = PROFILE_DIR) -> Profile:
-    """Load ``serving/profiles/NAME.json``: strict JSON, a regular file, every key known and of its
-    type; anything else is one line naming the file and the key."""
-    path = Path(directory) / f"{name}.json"
-    if "/" in name or name.startswith(".") or not os.path.lexists(path):
-        raise FlashnextError(f"no serving profile {name!r}: choose one of {', '.join(available())}")
+    """Load ``serving/profiles/NAME.json``, or the profile file ``name`` names (:func:`is_profile_file`):
+    strict JSON, a regular file, every key known and of its type, its ``name`` its file's name;
+    anything else is one line naming the file and the key."""
+    if is_profile_file(name):
+        path = Path(name)
+        if not path.name.endswith(".json") or not os.path.lexists(path):
+            raise FlashnextError(f"no serving profile file {name}: give a .json file that `flashnext plan "
+                                 "--write-profile` wrote, or one of " + ", ".join(available()))
+        stem = path.name[:-len(".json")]
+    else:
+        path, stem = Path(directory) / f"{name}.json", name
+        if name.startswith(".") or not os.path.lexists(path):
+            raise FlashnextError(f"no serving profile {name!r}: choose one of {', '.join(available())}")
     profile = read_model(path, Profile, "a serving profile")
-    if profile.name != name:
+    if profile.name != stem:
         raise FlashnextError(f"{path}: name {profile.name!r} does not match the file name")
+    if not PROFILE_NAME.fullmatch(profile.name):
+        raise FlashnextError(f"{path}: name {profile.name!r} is not a profile name (letters, digits, '.', '_', '-')")
     return dataclasses.replace(profile, path=path)
+
+
+def profile_name(arg: str) -> str:
+    """The name ``--profile ARG`` runs under (serve's state folder): the shipped name, or the name
+    inside the profile file ARG."""
+    if is_profile_file(arg):
+        return load_profile(arg).name
+    if not PROFILE_NAME.fullmatch(arg):
+        raise FlashnextError(f"{arg!r} is not a profile name (letters, digits, '.', '_', '-') or a profile file")
+    return arg
+
+
+def is_shipped(profile: Profile) -> bool:
+    """Whether ``profile`` is the shipped one of its name, read from ``serving/profiles/`` (the image
+    has those; another file has to be carried into the container). A profile not read from a file
+    (``path`` left at its default) counts as shipped."""
+    shipped = PROFILE_DIR / f"{profile.name}.json"
+    if profile.path in (PROFILE_DIR, shipped):
+        return True
+    try:
+        return os.path.samefile(profile.path, shipped)
+    except OSError:
+        return False
+
+
+def profile_text(profile: Profile) -> str:
+    """``profile`` as its file holds it: its keys in :class:`Profile`'s order, two-space indent, ASCII."""
+    data = {f.name: getattr(profile, f.name) for f in dataclasses.fields(Profile) if f.name != "path"}
+    data["container"] = dataclasses.asdict(profile.container)
+    data["healthcheck"] = dataclasses.asdict(profile.healthcheck)
+    return json.dumps(data, indent=2) + "\n"
+
+
+def write_profile(profile: Profile, path: Path) -> Path:
+    """Write ``profile`` as a new file ``path`` (``NAME.json``, NAME the profile's name): created
+    exclusively and never through a link, complete or not at all; an existing ``path`` is refused."""
+    from flashnext.quant.checkpoint.fsutil import write_new_file
+
+    path = Path(path)
+    if path.name != f"{profile.name}.json":
+        raise FlashnextError(f"{path}: a profile file is named after its profile: {profile.name}.json")
+    write_new_file(path, profile_text(profile))
+    return path
 
 
 _SPECULATIVE_CONFIG = ("--speculative-config", "-sc")

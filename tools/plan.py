@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 import click
 
-from flashnext.errors import UsageError
+from flashnext.errors import FlashnextError, UsageError
 from flashnext.sizes import format_size
 from flashnext.tools._common import emit_json, held_back_output, json_option, user_errors
 
 REFERENCE_HOST_GIB = 125  # the reference rig's host RAM (seed 000)
+GIB = 1 << 30
 
 
-def _print(profile: str, p) -> None:
+def _print(label: str, p) -> None:
     mode = "on (mamba align)" if p.prefix_caching else "off"
     spec = f", {p.num_speculative_tokens} draft token(s)" if p.num_speculative_tokens else ""
-    click.echo(f"profile {profile}: --kv-cache-memory-bytes {p.kv_cache_memory_bytes:,}, prefix caching {mode}{spec}")
+    click.echo(f"{label}: --kv-cache-memory-bytes {p.kv_cache_memory_bytes:,}, prefix caching {mode}{spec}")
     click.echo(f"  layers per rank      {p.layers_per_rank} (QSA {p.qsa_layers_per_rank})")
     click.echo(f"  state page           {p.state_page_bytes:,} B; a block is {max(p.bytes_per_block):,} B per rank")
     click.echo(f"  attention block size {p.block_size:,} tokens")
@@ -53,7 +56,8 @@ def _print(profile: str, p) -> None:
 
 
 @click.command("plan")
-@click.option("--profile", required=True, help="Serving profile (serving/profiles/NAME.json).")
+@click.option("--profile", default=None,
+              help="Serving profile: a name (serving/profiles/NAME.json) or a profile file (--write-profile's).")
 @click.option("--kv-cache-memory-bytes", type=click.IntRange(min=1), default=None,
               help="Override the profile's --kv-cache-memory-bytes.")
 @click.option("--prefix-caching/--no-prefix-caching", default=None,
@@ -62,17 +66,60 @@ def _print(profile: str, p) -> None:
               help="A snapshot directory or config.json to plan for; default: the pinned base checkpoint's config.")
 @click.option("--ple-format", type=click.Choice(["file", "bf16", "nvfp4", "fp8"]), default=None,
               help="Count the host memory with the PLE table served from a file (--ple-table) or pinned in this "
-                   "format (`flashnext ple build --format`); for the pinned base checkpoint.")
-@click.option("--host-ram", type=click.FloatRange(min=1), default=None,
-              help="Say whether every pinned host byte fits a host of this many GiB (default with --ple-format: "
-                   "125, the reference rig), and which --kv-cache-memory-bytes does.")
+                   "format (`flashnext ple build --format`); for the pinned base checkpoint. With --gpus: where "
+                   "the rig's profile keeps the table (default: file).")
+@click.option("--host-ram", type=float, default=None,
+              help="GiB of host RAM: with --gpus, the rig's; with --profile, say whether every pinned host byte "
+                   "fits (default with --ple-format: 125, the reference rig), and which --kv-cache-memory-bytes does.")
+@click.option("--gpus", type=int, default=None,
+              help="Plan a rig of this many equal GPUs instead of a profile (with --gpu-memory and --host-ram).")
+@click.option("--gpu-memory", type=float, default=None,
+              help="With --gpus: each GPU's memory in GiB (24 for an RTX 3090).")
+@click.option("--mtp", is_flag=True, help="With --gpus: serve the MTP draft head (1 draft token) too.")
+@click.option("--context", type=int, default=None,
+              help="With --gpus: the context (--max-model-len) each sequence gets; default 262,144.")
+@click.option("--write-profile", type=click.Path(path_type=Path), default=None,
+              help="With --gpus: write the rig's profile to this new NAME.json (never replaced), for "
+                   "`serve --profile NAME.json`.")
 @json_option
 @user_errors
-def main(profile: str, kv_cache_memory_bytes: int | None, prefix_caching: bool | None, model: Path | None,
-         ple_format: str | None, host_ram: float | None, as_json: bool) -> None:
+def main(profile: str | None, kv_cache_memory_bytes: int | None, prefix_caching: bool | None, model: Path | None,
+         ple_format: str | None, host_ram: float | None, gpus: int | None, gpu_memory: float | None, mtp: bool,
+         context: int | None, write_profile: Path | None, as_json: bool) -> None:
     """KV cache plan for a profile: attention block size, state page, blocks per rank, blocks for one
     max-length request, token capacity and concurrency, pinned host memory and VRAM. The grouping is
-    vLLM 0.33.0's own (`pip install 'flashnext[serve]'`)."""
+    vLLM 0.33.0's own (`pip install 'flashnext[serve]'`).
+
+    With --gpus N --gpu-memory GiB --host-ram GiB it plans a rig of N equal GPUs instead: the layer
+    partition, --max-num-seqs and the KV memory that fit, VRAM per rank, pinned host memory, and
+    whether it fits (if not, why, in numbers); --write-profile writes that profile.
+
+    \b
+    Examples:
+      flashnext plan --profile 3x3090
+      flashnext plan --gpus 4 --gpu-memory 24 --host-ram 125 --mtp
+      flashnext plan --gpus 4 --gpu-memory 24 --host-ram 96 --write-profile my-rig.json
+    """
+    rig_options = {"--gpu-memory": gpu_memory, "--context": context, "--write-profile": write_profile,
+                   "--mtp": mtp or None}
+    if gpus is not None:
+        if profile is not None:
+            raise UsageError("--profile and --gpus contradict each other: plan a profile or a rig")
+        if gpu_memory is None or host_ram is None:
+            raise UsageError("--gpus needs --gpu-memory GiB and --host-ram GiB")
+        given = [name for name, value in {"--model": model, "--kv-cache-memory-bytes": kv_cache_memory_bytes,
+                                          "--prefix-caching": prefix_caching}.items() if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} is for --profile; a rig plan chooses it (and is for the pinned base "
+                             "checkpoint)")
+        return _rig(gpus, gpu_memory, host_ram, mtp, context, ple_format, write_profile, as_json)
+    if profile is None:
+        raise UsageError("plan needs --profile NAME, or --gpus N --gpu-memory GiB --host-ram GiB")
+    given = [name for name, value in rig_options.items() if value is not None]
+    if given:
+        raise UsageError(f"{given[0]} is for a rig plan: give --gpus N too")
+    if host_ram is not None and not (math.isfinite(host_ram) and host_ram > 0):
+        raise FlashnextError(f"--host-ram must be a positive number of GiB, got {host_ram:g}")
     from flashnext.serving.capacity import plan_profile
     from flashnext.serving.profiles import load_profile
 
@@ -84,11 +131,73 @@ def main(profile: str, kv_cache_memory_bytes: int | None, prefix_caching: bool |
         result = plan_profile(loaded, kv_cache_memory_bytes, prefix_caching, model)
         host = _host(loaded, result, model, ple_format, host_ram) if ple_format or host_ram else None
     if as_json:
-        emit_json({"profile": profile, **result.to_json(), **({"host": host} if host else {})})
+        emit_json({"profile": loaded.name, **result.to_json(), **({"host": host} if host else {})})
     else:
-        _print(profile, result)
+        _print(f"profile {loaded.name}", result)
         if host:
             _print_host(host)
+
+
+def _rig(gpus: int, gpu_memory: float, host_ram: float, mtp: bool, context: int | None, ple_format: str | None,
+         write_profile: Path | None, as_json: bool) -> None:
+    from flashnext.serving.capacity.rig import Rig, plan_rig, rig_profile
+    from flashnext.serving.profiles import PROFILE_NAME, write_profile as write
+
+    if write_profile is not None:  # refused before the plan's seconds, not after
+        name = write_profile.name[:-len(".json")] if write_profile.name.endswith(".json") else ""
+        if not PROFILE_NAME.fullmatch(name):
+            raise FlashnextError(f"--write-profile {write_profile}: name the file NAME.json, NAME of letters, digits, "
+                                 "'.', '_' and '-' (it is the profile's name)")
+        if os.path.lexists(write_profile):
+            raise FlashnextError(f"{write_profile} already exists: choose another name (it is never replaced)")
+    for flag, value in (("--gpu-memory", gpu_memory), ("--host-ram", host_ram)):
+        if not math.isfinite(value) or value <= 0:
+            raise FlashnextError(f"{flag} must be a positive number of GiB, got {value:g}")
+    rig = Rig(gpus, int(gpu_memory * GIB), int(host_ram * GIB), mtp, 262_144 if context is None else context,
+              ple_format or "file")
+    with held_back_output():
+        result = plan_rig(rig)
+    profile = rig_profile(result, name) if write_profile is not None else None
+    if profile is not None:
+        write(profile, write_profile)
+    if as_json:
+        emit_json({**result.to_json(), **({"profile_written": str(write_profile)} if profile else {})})
+        return
+    _print_rig(result)
+    if profile is not None:
+        click.echo(f"wrote {write_profile}: serve --profile {write_profile} --model SNAPSHOT"
+                   f"{' --ple-table FILE' if profile.uses_ple_table else ''}")
+
+
+def _print_rig(r) -> None:
+    from flashnext.serving.capacity.shape import PP_LAYER_PARTITION
+
+    rig, p = r.rig, r.plan
+    click.echo(f"rig: {rig.gpus} x {rig.gpu_memory_bytes / GIB:g} GiB GPUs, {rig.host_ram_bytes / GIB:g} GiB host RAM, "
+               f"MTP {'on (1 draft token)' if rig.mtp else 'off'}, context {rig.context:,}, PLE table "
+               f"{'from a file (--ple-table)' if rig.ple_format == 'file' else 'pinned as ' + rig.ple_format}")
+    split = "vLLM's even split" if r.even_split else f"{PP_LAYER_PARTITION}={','.join(map(str, r.partition))}"
+    click.echo(f"  layer partition      {'/'.join(map(str, r.partition))} ({split})")
+    click.echo(f"  --max-num-seqs       {r.max_num_seqs} (at most {r.max_num_seqs_limit}: the CUDA graphs' "
+               f"{r.max_num_seqs_limit * (1 + p.num_speculative_tokens)} tokens a step)")
+    click.echo(f"  --kv-cache-memory-bytes {r.kv_cache_memory_bytes:,} = {max(r.max_num_seqs, 1)} x "
+               f"{p.blocks_per_request} blocks x {max(p.bytes_per_block):,} B")
+    _print("  its plan", p)
+    peaks = ", ".join(format_size(m.total) for m in r.ranks)
+    weights = ", ".join(format_size(m.weights) for m in r.ranks)
+    click.echo(f"  VRAM per rank, peak  {peaks} of {format_size(r.usable_vram_bytes)} usable (weights {weights}; "
+               f"runtime {format_size(r.ranks[0].runtime)} each)")
+    _print_host(r.host)
+    if r.fits:
+        click.echo("fits")
+        return
+    click.echo("does NOT fit:")
+    for reason in r.reasons:
+        click.echo(f"  {reason}")
+    if r.largest_context_that_fits:
+        click.echo(f"  the largest context that fits one sequence: {r.largest_context_that_fits:,} tokens (--context)")
+    if r.fewest_gpus_that_fit:
+        click.echo(f"  the fewest GPUs of {rig.gpu_memory_bytes / GIB:g} GiB that fit: {r.fewest_gpus_that_fit}")
 
 
 def _host(profile, plan, model: Path | None, ple_format: str | None, host_ram: float | None) -> dict:

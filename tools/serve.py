@@ -28,7 +28,8 @@ def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | 
 
 
 @click.group("serve", invoke_without_command=True, context_settings=CONTEXT_SETTINGS)
-@click.option("--profile", help="Serving profile (serving/profiles/NAME.json).")
+@click.option("--profile", help="Serving profile: a name (serving/profiles/NAME.json) or a profile file "
+                                "(`flashnext plan --write-profile`'s).")
 @click.option("--model", type=click.Path(path_type=Path), help="The base model snapshot.")
 @click.option("--overlay", "overlays", multiple=True, type=click.Path(path_type=Path),
               help="An overlay to apply, in order (repeatable).")
@@ -111,24 +112,28 @@ ENGINE_OF_A_START = click.option("--engine", type=click.Choice(ENGINES[:2]), def
 
 
 @main.command("down")
-@click.option("--profile", required=True, help="The profile `serve` started.")
+@click.option("--profile", required=True, help="The profile `serve` started (its name or its file).")
 @ENGINE_OF_A_START
 @user_errors
 def down(profile: str, engine: str | None) -> None:
     """Stop and remove a profile's containers."""
-    compose_file = recorded_compose_file(profile)
+    from flashnext.serving.profiles import profile_name
+
+    compose_file = recorded_compose_file(profile_name(profile))
     run_command(compose_command(find_compose(engine), compose_file, "down"))
 
 
 @main.command("logs")
-@click.option("--profile", required=True, help="The profile `serve` started.")
+@click.option("--profile", required=True, help="The profile `serve` started (its name or its file).")
 @ENGINE_OF_A_START
 @click.option("--follow/--no-follow", default=True, show_default=True,
               help="Keep printing new lines until interrupted.")
 @user_errors
 def logs(profile: str, engine: str | None, follow: bool) -> None:
     """Show a profile's server logs."""
-    compose_file = recorded_compose_file(profile)
+    from flashnext.serving.profiles import profile_name
+
+    compose_file = recorded_compose_file(profile_name(profile))
     run_command(compose_command(find_compose(engine), compose_file, "logs", *(["-f"] if follow else [])))
 
 
