@@ -94,6 +94,11 @@ VLLM_INT8_MODULES = EnvVar(
     "VLLM_INT8_MODULES", "1",
     "Patch int8-modules: 0 builds qwen4_exp's embed_tokens, lm_head and hyper-connection mixers as vLLM "
     "0.33.0 does, in bf16 (its loader then refuses the release's INT8 tensors).")
+VLLM_INT8_LM_HEAD_KERNEL = EnvVar(
+    "VLLM_INT8_LM_HEAD_KERNEL", "vllm",
+    "Patch int8-modules: which kernel multiplies the INT8 LM head: vllm (the one vLLM's mixed-precision "
+    "chooser picks, through its own compressed-tensors scheme; flashnext's where it has none) or "
+    "flashnext (the INT8 tensor-core kernel int8_mma).")
 VLLM_INT6_BITPLANE = EnvVar(
     "VLLM_INT6_BITPLANE", "1",
     "Patch int6-bitplane: 0 turns a bit-plane overlay's modules back into dense INT6 words at load and "
@@ -132,6 +137,15 @@ VLLM_PP_DEFER_RECV = EnvVar(
 VLLM_PP_MISSING_LAYERS = EnvVar(
     "VLLM_PP_MISSING_LAYERS", "1",
     "Patch mem-01: 0 builds qwen4_exp's embed_tokens and lm_head on every pipeline rank again.")
+
+VLLM_GPU_STEP_TIME = EnvVar(
+    "VLLM_GPU_STEP_TIME", "0",
+    "Patch step-time: 1 times every CUDA graph replay (a decode step) with CUDA events, without a sync, "
+    "and serves the times on /metrics as flashnext:gpu_step_seconds per rank (what `flashnext bench` shows).")
+VLLM_GPU_STEP_TIME_DIR = EnvVar(
+    "VLLM_GPU_STEP_TIME_DIR", "/tmp/flashnext-gpu-step-time",
+    "Patch step-time: where each worker writes its step times for the API server's /metrics; give each "
+    "server on one host its own.")
 
 VLLM_EXACT_HOST_POOL = EnvVar(
     "VLLM_EXACT_HOST_POOL", "1",

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from flashnext.serving.bench.phases import PHASES, setting_options
-from flashnext.serving.bench.phases.base import Choice, Floats, Int, Ints, Option, Seconds, Text
+from flashnext.serving.bench.phases.base import Choice, Floats, Int, Ints, Option, Seconds, Size, Text
 from flashnext.tools._common import emit_json, json_option, user_errors
 
 
@@ -58,6 +58,26 @@ class _Seconds(click.FloatRange):
         return seconds
 
 
+class _Size(click.ParamType):
+    """``WIDTHxHEIGHT`` in pixels: ``2048x1024``."""
+
+    name = "WIDTHxHEIGHT"
+
+    def __init__(self, low: int, high: int):
+        self.low, self.high = low, high
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        parts = str(value).lower().split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            self.fail(f"{value!r} is not WIDTHxHEIGHT in pixels (e.g. 2048x1024)", param, ctx)
+        size = [int(p) for p in parts]
+        if not all(self.low <= x <= self.high for x in size):
+            self.fail(f"{value!r}: width and height must lie in [{self.low}, {self.high}]", param, ctx)
+        return size
+
+
 def _click_type(kind):
     if isinstance(kind, Ints):
         return _ListOf(int, kind.low, kind.high)
@@ -67,6 +87,8 @@ def _click_type(kind):
         return int if kind.low is None and kind.high is None else click.IntRange(kind.low, kind.high)
     if isinstance(kind, Seconds):
         return _Seconds()
+    if isinstance(kind, Size):
+        return _Size(kind.low, kind.high)
     if isinstance(kind, Choice):
         return click.Choice(list(kind.choices))
     if isinstance(kind, Text):

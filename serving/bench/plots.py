@@ -169,7 +169,43 @@ def endpoint_html(e) -> list[str]:
         parts.append("<h4>Samples (the first few of each)</h4>" + table(
             [Column("phase"), Column("kind"), Column("HTTP status"), Column("detail")],
             [[x.phase, x.kind, x.status, x.detail] for x in e.error_samples]))
+    parts += server_state_html(e)
     return parts
+
+
+def server_state_html(e) -> list[str]:
+    """What the server's /metrics said during each phase, or why there is nothing."""
+    st = e.server_state
+    if st is None:
+        return []
+    if not st.available:
+        return [f"<p>Server state: none ({html.escape(st.note or 'no /metrics')}).</p>"]
+    gaps = f"; {st.failed_scrapes} scrapes got no answer" if st.failed_scrapes else ""
+    notes = [f"<p class=bad>{html.escape(n)}</p>" for p in st.phases for n in p.notes]
+    return [f"<h3>Server state, from {html.escape(st.url)}{html.escape(gaps)}</h3>" + table(
+        [Column("phase"), Column("scrapes", "count"), Column("running mean", "requests"),
+         Column("running max", "requests"), Column("waiting mean", "requests"), Column("waiting max", "requests"),
+         Column("KV cache mean", "fraction"), Column("KV cache max", "fraction"), Column("preemptions", "count"),
+         Column("prefix cache queries", "tokens"), Column("prefix cache hits", "tokens"),
+         Column("prefix cache hit rate", "fraction")],
+        [[p.phase, p.samples, p.running_mean, p.running_max, p.waiting_mean, p.waiting_max, p.kv_cache_usage_mean,
+          p.kv_cache_usage_max, p.preemptions, p.prefix_cache_queries, p.prefix_cache_hits, p.prefix_cache_hit_rate]
+         for p in st.phases]), *notes, *gpu_steps_html(st)]
+
+
+def gpu_steps_html(st) -> list[str]:
+    """GPU time per decode step from the server's CUDA events (patch step-time), beside the client's ITL."""
+    from flashnext.serving.bench.server_state import step_label
+
+    rows = [[p.phase, step_label(g), g.steps, ms(g.mean_s), ms(g.p50_s), ms(g.p90_s),
+             ms(p.client_itl_s and p.client_itl_s.p50), ms(p.client_itl_s and p.client_itl_s.p90)]
+            for p in st.phases for g in p.gpu_steps]
+    if not rows:
+        return [f"<p>GPU time per step: none ({html.escape(st.gpu_step_note)}).</p>"] if st.gpu_step_note else []
+    return ["<h3>GPU time per step (CUDA events around the graph replay)</h3>" + table(
+        [Column("phase"), Column("rank and graph"), Column("steps", "count"), Column("GPU mean", "ms"),
+         Column("GPU p50", "ms"), Column("GPU p90", "ms"), Column("client ITL p50", "ms"),
+         Column("client ITL p90", "ms")], rows)]
 
 
 def ab_html(report: BenchReport) -> list[str]:

@@ -24,6 +24,8 @@ from flashnext.quant.records.inputs import open_regular
 from flashnext.quant.records.jsonfile import validate
 from flashnext.quant.records.strict import StrictRecord
 from flashnext.serving.bench.client import LOGPROB_FLOOR, LOGPROB_SLACK, Malformed, parse_strict, redact_url
+from flashnext.serving.bench.phases.images import DEFAULTS as IMAGES
+from flashnext.serving.bench.phases.multiturn import DEFAULTS as MULTITURN
 
 SCHEMA_VERSION = 2
 # Schema 1 named the sides "A" and "B" (the baseline A in one place, this run A in another).
@@ -32,7 +34,7 @@ THIS_RUN, AGAINST, BASELINE = "this run", "against", "baseline"
 SideName = Literal["this run", "against", "baseline"]
 # Settings that do not change what a number means: how long the client waits, and which phases run
 # (a phase's numbers are compared only where both reports have them).
-CLIENT_SETTINGS = frozenset({"request_timeout_s", "stall_timeout_s", "phases"})
+CLIENT_SETTINGS = frozenset({"request_timeout_s", "stall_timeout_s", "phases", "metrics_interval_s"})
 # A report of a long run with every ITL sample is tens of MiB; far past that is not one.
 _REPORT_LIMIT = 512 << 20
 
@@ -71,6 +73,20 @@ class Settings(_Model):
     structured_concurrency: int
     structured_max_tokens: int
     structured_format: Literal["json_schema", "json_object"]
+    # The fields below have defaults so that a report written before they existed still loads as a
+    # --baseline (it ran none of their phases); the command fills every one of them.
+    multiturn_sessions: list[int] = MULTITURN["multiturn_sessions"]
+    multiturn_turns: int = MULTITURN["multiturn_turns"]
+    multiturn_first_tokens: int = MULTITURN["multiturn_first_tokens"]
+    multiturn_turn_tokens: int = MULTITURN["multiturn_turn_tokens"]
+    multiturn_output_tokens: int = MULTITURN["multiturn_output_tokens"]
+    images: int = IMAGES["images"]
+    image_size: list[int] = Field(default=IMAGES["image_size"], min_length=2, max_length=2,
+                                  description="[width, height] in pixels")
+    image_concurrency: int = IMAGES["image_concurrency"]
+    image_prefill_tokens: int = IMAGES["image_prefill_tokens"]
+    image_max_tokens: int = IMAGES["image_max_tokens"]
+    metrics_interval_s: float = 1.0
     top_logprobs: int
     seed: int
     request_timeout_s: float
@@ -179,6 +195,118 @@ class GreedyAnswer(_Model):
         return self
 
 
+class GpuStepTime(_Model):
+    """One rank's GPU time per CUDA graph replay in a stretch of the run (flashnext's patch step-time:
+    CUDA events around vLLM's graph replay; under FULL_DECODE_ONLY each replay is a decode step)."""
+
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+    graph: str = Field(description="model: the model's forward; draft: the MTP draft's")
+    steps: int = Field(description="replays timed in the stretch")
+    mean_s: float
+    p50_s: float = Field(description="read from the histogram's buckets (5% apart) by linear interpolation")
+    p90_s: float
+
+
+class ServerWindow(_Model):
+    """What the server's ``/metrics`` said over a stretch of the run (vLLM's names in
+    ``flashnext.serving.bench.server_state``): gauges over the samples taken, counters' increase."""
+
+    samples: int = Field(description="scrapes in the stretch: at its start, every --metrics-interval, at its end")
+    running_mean: float | None = Field(description="vllm:num_requests_running, mean of the samples")
+    running_max: float | None
+    waiting_mean: float | None = Field(description="vllm:num_requests_waiting, mean of the samples")
+    waiting_max: float | None
+    kv_cache_usage_mean: float | None = Field(description="vllm:kv_cache_usage_perc (a fraction, 1 = full; "
+                                                          "the fullest engine), mean of the samples")
+    kv_cache_usage_max: float | None
+    preemptions: int | None = Field(description="increase of vllm:num_preemptions_total")
+    prefix_cache_queries: int | None = Field(description="increase of vllm:prefix_cache_queries_total (tokens)")
+    prefix_cache_hits: int | None = Field(description="increase of vllm:prefix_cache_hits_total (tokens)")
+    prefix_cache_hit_rate: float | None = Field(description="hits over queries in the stretch")
+    notes: list[str] = Field(default=[], description="why a number is missing (a counter that went down)")
+    gpu_steps: list[GpuStepTime] = Field(default=[], description="flashnext:gpu_step_seconds in the stretch, "
+                                                                 "per rank and graph; empty without it")
+
+
+class PhaseServerState(ServerWindow):
+    phase: str
+    client_itl_s: Summary | None = Field(default=None, description="the client's ITL in the phase (latency's "
+                                                                   "and decode's), beside gpu_steps")
+
+
+class ServerState(_Model):
+    """The server's ``/metrics`` during the run, per phase; ``available`` false: it has none (noted)."""
+
+    url: str = Field(description="the /metrics URL scraped")
+    available: bool
+    note: str | None = Field(description="why there is no server state")
+    failed_scrapes: int = Field(description="scrapes after the first that got no answer (gaps in the samples)")
+    gpu_step_note: str | None = Field(default=None, description="why there is no GPU time per step "
+                                                                "(flashnext:gpu_step_seconds)")
+    phases: list[PhaseServerState]
+
+
+class TurnStats(_Model):
+    """One turn of every session of a multiturn point."""
+
+    turn: int = Field(description="1 = the first (long) turn")
+    answered: int
+    failed: int
+    measured_prompt_tokens: int | None = Field(description="median of the server's usage.prompt_tokens: the "
+                                                           "whole conversation so far")
+    ttft_s: Summary | None
+    itl_s: Summary | None
+
+
+class MultiturnPoint(_Model):
+    """``sessions`` agent sessions at once, each re-sending its whole conversation every turn."""
+
+    sessions: int
+    sessions_completed: int = Field(description="sessions whose every turn was answered "
+                                                "(a failed turn ends its session)")
+    failed: int
+    wall_s: float = Field(description="from the first request sent to the last answer")
+    generated_tokens: int
+    throughput_tok_s: float | None = Field(description="every session's generated tokens over wall_s")
+    per_user_tok_s: Summary | None = Field(description="each answer's tokens after its first, per second "
+                                                       "(interactivity)")
+    ttft_s: Summary | None = Field(description="every turn's")
+    itl_s: Summary | None
+    client_in_flight_mean: float | None = Field(description="requests the client had open, averaged over wall_s")
+    server: ServerWindow | None = Field(description="/metrics during the point (running_mean: the average "
+                                                    "number of concurrently running requests)")
+    turns: list[TurnStats]
+
+
+class ImageRequest(_Model):
+    index: int
+    sent_after_s: float = Field(description="seconds after the long prompt was sent")
+    during_prefill: bool | None = Field(description="sent before the long prompt's first token; null: the long "
+                                                    "prompt got no first token")
+    ttft_s: float | None
+    e2e_s: float | None
+    error: str | None
+
+
+class ImagesResult(_Model):
+    """Generated images sent while a long text prompt prefills (seed 000 section 6: 45/45)."""
+
+    images: int
+    width: int
+    height: int
+    answered: int
+    failed: int
+    during_prefill: int = Field(description="image requests sent before the long prompt's first token")
+    prefill_prompt_tokens: int = Field(description="the long prompt's length asked for")
+    prefill_measured_prompt_tokens: int | None
+    prefill_ttft_s: float | None
+    prefill_error: str | None
+    ttft_s: Summary | None = Field(description="the answered images'")
+    requests: list[ImageRequest]
+
+
 class EndpointReport(_Model):
     label: Literal["this run", "against"]
     url: str
@@ -190,6 +318,10 @@ class EndpointReport(_Model):
     decode: list[DecodePoint]
     needle: list[NeedleResult]
     structured: StructuredResult | None
+    # Defaults: a report written before these existed still loads as a --baseline.
+    multiturn: list[MultiturnPoint] = []
+    images: ImagesResult | None = None
+    server_state: ServerState | None = Field(default=None, description="the server's /metrics during each phase")
     greedy_answers: list[GreedyAnswer]
     requests: int
     errors: dict[str, int] = Field(description="failed requests by kind (see flashnext.serving.bench.client.ERROR_KINDS)")

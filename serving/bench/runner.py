@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,10 +26,12 @@ from flashnext.serving.bench.client import (
     Completion, check_text, check_url, redact_url, scrub, served_model, stream_chat, url_secrets,
 )
 from flashnext.serving.bench.phases import PHASES
+from flashnext.serving.bench.phases.base import summary_of
 from flashnext.serving.bench.report import (
-    AGAINST, THIS_RUN, BenchReport, Capabilities, EndpointReport, ErrorSample, FailureGroup, GreedyAnswer, Scale,
-    Settings, workload_differences,
+    AGAINST, THIS_RUN, BenchReport, Capabilities, EndpointReport, ErrorSample, FailureGroup, GpuStepTime,
+    GreedyAnswer, PhaseServerState, Scale, ServerState, ServerWindow, Settings, workload_differences,
 )
+from flashnext.serving.bench.server_state import Monitor, Window, histogram_quantile, metrics_url
 
 # Kept of each failure group (phase, kind, HTTP status); every failure is counted.
 SAMPLES_PER_FAILURE = 3
@@ -66,6 +69,8 @@ class Endpoint:
     # Shared by the phases: the ITL of latency's measured rounds and decode's, decode's greedy answers.
     itl_samples: list[float] = field(default_factory=list)
     greedy: list[GreedyAnswer] = field(default_factory=list)
+    monitor: Monitor | None = None              # its /metrics
+    phase_states: list[PhaseServerState] = field(default_factory=list)
 
     @property
     def shown_url(self) -> str:
@@ -89,9 +94,14 @@ class Endpoint:
             errors[kind] = errors.get(kind, 0) + count
             advice = advice_for(phase, kind, status, [x.detail for x in samples], settings.structured_format)
             groups.append(FailureGroup(phase=phase, kind=kind, status=status, count=count, advice=advice))
+        m = self.monitor
+        state = None if m is None else ServerState(
+            url=m.shown_url, available=bool(m.available), note=m.note, failed_scrapes=m.failed_scrapes,
+            gpu_step_note=m.gpu_step_note, phases=self.phase_states)
         return EndpointReport(
             label=self.label, url=self.shown_url, model=self.model, capabilities=self.caps, scale=self.scale,
-            **self.results, itl_samples_s=self.itl_samples, greedy_answers=self.greedy, requests=self.requests,
+            **self.results, server_state=state, itl_samples_s=self.itl_samples, greedy_answers=self.greedy,
+            requests=self.requests,
             errors=errors, failures=groups, error_samples=[x for _, samples in self.failures.values() for x in samples])
 
 
@@ -164,14 +174,54 @@ class Bench:
         timeout = httpx.Timeout(connect=10.0, read=s.stall_timeout_s, write=60.0, pool=None)
         for ep in self.endpoints:
             ep.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+            # Its own connections: a scrape never waits behind the phase's streams, nor they behind it.
+            ep.monitor = Monitor(httpx.AsyncClient(timeout=timeout), metrics_url(chat_url(ep.url)),
+                                 redact_url(metrics_url(chat_url(ep.url))))
+        sampling = None
         try:
             for ep in self.endpoints:
                 await self._probe(ep)
+            for ep in self.endpoints:
+                await ep.monitor.scrape()
+                if ep.monitor.available is False:
+                    self.notes.append(f"{ep.label}: no server state (preemptions, running and waiting requests, "
+                                      f"KV-cache usage): {ep.monitor.note}")
+            sampling = asyncio.create_task(self._sample_every_interval())
             for phase in self._phases():
+                starts = [await self.window_start(ep) for ep in self.endpoints]
+                itl_before = [len(ep.itl_samples) for ep in self.endpoints]
                 await phase.run(self)
+                for ep, start, itl_from in zip(self.endpoints, starts, itl_before):
+                    window = await self.window_end(ep, start)
+                    if window is not None:
+                        ep.phase_states.append(PhaseServerState(
+                            phase=phase.name, client_itl_s=summary_of(ep.itl_samples[itl_from:]),
+                            **window.model_dump()))
         finally:
+            if sampling is not None:
+                sampling.cancel()
+                await asyncio.gather(sampling, return_exceptions=True)
             for ep in self.endpoints:
                 await ep.client.aclose()
+                await ep.monitor.client.aclose()
+
+    # -- the server's /metrics ------------------------------------------------------------------
+
+    async def _sample_every_interval(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.metrics_interval_s)
+            await asyncio.gather(*(ep.monitor.scrape() for ep in self.endpoints))
+
+    async def window_start(self, ep: Endpoint) -> float:
+        """The start of a stretch whose server state a phase wants: scraped now (counters' start)."""
+        start = time.perf_counter()
+        await ep.monitor.scrape()
+        return start
+
+    async def window_end(self, ep: Endpoint, start: float) -> ServerWindow | None:
+        """What ``ep``'s /metrics said since ``start`` (scraped now: counters' end); None without /metrics."""
+        await ep.monitor.scrape()
+        return server_window(ep.monitor.window(start, time.perf_counter()))
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -252,7 +302,8 @@ class Bench:
 # The report's fields that carry text a server sent (or a URL): where an echoed secret can land;
 # each phase names its own (``Phase.server_text``). The others hold flashnext's own words (kinds,
 # labels, Literal choices) and must stay as they are.
-_SERVER_TEXT = frozenset({"url", "model", "detail", "text", "tokens", "top_logprobs", "differences", "notes"})
+_SERVER_TEXT = frozenset({"url", "model", "detail", "text", "tokens", "top_logprobs", "differences", "notes",
+                          "note"})
 
 
 def server_text_fields() -> frozenset[str]:
@@ -276,6 +327,31 @@ def scrub_report(report: BenchReport, secrets: set[str]) -> BenchReport:
         return value
 
     return BenchReport.model_validate(walk(report.model_dump(), False))
+
+
+def server_window(w: Window | None) -> ServerWindow | None:
+    if w is None:
+        return None
+
+    def gauge(name: str, i: int) -> float | None:
+        return w.gauges[name][i] if name in w.gauges else None
+
+    def counter(name: str) -> int | None:
+        return round(w.counters[name]) if name in w.counters else None
+
+    queries, hits = counter("prefix_cache_queries"), counter("prefix_cache_hits")
+    gpu_steps = []
+    for key, h in sorted(w.gpu_steps.items()):
+        p50, p90 = histogram_quantile(h, 0.5), histogram_quantile(h, 0.9)
+        gpu_steps.append(GpuStepTime(dp_rank=key.dp_rank, pp_rank=key.pp_rank, tp_rank=key.tp_rank, graph=key.graph,
+                                     steps=round(h.count), mean_s=h.sum_s / h.count, p50_s=p50, p90_s=p90))
+    return ServerWindow(
+        samples=w.samples, running_mean=gauge("running", 0), running_max=gauge("running", 1),
+        waiting_mean=gauge("waiting", 0), waiting_max=gauge("waiting", 1),
+        kv_cache_usage_mean=gauge("kv_cache_usage", 0), kv_cache_usage_max=gauge("kv_cache_usage", 1),
+        preemptions=counter("preemptions"), prefix_cache_queries=queries, prefix_cache_hits=hits,
+        prefix_cache_hit_rate=hits / queries if queries and hits is not None else None, notes=w.notes,
+        gpu_steps=gpu_steps)
 
 
 def _now() -> str:

@@ -38,6 +38,12 @@ def summary(report: BenchReport) -> dict:
         side = {"url": e.url, **{f"{h.metric} ({h.unit})": h.value for h in headline_metrics(e)}}
         for p in PHASES.values():
             side |= p.summary(e)
+        st = e.server_state
+        if st is not None and st.available:
+            side["server_state"] = {p.phase: {"preemptions": p.preemptions, "running_max": p.running_max,
+                                              "waiting_max": p.waiting_max, "kv_cache_usage_max": p.kv_cache_usage_max,
+                                              "prefix_cache_hit_rate": p.prefix_cache_hit_rate, **_gpu_steps(p)}
+                                    for p in st.phases}
         out[e.label] = side
     if report.ab and report.ab.agreement:
         out["ab"] = {"this_run": report.ab.this_run.name, "reference": report.ab.reference.name,
@@ -51,6 +57,7 @@ def summary_lines(report: BenchReport) -> list[str]:
         lines.append(f"{e.label}: {e.url} ({e.model}), {e.requests} requests")
         for p in PHASES.values():
             lines += p.summary_lines(e)
+        lines += server_state_lines(e)
     ab = report.ab
     if ab:
         this, ref = ab.this_run.name, ab.reference.name
@@ -66,3 +73,43 @@ def summary_lines(report: BenchReport) -> list[str]:
                              f"{d.change_pct:+.1f}% (outside the noise band)")
         lines += [f"note: the sides differ in {x}" for x in ab.differences]
     return lines
+
+
+def server_state_lines(e) -> list[str]:
+    """One line a phase of what /metrics said: preemptions first (seed 000 read 0 off the server)."""
+    st = e.server_state
+    if st is None or not st.available:
+        return []
+    lines = []
+    for p in st.phases:
+        said = [f"{p.preemptions} preemptions" if p.preemptions is not None else "preemptions not exposed"]
+        if p.running_max is not None:
+            said.append(f"running max {p.running_max:g}")
+        if p.waiting_max is not None:
+            said.append(f"waiting max {p.waiting_max:g}")
+        if p.kv_cache_usage_max is not None:
+            said.append(f"KV cache max {p.kv_cache_usage_max:.0%}")
+        if p.prefix_cache_hit_rate is not None:
+            said.append(f"prefix cache hits {p.prefix_cache_hit_rate:.0%}")
+        lines.append(f"  server during {p.phase}: {', '.join(said)}")
+        if p.gpu_steps:
+            from flashnext.serving.bench.server_state import step_label
+
+            steps = "; ".join(f"{step_label(g)} p50 {g.p50_s * 1e3:.2f} / p90 {g.p90_s * 1e3:.2f} ms ({g.steps} steps)"
+                              for g in p.gpu_steps)
+            itl = (f"; client ITL p50 {p.client_itl_s.p50 * 1e3:.2f} / p90 {p.client_itl_s.p90 * 1e3:.2f} ms"
+                   if p.client_itl_s else "")
+            lines.append(f"    GPU per step (CUDA events): {steps}{itl}")
+    if st.gpu_step_note:
+        lines.append(f"  note: {st.gpu_step_note}")
+    return lines
+
+
+def _gpu_steps(p) -> dict:
+    """A phase's GPU time per step (patch step-time) for --json's summary, beside its client ITL."""
+    from flashnext.serving.bench.server_state import step_label
+
+    if not p.gpu_steps:
+        return {}
+    return {"gpu_step_p50_ms": {step_label(g): g.p50_s * 1e3 for g in p.gpu_steps},
+            "client_itl_p50_ms": p.client_itl_s and p.client_itl_s.p50 * 1e3}

@@ -136,3 +136,60 @@ def validate_structured(answer: str) -> str | None:
         where = "/".join(str(p) for p in e.absolute_path) or "the top level"
         return f"schema: {e.message[:120]} at {where}"
     return None
+
+
+# -- multiturn: an agent session (seed 004's OpenHands-like workload) -------------------------------
+
+_AGENT_TASK = ("You are a software agent working in a repository. Read the files and tool output below, "
+               "then say what you will do next.\n\n")
+_TOOL_OUTPUT = "Tool output:\n"
+
+
+def agent_first_turn(tokens: int, scale: TextScale, rng: random.Random) -> list[dict]:
+    """The session's first message, about ``tokens`` long: the task and the context an agent reads."""
+    return messages(_AGENT_TASK + filler(scale.chars_for(tokens) - len(_AGENT_TASK), rng))
+
+
+def agent_next_turn(tokens: int, scale: TextScale, rng: random.Random) -> dict:
+    """A later user message, about ``tokens`` long: tool output the agent feeds back. It sits inside
+    a conversation, so no chat template's overhead is taken off."""
+    chars = max(1, round(tokens * scale.chars_per_token) - len(_TOOL_OUTPUT))
+    return {"role": "user", "content": _TOOL_OUTPUT + filler(chars, rng)}
+
+
+# -- images: generated, no downloads (seed 000 section 6) -------------------------------------------
+
+IMAGE_QUESTION = "Describe this image in one sentence."
+
+
+def image_data_url(index: int, width: int, height: int, seed: int) -> str:
+    """A JPEG of ``width`` x ``height`` as a ``data:`` URL: a gradient and shapes drawn from
+    (``index``, ``seed``), so that every image is new to the server (a repeated one would be
+    answered from vLLM's multi-modal cache) and the same in every run."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(f"image/{index}/{seed}")
+    a, b = (np.array([rng.randrange(256) for _ in range(3)], dtype=np.float32) for _ in range(2))
+    ramp = np.linspace(0.0, 1.0, width, dtype=np.float32)[None, :, None]
+    rows = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None, None]
+    pixels = a * (1 - ramp) * (1 - rows / 2) + b * ramp * (0.5 + rows / 2)
+    image = Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB")
+    draw = ImageDraw.Draw(image)
+    for _ in range(12):
+        x0, y0 = rng.randrange(width), rng.randrange(height)
+        x1, y1 = x0 + rng.randrange(1, max(2, width // 3)), y0 + rng.randrange(1, max(2, height // 3))
+        color = tuple(rng.randrange(256) for _ in range(3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1, y1), fill=color)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def image_messages(data_url: str) -> list[dict]:
+    """One user message with the image and a short question (OpenAI's, and vLLM's, content parts)."""
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}},
+                                         {"type": "text", "text": IMAGE_QUESTION}]}]

@@ -6,6 +6,7 @@ patched tree (``patch_series.probe_tree``), so each imports vLLM inside its body
 module must not import vLLM.
 """
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -127,3 +128,14 @@ def vit_stream() -> None:
     import vllm.models.qwen4_exp.nvidia.model as m
     assert 'vit_stream.install(self)' in inspect.getsource(m.Qwen4ExpForConditionalGeneration.process_weights_after_loading)
     assert 'vit_stream.build_context()' in inspect.getsource(m.Qwen4ExpForConditionalGeneration.__init__)
+
+
+def step_time() -> None:
+    import vllm.v1.worker.gpu.cudagraph_utils as c
+    src = inspect.getsource(c.CudaGraphManager.run_fullgraph)
+    assert 'replay(self, desc)' in src and 'self.graphs[desc].replay()' not in src
+    # read, not imported: importing it (and its packages) costs the check FastAPI and the instrumentator
+    import vllm
+    src = (Path(vllm.__file__).parent / 'entrypoints/serve/instrumentator/metrics.py').read_text()
+    [attach] = [f for f in ast.parse(src).body if isinstance(f, ast.FunctionDef) and f.name == 'attach_router']
+    assert 'register_collector(registry)' in ast.get_source_segment(src, attach)

@@ -472,7 +472,7 @@ def test_apply_killed_during_its_swap_is_reverted_or_finished(then, fake_site, t
         assert _tree(fake_site.parent) == before
     else:
         result, out = _apply_cli(fake_site)
-        assert result.exit_code == 0 and out.splitlines()[-1] == "applied vit-stream", out
+        assert result.exit_code == 0 and out.splitlines()[-1] == f"applied {load_series()[-1].id}", out
         record = ".flashnext-vllm-patches/record.json"
         without = lambda tree: {k: v for k, v in tree.items() if k != record}
         assert without(_tree(fake_site)) == without(_tree(clean))  # the originals kept included

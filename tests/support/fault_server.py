@@ -11,6 +11,12 @@ behaviour of ``schedule`` in turn. ``served`` counts what each behaviour answere
 keeps, for each answer, the ``time.perf_counter()`` of every token chunk it wrote (a benchmark
 compares a client's timings with them). ``interval_s`` paces the tokens. ``requests`` keeps the
 method, target and ``Authorization`` header of every request, the probe's and ``/v1/models`` too.
+
+``metrics``, when given, serves ``GET /metrics``: it is called with the number of chat requests in
+flight and returns the Prometheus text to answer (a test builds it with vLLM's own
+``PrometheusStatLogger``); without it ``/metrics`` is a 404, as on llama.cpp's server. ``images``
+keeps the (width, height) of every image a request carried, decoded with PIL: proof that what was
+sent is an image of the size asked for.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ MODELS = ("ok", "int_id", "surrogate_id", "deep", "endless")
 
 class FaultServer:
     def __init__(self, schedule: tuple[str, ...] = BEHAVIOURS, tokens: int = 8, interval_s: float = 0.002,
-                 models: str = "ok"):
+                 models: str = "ok", metrics=None):
         unknown = set(schedule) - set(BEHAVIOURS) - set(HOSTILE)
         if unknown or models not in MODELS:
             raise ValueError(f"unknown behaviours {unknown or models}")
@@ -75,6 +81,9 @@ class FaultServer:
         self.interval_s = interval_s
         self.served: Counter[str] = Counter()
         self.sent_at: list[list[float]] = []
+        self.metrics = metrics
+        self.in_flight = 0
+        self.images: list[tuple[int, int]] = []
         self._loop = asyncio.new_event_loop()
         self._server = None
         self._stop = None
@@ -139,12 +148,26 @@ class FaultServer:
         path = target.split("?", 1)[0]
         if method == "GET" and path.endswith("/models"):
             return await self._models(w)
+        if method == "GET" and path == "/metrics" and self.metrics is not None:
+            payload = self.metrics(self.in_flight).encode()
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(payload), payload))
+            return True
         if not path.endswith("/chat/completions"):
             self._json(w, 404, {"error": {"message": f"no route {path}"}})
             return True
         probe = int(body.get("max_tokens") or 16) <= 2
         behaviour = "ok" if probe else next(self._schedule)
         self.served[behaviour] += 1
+        self.images += _image_sizes(body)
+        self.in_flight += 1
+        try:
+            return await self._answer(behaviour, probe, target, body, w, auth)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, behaviour: str, probe: bool, target: str, body: dict, w: asyncio.StreamWriter,
+                      auth: str | None) -> bool:
         if behaviour == "http_500":
             self._json(w, 500, {"error": {"message": "injected failure"}})
             return True
@@ -254,3 +277,19 @@ class FaultServer:
         reason = {200: "OK", 404: "Not Found", 500: "Internal Server Error"}[status]
         w.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                 % (status, reason.encode(), len(payload), payload))
+
+
+def _image_sizes(body: dict) -> list[tuple[int, int]]:
+    """The (width, height) of each image in the request's messages (base64 data URLs)."""
+    import io
+
+    from PIL import Image
+
+    sizes = []
+    for m in body.get("messages") or []:
+        for part in m.get("content") if isinstance(m.get("content"), list) else []:
+            url = part.get("image_url", {}).get("url", "") if part.get("type") == "image_url" else ""
+            if url.startswith("data:image/"):
+                with Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as im:
+                    sizes.append(im.size)
+    return sizes

@@ -8,15 +8,18 @@ is a module here with a ``PHASE`` that follows :class:`~.base.Phase`, named in t
 
 from __future__ import annotations
 
-from flashnext.serving.bench.phases import decode, latency, needle, structured
+from flashnext.serving.bench.phases import decode, images, latency, multiturn, needle, structured
 from flashnext.serving.bench.phases.base import ROUND_OPTIONS, RUN_OPTIONS, Option, Phase, Text
 
-PHASES: dict[str, Phase] = {p.name: p for p in (latency.PHASE, decode.PHASE, needle.PHASE, structured.PHASE)}
+PHASES: dict[str, Phase] = {p.name: p for p in (latency.PHASE, decode.PHASE, needle.PHASE, structured.PHASE,
+                                                  multiturn.PHASE, images.PHASE)}
 
 
 def phases_option() -> Option:
-    """``--phases``: its default is every registered phase, so it is made when asked for."""
-    return Option("--phases", "phases", Text(), ",".join(PHASES), "Which phases to run (comma-separated).")
+    """``--phases``: its default is every registered phase that runs by default (``by_default``),
+    so it is made when asked for."""
+    return Option("--phases", "phases", Text(), ",".join(p.name for p in PHASES.values() if p.by_default),
+                  "Which phases to run (comma-separated).")
 
 
 def setting_options() -> list[Option]:

@@ -53,6 +53,14 @@ class Seconds:
 
 
 @dataclass(frozen=True)
+class Size:
+    """``WIDTHxHEIGHT`` in pixels, each in [low, high]; the setting is ``[width, height]``."""
+
+    low: int
+    high: int
+
+
+@dataclass(frozen=True)
 class Choice:
     choices: tuple[str, ...]
 
@@ -68,7 +76,7 @@ class Option:
 
     flag: str
     setting: str
-    kind: Ints | Floats | Int | Seconds | Choice | Text
+    kind: Ints | Floats | Int | Seconds | Size | Choice | Text
     default: Any
     help: str
 
@@ -79,6 +87,7 @@ class Phase(Protocol):
 
     name: str
     help: str                       # its lines of ``flashnext bench --help``
+    by_default: bool                # in --phases' default; False for the workloads that take hours at their defaults
     options: tuple[Option, ...]
     report_field: str | None
     server_text: frozenset[str]     # its result fields that keep a server's text: scrubbed of the URL's secrets
@@ -109,6 +118,7 @@ class PhaseDefaults:
     """What a phase that keeps, says or draws nothing of its own inherits."""
 
     report_field: str | None = None
+    by_default: bool = True
     options: tuple[Option, ...] = ()
     server_text: frozenset[str] = frozenset()
 
@@ -143,6 +153,8 @@ RUN_OPTIONS = (
            "Seconds a stream may stay silent before it counts as stalled."),
     Option("--extra-body", "extra_body", Text(), "{}",
            'JSON merged into every request, e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\'.'),
+    Option("--metrics-interval", "metrics_interval_s", Seconds(), 1.0,
+           "Seconds between scrapes of the server's /metrics during a phase (its start and end are scraped too)."),
 )
 
 

@@ -93,3 +93,30 @@ def test_baseline_compares_with_a_saved_run(servers, tmp_path):
     assert result["summary"]["ab"]["identical"] == result["summary"]["ab"]["answers"] == 6
     report = json.loads((tmp_path / "second" / "report.json").read_text())
     assert report["ab"]["reference"]["name"] == "baseline" and len(report["endpoints"]) == 1
+
+
+def test_multiturn_and_images_on_a_real_server_without_metrics(servers, tmp_path):
+    a, _ = servers
+    out = tmp_path / "mt"
+    done = _bench(a.url, "--model", str(a.model), "--out", str(out), "--phases", "multiturn,images",
+                  "--sessions", "1,2", "--turns", "3", "--first-turn-tokens", "256", "--turn-tokens", "32",
+                  "--turn-output-tokens", "8", "--images", "2", "--image-size", "64x64", "--image-prefill-tokens",
+                  "512", "--image-max-tokens", "4", "--no-progress")
+    report = json.loads((out / "report.json").read_text())
+    jsonschema.validate(report, SCHEMA)
+    [e] = report["endpoints"]
+    for p in e["multiturn"]:
+        assert p["failed"] == 0 and p["sessions_completed"] == p["sessions"]
+        # The server counted each turn's whole conversation: it grows by the answer and the new message.
+        prompts = [t["measured_prompt_tokens"] for t in p["turns"]]
+        assert abs(prompts[0] - 256) <= 26 and prompts[1] > prompts[0] + 32 and prompts[2] > prompts[1] + 32, prompts
+        assert p["throughput_tok_s"] > 0 and p["per_user_tok_s"]["count"] == 3 * p["sessions"]
+        assert p["server"] is None and p["client_in_flight_mean"] > 0
+    # A text-only model: every image is answered or refused, and either way reported.
+    im = e["images"]
+    assert im["answered"] + im["failed"] == 2 and im["prefill_error"] is None
+    assert all(r["error"] is None or r["error"].startswith("http") for r in im["requests"])
+    # transformers serve has no /metrics: noted, not an error.
+    assert e["server_state"]["available"] is False and "/metrics answered HTTP 404" in e["server_state"]["note"]
+    assert (out / "multiturn_pareto.png").is_file()
+    assert "multiturn x2 sessions" in done.output

@@ -5,6 +5,7 @@ server cannot run on this machine, its protocol classes can.
 """
 
 import asyncio
+import random
 
 import httpx
 import pytest
@@ -46,9 +47,18 @@ def test_every_request_the_bench_builds_is_a_valid_vllm_request():
         bench.body(ep, workloads.structured_prompt(0), 64,
                     response_format=workloads.structured_response_format("json_schema")),
     ]
+    # multiturn's later turns (the answers so far, then tool output) and an images request
+    rng = random.Random(0)
+    conversation = [*workloads.agent_first_turn(256, scale, rng), {"role": "assistant", "content": "I will read it."},
+                    workloads.agent_next_turn(64, scale, rng)]
+    bodies.append(bench.body(ep, conversation, 753, run_to_length=True))
+    image = workloads.image_data_url(0, 64, 32, 0)
+    bodies.append(bench.body(ep, workloads.image_messages(image), 16))
     for body in bodies:
         request = protocol.ChatCompletionRequest.model_validate({**body, "stream": True})
         assert request.temperature == 0 and request.seed == 0
+    [image_part, _] = protocol.ChatCompletionRequest.model_validate({**bodies[-1], "stream": True}).messages[0]["content"]
+    assert image_part["type"] == "image_url" and image_part["image_url"]["url"] == image
     decode = protocol.ChatCompletionRequest.model_validate({**bodies[1], "stream": True})
     assert (decode.ignore_eos, decode.min_tokens, decode.logprobs, decode.top_logprobs) == (True, 8, True, 5)
     assert decode.stream_options.include_usage
