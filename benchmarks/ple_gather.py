@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.ple_prefetch import evict, write_table
 from flashnext.quant.formats import float_rows
 from flashnext.quant.ple.mapped import PleTableFile
 
@@ -188,31 +189,6 @@ def uva_fp8(rows: int, reps: int) -> dict:
     return result
 
 
-def write_file(path: Path, rows: int) -> None:
-    size = rows * D * 2
-    if path.exists() and path.stat().st_size == size:
-        return
-    block = np.random.default_rng(7).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        done = 0
-        while done < size:
-            n = min(len(block), size - done)
-            f.write(block[:n])
-            done += n
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def mmap_bf16(path: Path, rows: int, reps: int, cold: bool) -> dict:
     on_gpu = torch.cuda.is_available()
     staging = torch.empty((512 * ROWS_PER_TOKEN, D * 2), dtype=torch.uint8, pin_memory=on_gpu)
@@ -258,7 +234,7 @@ def main() -> None:
         args.workdir.mkdir(parents=True, exist_ok=True)
         file_rows = int(args.file_gib * (1 << 30)) // (D * 2)
         path = args.workdir / "ple-bf16.bin"
-        write_file(path, file_rows)
+        write_table(path, file_rows * D * 2)
         results["mmap_bf16_warm"] = mmap_bf16(path, file_rows, args.reps, cold=False)
         results["mmap_bf16_cold"] = mmap_bf16(path, file_rows, args.reps, cold=True)
     if gpu:
