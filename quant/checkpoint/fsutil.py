@@ -732,6 +732,14 @@ def atomic_directory(out: Path, force: bool = False, inputs: dict[str, Path | No
             partial.close()
 
 
+def _write_durably(fd: int, text: str) -> None:
+    """``text`` into the new file open at ``fd`` (closed after), on the disk before it returns."""
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_text_at(parent: HeldDirectory, name: str, text: str) -> None:
     """Write the small file ``name`` in the held ``parent`` via a temporary sibling and a rename."""
     tmp = f".{name}.tmp-{os.getpid()}"
@@ -747,10 +755,7 @@ def write_text_at(parent: HeldDirectory, name: str, text: str) -> None:
         fd = parent.create(tmp)
     mine = _identity(os.fstat(fd))
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_durably(fd, text)
         parent.rename(tmp, name)
     except BaseException:
         if parent.holds(tmp, mine):
@@ -776,10 +781,7 @@ def write_new_file(path: Path, text: str) -> None:
         fd = parent.create(tmp)
         mine = _identity(os.fstat(fd))
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_durably(fd, text)
             try:
                 if not _renameat2(parent.fd, tmp, path.name, RENAME_NOREPLACE):
                     os.link(tmp, path.name, src_dir_fd=parent.fd, dst_dir_fd=parent.fd, follow_symlinks=False)
