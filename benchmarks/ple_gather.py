@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from benchmarks.ple_prefetch import evict, write_table
+from benchmarks.qsa_offload import timed
 from flashnext.quant.formats import float_rows
 from flashnext.quant.ple.mapped import PleTableFile
 
@@ -98,39 +99,6 @@ def pinned_random_bytes(rows: int, row_bytes: int, scale_bytes: bool = False) ->
     return table
 
 
-def gpu_median_us(fn, id_sets: list[torch.Tensor]) -> float:
-    times = []
-    for ids in id_sets:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(ids)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return round(statistics.median(times[len(times) // 10:]), 2)
-
-
-def graph_median_us(fn, id_sets: list[torch.Tensor]) -> float:
-    """The lookup's GPU time alone: captured once in a CUDA graph over an ids buffer (as a served
-    decode step replays it), each rep's ids copied in before the timed replay."""
-    ids = id_sets[0].clone()
-    fn(ids)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(ids)
-    times = []
-    for fresh in id_sets:
-        ids.copy_(fresh)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return round(statistics.median(times[len(times) // 10:]), 2)
-
-
 def id_sets(rows: int, tokens: int, reps: int, device: str) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(tokens)
     return [torch.randint(0, rows, (tokens * ROWS_PER_TOKEN,), generator=g).to(device) for _ in range(reps)]
@@ -158,8 +126,8 @@ def uva_nvfp4(rows: int, reps: int) -> dict:
               "values_differing_from_torch": int((out[:check.numel()].cpu() != expected).sum())}
     for point, tokens in POINTS.items():
         ids = id_sets(rows, tokens, reps, "cuda")
-        result[f"{point}_us"] = gpu_median_us(lookup, ids)
-        result[f"{point}_graph_us"] = graph_median_us(lookup, ids)
+        result[f"{point}_us"] = round(timed(lookup, ids, graph=False), 2)
+        result[f"{point}_graph_us"] = round(timed(lookup, ids), 2)
     del weight, scale
     return result
 
@@ -183,8 +151,8 @@ def uva_fp8(rows: int, reps: int) -> dict:
               "values_differing_from_torch": int((decoded["rows"].cpu() != expected).sum())}
     for point, tokens in POINTS.items():
         ids = id_sets(rows, tokens, reps, "cuda")
-        result[f"{point}_us"] = gpu_median_us(lookup, ids)
-        result[f"{point}_graph_us"] = graph_median_us(lookup, ids)
+        result[f"{point}_us"] = round(timed(lookup, ids, graph=False), 2)
+        result[f"{point}_graph_us"] = round(timed(lookup, ids), 2)
     del table
     return result
 
