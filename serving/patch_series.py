@@ -28,7 +28,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 import zlib
@@ -38,11 +37,12 @@ from typing import Callable, Literal, Sequence
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.fsutil import confined, fsync_dir, output_lock, read_output_marker, write_marker
+from flashnext.quant.checkpoint.fsutil import (confined, fsync_dir, output_lock, read_output_marker, scratch_directory,
+                                               write_marker)
 from flashnext.quant.records.inputs import open_regular, read_regular_bytes
 from flashnext.quant.records.jsonfile import parse_json, validate
 from flashnext.quant.records.strict import Sha256, StrictRecord
-from flashnext.serving.patches.series import PATCH_DIR, SERIES, Patch
+from flashnext.serving.patches.series import ABSORBED, PATCH_DIR, SERIES, VLLM_VERSION, Absorbed, Patch
 
 
 def load_series(patches: Sequence[Patch] = SERIES) -> list[Patch]:
@@ -50,16 +50,26 @@ def load_series(patches: Sequence[Patch] = SERIES) -> list[Patch]:
     the files the diff touches are the ones its entry names."""
     patches = sorted(patches, key=lambda p: p.order)
     for p in patches:
-        confined(PATCH_DIR, p.file, "the patch series")
         # the probe interpreter finds a probe by its module and name, so it must be found there
         if getattr(importlib.import_module(p.probe.__module__), p.probe.__name__, None) is not p.probe:
             raise FlashnextError(f"{p.id}: its probe {p.probe.__qualname__} is not a function of a module")
+        if p.verdict == "plugin":
+            if p.file is not None or p.touches:
+                raise FlashnextError(f"{p.id}: a plugin entry has no diff and touches no file of vllm")
+            continue
+        confined(PATCH_DIR, p.file, "the patch series")
         diff = read_regular_bytes(p.path, "a patch of the series").decode("utf-8", "replace")
         touched = {line.split()[1][2:] for line in diff.splitlines()
                    if line.startswith("+++ ") and len(line.split()) > 1}
         if touched != set(p.touches):
             raise FlashnextError(f"{p.id}: the series says it touches {sorted(p.touches)}, the diff touches {sorted(touched)}")
     return patches
+
+
+def diffs(patches: Sequence[Patch]) -> list[Patch]:
+    """The entries kept as diffs (applied to vLLM's files), in order; plugin entries register
+    through vLLM's own extension points instead (``serving/plugin.py``)."""
+    return [p for p in patches if p.verdict == "diff"]
 
 
 def installed_vllm_root() -> Path:
@@ -109,7 +119,7 @@ def _apply(patch: Patch, root: Path) -> None:
 def patched_tree(dest: Path, series: Sequence[Patch] = SERIES) -> Path:
     """The installed vLLM with the whole series applied, as a shadow tree at ``dest`` (put it first
     on PYTHONPATH). The installed package is not touched."""
-    patches = load_series(series)
+    patches = diffs(load_series(series))
     _shadow_tree(installed_vllm_root(), {t for p in patches for t in p.touches}, Path(dest))
     for p in patches:
         _apply(p, Path(dest))
@@ -122,6 +132,7 @@ RECORD_DIR = ".flashnext-vllm-patches"
 RECORD_FILE = "record.json"
 ORIGINALS = "originals"
 _MADE_BY = "flashnext patches apply"
+_CHECKED_BY = "flashnext patches check"  # what the scratch of a check or of the probes says made it
 _LEFTOVER = re.compile(re.escape(RECORD_DIR) + r"\.(?:stage|partial)-[0-9]+")
 
 
@@ -199,7 +210,7 @@ def _read_target_file(target: Path, rel: str) -> tuple[bytes, os.stat_result]:
         with open_regular(path, "a file of the vllm package", follow_symlinks=False) as f:
             return f.read(), os.fstat(f.fileno())
     except FileNotFoundError:
-        raise FlashnextError(f"{path}: missing; the series patches vllm==0.33.0, which has it") from None
+        raise FlashnextError(f"{path}: missing; the series patches vllm=={VLLM_VERSION}, which has it") from None
 
 
 class RecordedFile(StrictRecord):
@@ -256,7 +267,7 @@ def _original(target: Path, record: PatchRecord, rel: str) -> bytes:
     path = confined(target / RECORD_DIR / ORIGINALS, rel, str(target / RECORD_DIR / RECORD_FILE))
     data = read_regular_bytes(path, "a kept original", follow_symlinks=False)
     if _sha256(data) != record.files[rel].original_sha256:
-        raise FlashnextError(f"{path}: the kept original does not match its record; reinstall vllm==0.33.0 "
+        raise FlashnextError(f"{path}: the kept original does not match its record; reinstall vllm=={VLLM_VERSION} "
                              f"(pip install --force-reinstall) and remove {target / RECORD_DIR}")
     return data
 
@@ -295,7 +306,7 @@ def _staged(patches: list[Patch], originals: dict[str, bytes], modes: dict[str, 
 def _already_patched_hint(error: FlashnextError, target: Path) -> FlashnextError:
     if "is applied already" in str(error):
         return FlashnextError(f"{error}, but {target} has no record of flashnext's (an older flashnext patched it "
-                              "in place): pip install --force-reinstall vllm==0.33.0 there, then apply again")
+                              f"in place): pip install --force-reinstall --no-deps vllm=={VLLM_VERSION} there, then apply again")
     return error
 
 
@@ -307,7 +318,7 @@ def apply_series(target_root: Path, series: Sequence[Patch] = SERIES) -> SeriesA
     rerun after an interrupted swap finishes it; a rerun on a patched tree says so. Run
     ``check_series`` first."""
     target = _target(target_root)
-    patches = load_series(series)
+    patches = diffs(load_series(series))
     touched = sorted({t for p in patches for t in p.touches})
     digest = series_sha256(patches)
     with output_lock(target / RECORD_DIR):
@@ -410,8 +421,19 @@ def _refuse_changed(target: Path, states: dict[str, str]) -> None:
     changed = [rel for rel, state in states.items() if state == "changed"]
     if changed:
         raise FlashnextError(f"{target / changed[0]}: changed since `flashnext patches apply` patched it (neither "
-                             f"the original nor the patched file); reinstall vllm==0.33.0 there (pip install "
+                             f"the original nor the patched file); reinstall vllm=={VLLM_VERSION} there (pip install "
                              f"--force-reinstall) and remove {target / RECORD_DIR}")
+
+
+def series_applied(target_root: Path | None = None) -> bool:
+    """Whether ``patches apply`` put this series' diffs into the vllm under ``target_root`` (default:
+    the installed one): its record names this series and every recorded file is the patched one.
+    Read from the record and the files' hashes, without importing vLLM (the preflight's check)."""
+    target = _target(target_root if target_root is not None else installed_vllm_root())
+    record = _read_record(target)
+    if record is None or record.series_sha256 != series_sha256(diffs(load_series())):
+        return False
+    return all(state == "patched" for state in _state(target, record).values())
 
 
 def revert_series(target_root: Path) -> list[str]:
@@ -450,42 +472,100 @@ def _extract_wheel(wheel: Path, dest: Path) -> None:
             raise FlashnextError(f"--vllm {wheel}: not a vllm wheel or directory (not a readable zip: {e})") from None
 
 
+def _source_tree(vllm: Path | None, tmp: Path) -> Path:
+    """The directory holding the ``vllm`` package to check: installed, a directory, or a wheel
+    extracted into ``tmp``."""
+    if vllm is not None and not Path(vllm).is_dir():
+        _extract_wheel(Path(vllm), tmp / "wheel")
+        source = tmp / "wheel"
+    else:
+        source = Path(vllm) if vllm is not None else installed_vllm_root()
+        if source.name == "vllm":  # the package directory itself rather than its parent
+            source = source.parent
+    if not (source / "vllm" / "__init__.py").is_file():
+        raise FlashnextError(f"{source}: no vllm package there")
+    return source
+
+
+@dataclass(frozen=True)
+class DriftRow:
+    """One entry of the drift table: a patch (kept as a diff or registered as a plugin) or an
+    absorbed one, and what this vllm makes of it."""
+
+    id: str
+    verdict: Literal["diff", "plugin", "absorbed"]
+    status: Literal["applies", "fails", "probe failed", "registered", "absorbed", "regressed"]
+    detail: str  # the refused hunk, the probe's error, or what was checked
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("applies", "registered", "absorbed")
+
+    def as_json(self) -> dict:
+        return {"id": self.id, "verdict": self.verdict, "status": self.status, "ok": self.ok, "detail": self.detail}
+
+
+def drift_table(vllm: Path | None = None, series: Sequence[Patch] = SERIES, absorbed: Sequence[Absorbed] = ABSORBED,
+                progress: Callable[[str], None] = lambda line: None) -> list[DriftRow]:
+    """What ``vllm`` (installed, a directory or a wheel; never modified) makes of every entry: each
+    diff applied with zero fuzz to a shadow copy in series order (a refused one is left out, its
+    hunk named, and the next goes on), byte-compiled and probed; each plugin entry's probe run
+    after vLLM's own plugin loading; each absorbed patch's probe of upstream's fix. One row an
+    entry; the probes share one interpreter that imports the shadow tree."""
+    patches = load_series(series)
+    with scratch_directory("patches", _CHECKED_BY) as tmp:
+        source = _source_tree(vllm, tmp)
+        root = tmp / "tree"
+        _shadow_tree(source, {t for p in diffs(patches) for t in p.touches}, root)
+        refused: dict[str, str] = {}
+        for i, patch in enumerate(diffs(patches), 1):
+            before = {rel: (root / rel).read_bytes() for rel in patch.touches if (root / rel).is_file()}
+            try:
+                _apply(patch, root)
+                for rel in patch.touches:
+                    _compile(patch, root, rel, tmp / "pyc" / (rel + "c"))
+            except FlashnextError as e:
+                for rel, data in before.items():  # a refused patch leaves no hunk behind
+                    (root / rel).write_bytes(data)
+                refused[patch.id] = str(e)
+                progress(f"[{i}] {patch.id}: {e}")
+            else:
+                progress(f"[{i}] {patch.id}: applied with zero fuzz, compiled")
+        probed = [p for p in patches if p.id not in refused]
+        progress(f"probing {len(probed) + len(absorbed)} entries in one interpreter (it imports vLLM first) ...")
+        failures = _run_probes([*probed, *absorbed], root, tmp, progress)
+    rows = []
+    for p in patches:
+        if p.id in refused:
+            rows.append(DriftRow(p.id, p.verdict, "fails", refused[p.id]))
+        elif p.id in failures:
+            rows.append(DriftRow(p.id, p.verdict, "probe failed", failures[p.id]))
+        elif p.verdict == "plugin":
+            rows.append(DriftRow(p.id, "plugin", "registered", f"registered by {p.registers}"))
+        else:
+            rows.append(DriftRow(p.id, "diff", "applies", f"zero fuzz; compiled {', '.join(p.touches)}; probe passed"))
+    for a in absorbed:
+        rows.append(DriftRow(a.id, "absorbed", "regressed" if a.id in failures else "absorbed",
+                             f"upstream's fix not found: {failures[a.id]}" if a.id in failures
+                             else f"upstream since {a.since}: {a.fixed_by}"))
+    return rows
+
+
 def check_series(vllm: Path | None = None, series: Sequence[Patch] = SERIES,
                  progress: Callable[[str], None] = lambda line: None) -> list[dict]:
-    """Apply the series to a shadow copy of ``vllm`` (installed, a directory, or a wheel), compile
-    and probe it. Returns one result per patch; a drifted hunk raises with its name. ``progress``
-    gets one line per step as it happens (the probes take minutes: vLLM is imported once for all)."""
-    patches = load_series(series)
-    with tempfile.TemporaryDirectory(prefix="flashnext-patches-") as tmp:
-        tmp = Path(tmp)
-        if vllm is not None and not Path(vllm).is_dir():
-            _extract_wheel(Path(vllm), tmp / "wheel")
-            source = tmp / "wheel"
-        else:
-            source = Path(vllm) if vllm is not None else installed_vllm_root()
-            if source.name == "vllm":  # the package directory itself rather than its parent
-                source = source.parent
-        if not (source / "vllm" / "__init__.py").is_file():
-            raise FlashnextError(f"{source}: no vllm package there")
-        root = tmp / "tree"
-        _shadow_tree(source, {t for p in patches for t in p.touches}, root)
-        results = []
-        for i, patch in enumerate(patches, 1):
-            _apply(patch, root)
-            for rel in patch.touches:
-                _compile(patch, root, rel, tmp / "pyc" / (rel + "c"))
-            results.append({"id": patch.id, "applied": True, "compiled": list(patch.touches)})
-            progress(f"[{i}/{len(patches)}] {patch.id}: applied with zero fuzz, compiled")
-        progress(f"probing the {len(patches)} patches in one interpreter (it imports vLLM first) ...")
-        failures = _run_probes(patches, root, tmp, progress)
-        for patch, result in zip(patches, results):
-            if patch.id not in failures:
-                result["probe"] = "passed"
-        if failures:
-            (first, error), *others = failures.items()
-            more = f" (and {len(others)} more failed: {', '.join(pid for pid, _ in others)})" if others else ""
-            raise FlashnextError(f"patch {first} applied but its probe failed: {error}{more}")
-        return results
+    """The series checked against ``vllm`` (:func:`drift_table` for the series alone): one result
+    a patch; the first entry that does not apply or probe raises, naming it (and how many more)."""
+    rows = drift_table(vllm, series, absorbed=(), progress=progress)
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        first, *others = bad
+        more = f" (and {len(others)} more failed: {', '.join(r.id for r in others)})" if others else ""
+        if first.status == "fails":
+            raise FlashnextError(f"{first.detail}{more}")
+        raise FlashnextError(f"patch {first.id} applied but its probe failed: {first.detail}{more}")
+    by_id = {p.id: p for p in series}
+    return [{"id": r.id, "verdict": r.verdict, "applied": r.verdict == "diff", "compiled": list(by_id[r.id].touches),
+             "probe": "passed"} for r in rows]
 
 
 def probe_tree(root: Path | None = None, series: Sequence[Patch] = SERIES) -> dict[str, str]:
@@ -494,8 +574,8 @@ def probe_tree(root: Path | None = None, series: Sequence[Patch] = SERIES) -> di
     as ``check_series``'s, so the selftest and the check cannot disagree on what a probe means."""
     patches = load_series(series)
     root = Path(root) if root is not None else installed_vllm_root()
-    with tempfile.TemporaryDirectory(prefix="flashnext-probes-") as tmp:
-        return _run_probes(patches, root.resolve(), Path(tmp))
+    with scratch_directory("probes", _CHECKED_BY) as tmp:
+        return _run_probes(patches, root.resolve(), tmp)
 
 
 # Runs in the interpreter that imports the shadow tree: argv is the tree, a JSON file of

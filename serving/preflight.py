@@ -433,6 +433,34 @@ def check_image(engine: str, image: str) -> Finding:
     return Finding("image", True, f"{image} present")
 
 
+def check_vllm(engine: str) -> Finding:
+    """The vLLM that will serve: for ``native``, the installed one must be the supported release
+    with the series applied (``patches apply``) and flashnext's plugin visible to vLLM; in a
+    container the image brings its own, and the installed one is only named."""
+    from flashnext.serving import vllm_release
+
+    version = vllm_release.installed_version()
+    line = vllm_release.support_line(version)
+    if engine != "native":
+        return Finding("vllm", True, f"the image's vLLM serves ({line})")
+    if not vllm_release.supported(version):
+        return Finding("vllm", False, line, vllm_release.INSTALL, NoGoCode.IMAGE)
+    from importlib.metadata import entry_points
+
+    from flashnext.serving import patch_series, plugin
+
+    if plugin.PLUGIN_NAME not in {e.name for e in entry_points(group="vllm.general_plugins")}:
+        return Finding("vllm", False, f"{line}, but vLLM cannot see flashnext's plugin (no "
+                       f"`vllm.general_plugins` entry point {plugin.PLUGIN_NAME})",
+                       "reinstall flashnext into the environment vLLM runs in: pip install 'flashnext[serve]'",
+                       NoGoCode.IMAGE)
+    target = patch_series.installed_vllm_root()
+    if not patch_series.series_applied(target):
+        return Finding("vllm", False, f"{line}, but without flashnext's patch series",
+                       f"flashnext patches apply --target {target}", NoGoCode.IMAGE)
+    return Finding("vllm", True, f"{line}, the patch series applied, flashnext's plugin registered")
+
+
 def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_table: Path | None,
               engine: str, devices: list[GpuInfo] | None = None) -> list[Finding]:
     from flashnext.serving.compose import IMAGE
@@ -448,6 +476,7 @@ def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_ta
         findings.append(check_ple_drive(ple_table))
     if model is not None:
         findings.append(check_overlays(model, overlays))
+    findings.append(check_vllm(engine))
     if engine in ("docker", "podman"):
         findings.append(check_image(engine, IMAGE))
     return findings

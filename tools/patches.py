@@ -11,7 +11,8 @@ from flashnext.tools._common import emit_json, json_option, user_errors
 
 @click.group("patches")
 def main() -> None:
-    """The vLLM 0.33.0 patch series that the serving image applies."""
+    """The vLLM patch series: the diffs the serving image applies, the plugin registrations, and the
+    patches vLLM absorbed."""
 
 
 @main.command("list")
@@ -68,15 +69,22 @@ def readme_cmd(write: bool) -> None:
 @json_option
 @user_errors
 def check(vllm: Path | None, progress: bool, as_json: bool) -> None:
-    """Apply the series with zero fuzz to a shadow copy of vllm, byte-compile, run the probes."""
-    from flashnext.serving.patch_series import check_series
+    """The drift table for a vllm: each diff applied with zero fuzz to a shadow copy (or the hunk that
+    fails), each plugin registration and each absorbed patch's upstream fix probed. Exits 1 unless
+    every row is ok, so a new vLLM release shows at once what to port (docs/serving.md, porting)."""
+    from flashnext.errors import FlashnextError
+    from flashnext.serving.patch_series import drift_table
 
-    results = check_series(vllm, progress=(lambda line: click.echo(line, err=True)) if progress else lambda line: None)
+    rows = drift_table(vllm, progress=(lambda line: click.echo(line, err=True)) if progress else lambda line: None)
     if as_json:
-        emit_json(results)
+        emit_json([r.as_json() for r in rows])
     else:
-        for r in results:
-            click.echo(f"ok: {r['id']} applied, compiled, probe {r['probe']}")
+        width = max(len(r.id) for r in rows)
+        for r in rows:
+            click.echo(f"{'ok ' if r.ok else 'NO '} {r.id:<{width}}  {r.verdict:<8}  {r.status:<12}  {r.detail}")
+    bad = [r.id for r in rows if not r.ok]
+    if bad:
+        raise FlashnextError(f"{len(bad)} of {len(rows)} entries need porting to this vllm: {', '.join(bad)}")
 
 
 @main.command("apply")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 from dataclasses import dataclass
 
 from flashnext import envs
@@ -22,12 +23,19 @@ PP_LAYER_PARTITION = "VLLM_PP_LAYER_PARTITION"
 
 def import_vllm() -> None:
     """Import vLLM for planning only: no device is used, so any machine can plan for another."""
+    from flashnext.serving import vllm_release
+
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        # vLLM 0.34.0's CPU platform refuses to configure without Triton, and finds Triton usable
+        # with no GPU driver only where CUDA_VISIBLE_DEVICES is set and empty. On a machine with no
+        # NVIDIA device that hides nothing, from this process or the ones it starts.
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     try:
         importlib.import_module("vllm")
     except ImportError:
-        raise FlashnextError("planning asks vLLM 0.33.0 for its KV cache rules: pip install 'flashnext[serve]'") from None
+        raise FlashnextError(f"planning asks vLLM for its KV cache rules: {vllm_release.support_line(None)}") from None
 
 
 def engine_args(profile):

@@ -1,6 +1,6 @@
 """Patch qsa-offload: QSA main K/V rows in pinned host memory, staged prefill, the decode-07 row cache.
 
-vLLM 0.33.0 keeps each QSA layer's main K/V (2 KiB per token at 2 KV heads of 256) in VRAM, which
+vLLM 0.34.0 keeps each QSA layer's main K/V (2 KiB per token at 2 KV heads of 256) in VRAM, which
 limits the 3x3090 system to about 122k tokens of context (seed 000 §1). With
 ``VLLM_QSA_KV_OFFLOAD=1``:
 
@@ -12,10 +12,15 @@ limits the 3x3090 system to about 122k tokens of context (seed 000 §1). With
 * the attention block size is the largest multiple of 16 at which the busiest rank's QSA layers
   (the draft head's included) fit one state page (:func:`align_block_size`, the rule of
   :func:`flashnext.serving.capacity.offload_block_size`): 12,144 tokens, 9,776 with MTP;
-* stores go to the host rows through unified addressing (vLLM's own cache writers) and invalidate
-  the row cache; attention reads the selected rows (:mod:`flashnext.quant.kernels.qsa_row_cache`):
-  decode-shaped steps through the row cache in the staging arena (decode-07,
-  ``VLLM_QSA_ROW_CACHE=0`` turns it off), prefill steps window by window through the arena;
+* with no group of its own the layer gets no metadata from vLLM: ``_run_qsa`` takes a
+  ``Qwen4ExpQSAMetadata`` built from the compressed-key group's (:meth:`OffloadedQSA.main_metadata`),
+  whose slots send vLLM's own cache writers (the fused one in the indexer, or
+  ``impl.do_kv_cache_update``) to the host rows through unified addressing;
+* :meth:`OffloadedQSA.forward` takes ``Qwen4ExpQSAImpl.forward``'s place and arguments: it drops
+  the stored slots from the row cache and reads the selected rows
+  (:mod:`flashnext.quant.kernels.qsa_row_cache`): decode-shaped steps through the row cache in the
+  staging arena (decode-07, ``VLLM_QSA_ROW_CACHE=0`` turns it off), prefill steps window by window
+  through the arena;
 * nothing is allocated by a step. The arena (VRAM, the busiest rank's QSA layers x block_size
   rows on every rank) is allocated when the first QSA layer is built, inside vLLM's
   ``GPUModelRunner.load_model`` and its ``DeviceMemoryProfiler``: it counts as model memory,
@@ -24,7 +29,7 @@ limits the 3x3090 system to about 122k tokens of context (seed 000 §1). With
   (``Worker.initialize_from_config`` -> ``initialize_kv_cache`` -> ``bind_kv_cache_to_layers``),
   before warm-up and CUDA graph capture.
 
-HiSparse (vLLM 0.33.0's host-resident KV groups) was the other candidate: its planner already
+HiSparse (vLLM 0.34.0's host-resident KV groups) was the other candidate: its planner already
 leaves host-resident groups out of the device pool, but its host blocks are a second block space
 with their own manager, connector and capacity (``hisparse_host_num_blocks``), built for MLA's
 hot/cold split. Here the host rows must share the device group's block ids, so that the capacity

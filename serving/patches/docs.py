@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from flashnext.errors import FlashnextError
-from flashnext.serving.patches.series import PATCH_DIR, Coverage, Patch
+from flashnext.serving.patches.series import ABSORBED, PATCH_DIR, Absorbed, Coverage, Patch
 
 REPO_ROOT = PATCH_DIR.parents[1]  # only a source checkout has docs/ and README.md here
 PATCHES_README = PATCH_DIR / "README.md"
@@ -57,9 +57,23 @@ def _row(cells: list[str]) -> str:
 
 
 def series_table(patches: Sequence[Patch]) -> str:
-    rows = ["| order | id | what it is (its section below) | seed 000's measured effect | off switch | tests |",
-            "|---|---|---|---|---|---|"]
-    rows += [_row([str(p.order), f"`{p.id}`", prose(p).title, p.seed_effect, f"`{p.env_switch}`", p.tests]) for p in patches]
+    rows = ["| order | id | what it is (its section below) | how it reaches vLLM | seed 000's measured effect | off switch | tests |",
+            "|---|---|---|---|---|---|---|"]
+    rows += [_row([str(p.order), f"`{p.id}`", prose(p).title, _reach(p), p.seed_effect, f"`{p.env_switch}`", p.tests])
+             for p in patches]
+    return "\n".join(rows)
+
+
+def _reach(patch: Patch) -> str:
+    if patch.verdict == "plugin":
+        return f"plugin: `{patch.registers}`"
+    return f"diff ({len(patch.touches)} file{'s' if len(patch.touches) > 1 else ''})"
+
+
+def absorbed_table(absorbed: Sequence[Absorbed]) -> str:
+    """The patches vLLM made unnecessary, with what fixed them and the test on stock vLLM."""
+    rows = ["| id | fixed upstream in | by | seed 000's measured effect | the test on stock vLLM |", "|---|---|---|---|---|"]
+    rows += [_row([f"`{a.id}`", a.since, a.fixed_by, a.seed_effect, a.tests]) for a in absorbed]
     return "\n".join(rows)
 
 
@@ -82,7 +96,8 @@ def readme_sections(patches: Sequence[Patch]) -> str:
         facts = [f"- off: `{p.env_switch}`" + (f" (default `{p.switch.default}`)" if p.switch.default != p.switch_off
                                                 else " (off by default)"),
                  f"- hooks: {', '.join(f'`{h}`' for h in p.hooks)}",
-                 f"- touches: {', '.join(f'`{t}`' for t in p.touches)}",
+                 (f"- registered by flashnext's vLLM plugin: `{p.registers}`" if p.verdict == "plugin"
+                  else f"- touches: {', '.join(f'`{t}`' for t in p.touches)}"),
                  f"- seed item: {p.seed or 'none (not a seed 000 item of its own)'}",
                  f"- upstream: {p.upstream}"]
         parts.append(f"### {p.order}. `{p.id}`: {text.title}\n\n{text.summary}\n\n" + "\n".join(facts))
@@ -128,7 +143,8 @@ def with_generated(text: str, name: str, body: str, where: Path) -> str:
 
 # each generated file: its generated parts, by marker name, in the order they appear
 PARTS: dict[Path, dict[str, Callable[[Sequence[Patch]], str]]] = {
-    PATCHES_README: {"series table": series_table, "coverage table": coverage_table, "patch sections": readme_sections},
+    PATCHES_README: {"absorbed table": lambda _: absorbed_table(ABSORBED), "series table": series_table,
+                     "coverage table": coverage_table, "patch sections": readme_sections},
     SERVING_DOC: {"patch sections": serving_doc_sections},
     TOP_README: {"patch list": readme_list},
 }

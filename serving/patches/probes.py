@@ -13,22 +13,6 @@ import inspect
 from pathlib import Path
 
 
-def mtp_03() -> None:
-    import vllm.v1.worker.gpu.spec_decode.utils as u
-    assert callable(getattr(u.DraftTokensHandler, 'drop', None))
-    src = Path(importlib.util.find_spec('vllm.v1.worker.gpu.model_runner').origin).read_text()
-    assert 'self.draft_tokens_handler.drop(finished_req_ids)' in src
-
-
-def pp_ple() -> None:
-    import vllm.v1.core.kv_cache_planning as p
-    assert 'owned_layer_specs(group)' in inspect.getsource(p.get_kv_cache_config_from_groups)
-    import vllm.model_executor.models.config as c
-    assert 'pp_ple_enabled()' in inspect.getsource(c.Qwen4ExpForConditionalGenerationConfig.verify_and_update_config)
-    import vllm.models.qwen4_exp.nvidia.model_state as m
-    assert 'pp_ple_enabled()' in inspect.getsource(m.Qwen4ExpModelState.__init__)
-
-
 def ple_mmap() -> None:
     import vllm.models.qwen4_exp.nvidia.ngram_embedding as n
     assert 'ple_file.embedding_class()' in inspect.getsource(n.Qwen4ExpNGramEmbedding.__init__)
@@ -54,16 +38,8 @@ def host_pool() -> None:
     assert 'pinned_empty((num_embeddings, embedding_dim), dtype)' in inspect.getsource(n.Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight)
 
 
-def mem_01() -> None:
-    import vllm.models.qwen4_exp.nvidia.model as m
-    assert 'on_first_rank(' in inspect.getsource(m.Qwen4ExpModel.__init__)
-    assert 'on_last_rank(' in inspect.getsource(m.Qwen4ExpForCausalLM.__init__)
-
-
 def mtp_01() -> None:
     import vllm.models.qwen4_exp.nvidia.mtp as m
-    assert 'if self.takes_embedding_branch:' in inspect.getsource(m.Qwen4ExpMultiTokenPredictor.forward)
-    assert 'draft_takes_embedding_branch()' in inspect.getsource(m.Qwen4ExpMultiTokenPredictor.__init__)
     assert 'draft_embedding_method(' in inspect.getsource(m.Qwen4ExpMultiTokenPredictor.__init__)
     assert 'draft_embedding_method(' in inspect.getsource(m.Qwen4ExpMTP.__init__)
 
@@ -91,11 +67,12 @@ def qsa_offload() -> None:
     importlib.import_module("vllm.models.qwen4_exp.nvidia.model")  # qsa imports the model module back
     import vllm.models.qwen4_exp.nvidia.qsa as q
     src = inspect.getsource(q.Qwen4ExpQSAAttention)
-    assert 'qsa_offload.attach(self, vllm_config)' in src and 'self.qsa_offload.attend(' in src
+    assert 'qsa_offload.attach(self, vllm_config)' in src and 'self.qsa_offload.main_metadata(metadata)' in src
+    assert 'impl = self.impl if self.qsa_offload is None else self.qsa_offload' in src
     import vllm.platforms.interface as i
     assert 'qsa_offload.align_block_size(vllm_config)' in inspect.getsource(i.Platform._align_hybrid_block_size)
-    import vllm.models.qwen4_exp.common.qsa_cache as c
-    assert 'self.qsa_offload.bind(self.kv_cache)' in inspect.getsource(c._QSAStateCache.bind_kv_cache)
+    import vllm.models.qwen4_exp.common.qsa_indexer as c
+    assert 'self.qsa_offload.bind(self.kv_cache)' in inspect.getsource(c._QSAIndexerCache.bind_kv_cache)
 
 
 def int8_modules() -> None:
@@ -113,8 +90,12 @@ def decode_04() -> None:
 
 
 def int6_bitplane() -> None:
-    import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors as c
-    assert 'int6_bitplane.linear_method(self, prefix, quant_method)' in inspect.getsource(c.CompressedTensorsConfig.get_quant_method)
+    # vLLM's own plugin loading (as its engine and workers do) registers flashnext's config
+    from vllm.model_executor.layers.quantization import get_quantization_config
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    config = get_quantization_config('compressed-tensors')
+    assert config.__name__ == 'FlashnextCompressedTensorsConfig', f'compressed-tensors resolves to {config.__qualname__}'
 
 
 def decode_05() -> None:
@@ -139,3 +120,33 @@ def step_time() -> None:
     src = (Path(vllm.__file__).parent / 'entrypoints/serve/instrumentator/metrics.py').read_text()
     [attach] = [f for f in ast.parse(src).body if isinstance(f, ast.FunctionDef) and f.name == 'attach_router']
     assert 'register_collector(registry)' in ast.get_source_segment(src, attach)
+
+
+# What finds upstream's own fix of an absorbed patch (series.ABSORBED): passes on stock 0.34.0.
+
+def upstream_mtp_03() -> None:
+    import vllm.v1.worker.gpu.spec_decode.utils as u
+    assert '_draft_tokens_by_req' in inspect.getsource(u.DraftTokensHandler.__init__)
+    assert callable(getattr(u.DraftTokensHandler, 'begin_step', None))
+    assert callable(getattr(u.DraftTokensHandler, 'discard', None))
+
+
+def upstream_pp_ple() -> None:
+    import vllm.model_executor.models.config as c
+    assert 'requires pipeline_parallel_size=1' not in inspect.getsource(c.Qwen4ExpForConditionalGenerationConfig)
+    import vllm.models.qwen4_exp.nvidia.model_state as m
+    assert 'pipeline_parallel_size > 1' not in inspect.getsource(m.Qwen4ExpModelState.__init__)
+    import vllm.v1.core.kv_cache_planning as p
+    assert 'worker_layer_names' in inspect.getsource(p)
+
+
+def upstream_mem_01() -> None:
+    import vllm.models.qwen4_exp.nvidia.model as m
+    assert 'PPMissingLayer()' in inspect.getsource(m.Qwen4ExpModel.__init__)
+    assert 'PPMissingLayer()' in inspect.getsource(m.Qwen4ExpForCausalLM.__init__)
+
+
+def upstream_mtp_01_branch() -> None:
+    import vllm.models.qwen4_exp.nvidia.mtp as m
+    src = inspect.getsource(m.Qwen4ExpMultiTokenPredictor.forward)
+    assert 'get_pp_group().is_first_rank' not in src and 'if intermediate_tensors is None:' in src

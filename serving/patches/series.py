@@ -18,7 +18,7 @@ from flashnext.serving.patches import probes
 
 PATCH_DIR = Path(__file__).resolve().parent
 # The vLLM release every diff is taken against; `patches check` applies them with zero fuzz.
-VLLM_VERSION = "0.33.0"
+VLLM_VERSION = "0.34.0"
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Coverage:
 class Patch:
     id: str
     order: int
-    file: str  # the unified diff against vllm==VLLM_VERSION, in PATCH_DIR
+    file: str | None  # the unified diff against vllm==VLLM_VERSION, in PATCH_DIR; None for a plugin
     seed: str | None  # the seed 000 item it ports, where the seed named one
     switch: envs.EnvVar  # the variable that turns it off
     hooks: tuple[str, ...]  # the dotted paths of the flashnext code the patched vLLM calls
@@ -46,9 +46,19 @@ class Patch:
     tests: str  # the tests that drive it, each path in backticks
     coverage: Coverage
     switch_off: str = "0"  # the switch's value that turns the patch off
+    # A plugin entry: the dotted path of the function flashnext's vLLM general plugin
+    # (serving/plugin.py) calls to register it through one of vLLM's own extension points.
+    registers: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        """``diff`` (kept as a diff: no extension point of vLLM's serves it) or ``plugin``."""
+        return "plugin" if self.registers is not None else "diff"
 
     @property
     def path(self) -> Path:
+        if self.file is None:
+            raise ValueError(f"{self.id} is registered through vLLM's plugin points and has no diff")
         return PATCH_DIR / self.file
 
     @property
@@ -61,41 +71,25 @@ class Patch:
         return f"{self.switch.name}={self.switch_off}"
 
 
+@dataclass(frozen=True)
+class Absorbed:
+    """A patch of an earlier release that vLLM made unnecessary: dropped from the series, kept here
+    with the evidence. Its probe finds upstream's fix in a tree (``patches check`` reports it as
+    absorbed, or as regressed when a later release loses the fix and the patch must come back)."""
+
+    id: str
+    seed: str | None  # the seed 000 item it ported
+    since: str  # the vLLM release whose own code fixes it
+    fixed_by: str  # what in that release fixes it, by file and name
+    probe: Callable[[], None]  # raises unless the tree it runs in has upstream's fix
+    seed_effect: str  # seed 000's measured effect of the dropped patch
+    tests: str  # the test that runs the seed's failure on stock vLLM and shows it fixed
+
+    touches = ()  # no file of vLLM's: the probe runner checks each entry's touched files
+
 SERIES: tuple[Patch, ...] = (
     Patch(
-        id="mtp-03", order=1, file="mtp-03.patch", seed="mtp-03",
-        switch=envs.VLLM_MTP_DRAFTS_PER_REQUEST,
-        hooks=("flashnext.serving.hooks.draft_tokens.LatestDraftTokens",),
-        touches=("vllm/v1/worker/gpu/spec_decode/utils.py", "vllm/v1/worker/gpu/model_runner.py",),
-        probe=probes.mtp_03,
-        upstream="not upstream in 0.33.0 (verified); drop when vLLM's DraftTokensHandler returns drafts per request.",
-        seed_effect="2 concurrent: 9 of 16 structured requests failed before, 45 of 45 succeeded after; acceptance rate unchanged (§8)",
-        tests="`tests/serving/test_patch_series.py::test_mtp03_scenario_rejects_before_and_not_after`: two requests alternating batches under PP=2, replayed against stock 0.33.0 (7 of 7 lookups miss), the patched tree (0), and the patched tree with the switch off (7)",
-        coverage=Coverage(
-            vllm_cpu="vLLM's own DraftTokensHandler (patched v1/worker/gpu/spec_decode/utils.py) is built in a subprocess and its real get_draft_tokens() -> DraftTokenIds is called after each of 8 alternating PP=2 steps, against stock, patched and switch-off trees; the patched drop() is called directly.",
-            gpu="none (the H200 machine has no vLLM build; selftest's GPU A/B has only run against a stand-in server)",
-            stand_in="torch.cuda.Stream/Event replaced by a no-op class (no CUDA runtime); set_draft_tokens' async D2H copy is bypassed: the scenario writes req_ids/num_draft_tokens/draft_tokens_np itself; 'rejected' is the scenario's own comparison, not accept_tokens.",
-            gap="Never driven: EngineCore.step_with_batch_queue -> Scheduler.update_draft_token_ids_in_output -> grammar bitmask -> StructuredOutputManager/xgrammar accept_tokens (the HTTP 500 itself); GPUModelRunner.finish_requests calling drop(); PP=3 batch queue with async scheduling. 9/16 -> 45/45 is the seed's figure only.",
-        ),
-    ),
-    Patch(
-        id="pp-ple", order=2, file="pp-ple.patch", seed=None,
-        switch=envs.VLLM_PP_PLE,
-        hooks=("flashnext.serving.hooks.pipeline",),
-        touches=("vllm/model_executor/models/config.py", "vllm/models/qwen4_exp/nvidia/model_state.py", "vllm/v1/core/kv_cache_planning.py",),
-        probe=probes.pp_ple,
-        upstream="not upstream in 0.33.0 (verified); drop when vLLM accepts PP for qwen4_exp and projects empty KV cache groups per worker.",
-        seed_effect="makes the seed's PP3 system start at all (seed 000 §10)",
-        tests="`tests/serving/test_patch_series.py::test_pp_ple_scenario`: vLLM's own `VllmConfig` on the demo checkpoint at PP=3 (stock: refused; patched: accepted; switch off: refused), and rank 1 of the 3x3090 layout from `flashnext plan` through vLLM's `get_kv_cache_config_from_groups` and `allocate_kv_cache` on the CPU (stock: StopIteration; patched: a view for every layer of the rank)",
-        coverage=Coverage(
-            vllm_cpu="vLLM's VllmConfig (Qwen4ExpForConditionalGenerationConfig.verify_and_update_config) on the demo config at PP=3: refused/accepted; vLLM's get_kv_cache_groups, _project_kv_cache_groups_to_worker, patched get_kv_cache_config_from_groups and allocate_kv_cache (V2's) on CPU for rank 1; a PP=2 gloo model build.",
-            gpu="none",
-            stand_in="the per-rank KV cache specs come from flashnext's capacity.kv_cache_layout (a model of each worker's get_kv_cache_spec), not from 3 built models; CPU tensors; the engine core's cross-worker get_kv_cache_configs is not run at PP=3.",
-            gap="Qwen4ExpModelState.__init__'s PP refusal (the model_state.py hunk) is only string-probed, never constructed; no PP=3 engine start (3 workers, NCCL, real get_kv_cache_spec from each model, ranks 0 and 2 allocated); no PP>1 forward through the V2 runner with the PLE layer on rank 0.",
-        ),
-    ),
-    Patch(
-        id="ple-mmap", order=3, file="ple-mmap.patch", seed=None,
+        id="ple-mmap", order=1, file="ple-mmap.patch", seed=None,
         switch=envs.VLLM_PLE_MMAP_PATH, switch_off="",
         hooks=("flashnext.serving.hooks.ple_file",),
         touches=("vllm/models/qwen4_exp/nvidia/ngram_embedding.py", "vllm/models/qwen4_exp/nvidia/model_state.py",),
@@ -111,7 +105,7 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="decode-06", order=4, file="decode-06.patch", seed="decode-06",
+        id="decode-06", order=2, file="decode-06.patch", seed="decode-06",
         switch=envs.VLLM_PLE_DECODE_ADVICE,
         hooks=("flashnext.serving.hooks.ple_file.PleFileServing.advise",),
         touches=("vllm/models/qwen4_exp/nvidia/model_state.py",),
@@ -127,7 +121,7 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="ttft-01", order=5, file="ttft-01.patch", seed="ttft-01",
+        id="ttft-01", order=3, file="ttft-01.patch", seed="ttft-01",
         switch=envs.VLLM_PLE_PREFETCH,
         hooks=("flashnext.serving.hooks.ple_file.PleFileServing.admitted",),
         touches=("vllm/models/qwen4_exp/nvidia/model_state.py",),
@@ -143,7 +137,7 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="host-pool", order=6, file="host-pool.patch", seed=None,
+        id="host-pool", order=4, file="host-pool.patch", seed=None,
         switch=envs.VLLM_EXACT_HOST_POOL,
         hooks=("flashnext.serving.hooks.host_pool.pinned_empty",),
         touches=("vllm/models/qwen4_exp/common/ngram_embedding.py",),
@@ -159,25 +153,9 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="mem-01", order=7, file="mem-01.patch", seed="mem-01",
-        switch=envs.VLLM_PP_MISSING_LAYERS,
-        hooks=("flashnext.serving.hooks.pipeline.on_first_rank", "flashnext.serving.hooks.pipeline.on_last_rank",),
-        touches=("vllm/models/qwen4_exp/nvidia/model.py",),
-        probe=probes.mem_01,
-        upstream="not upstream in 0.33.0 (verified: unconditional VocabParallelEmbedding and ParallelLMHead); drop when qwen4_exp uses PPMissingLayer.",
-        seed_effect="weights per rank [21.58, 21.55, 21.55] -> [20.98, 20.44, 21.05] GiB, 2.2 GiB freed, which lets 16/17/15 and the MTP head fit (§6; the split and the MTP head's fit: §7)",
-        tests="`tests/serving/patches/test_draft_head_under_pp.py::test_mem01_embed_on_the_first_rank_and_lm_head_on_the_last`: vLLM's own `Qwen4ExpForConditionalGeneration` for the demo checkpoint on two gloo ranks (vLLM's pipeline groups), the release's INT8 embed_tokens and lm_head loaded by the model's own loader: the embedding (int8-modules' method) on rank 0 only and the LM head on rank 1 only, each loaded there and skipped elsewhere; both on both ranks with the switch off",
-        coverage=Coverage(
-            vllm_cpu="vLLM's Qwen4ExpForConditionalGeneration built by initialize_model on each of two gloo ranks (vLLM's pipeline groups), INT8 embed_tokens/lm_head loaded by its load_weights: VocabParallelEmbedding on rank 0 only, ParallelLMHead on rank 1 only, PPMissingLayer skipped by AutoWeightsLoader.",
-            gpu="none",
-            stand_in="quant config narrowed by hf_overrides to its INT8 groups (PLE key/value and indexer projections dropped: Marlin only); routed experts' post-load set-up stubbed; PP=2 on gloo/CPU instead of PP=3 on NCCL; load only, no forward.",
-            gap="The 2.2 GiB per-rank saving and 16/17/15 fitting with the MTP head are never measured on GPUs; no 3-rank forward (rank 0 embed -> NCCL -> rank 2 compute_logits), nor V2's dummy/profile runs on middle ranks holding PPMissingLayers.",
-        ),
-    ),
-    Patch(
-        id="mtp-01", order=8, file="mtp-01.patch", seed="mtp-01",
+        id="mtp-01", order=5, file="mtp-01.patch", seed="mtp-01",
         switch=envs.VLLM_MTP_PP,
-        hooks=("flashnext.serving.hooks.mtp.draft_embedding_method", "flashnext.serving.hooks.mtp.draft_takes_embedding_branch",),
+        hooks=("flashnext.serving.hooks.mtp.draft_embedding_method",),
         touches=("vllm/models/qwen4_exp/nvidia/mtp.py",),
         probe=probes.mtp_01,
         upstream="not upstream in 0.33.0 (verified: `if get_pp_group().is_first_rank:` in the draft's forward, and `VocabParallelEmbedding(self.vocab_size, self.hidden_size)` with no quantization); drop when the draft decides by its own stage and builds its embedding with the checkpoint's quantization.",
@@ -191,7 +169,7 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="mtp-02", order=9, file="mtp-02.patch", seed="mtp-02",
+        id="mtp-02", order=6, file="mtp-02.patch", seed="mtp-02",
         switch=envs.VLLM_MTP_SLIM_DRAFT,
         hooks=("flashnext.serving.hooks.mtp.draft_lm_head", "flashnext.serving.hooks.mtp.draft_embedding", "flashnext.serving.hooks.mtp.finish_draft_embedding",),
         touches=("vllm/models/qwen4_exp/nvidia/mtp.py",),
@@ -207,7 +185,7 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="decode-03", order=10, file="decode-03.patch", seed="decode-03",
+        id="decode-03", order=7, file="decode-03.patch", seed="decode-03",
         switch=envs.VLLM_PP_DEFER_RECV,
         hooks=("flashnext.serving.hooks.pipeline.deferred_intermediate_tensors",),
         touches=("vllm/v1/worker/gpu_worker.py",),
@@ -223,7 +201,7 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="qsa-indexer-quant", order=11, file="qsa-indexer-quant.patch", seed=None,
+        id="qsa-indexer-quant", order=8, file="qsa-indexer-quant.patch", seed=None,
         switch=envs.VLLM_QSA_INDEXER_OWN_SCHEME,
         hooks=("flashnext.serving.hooks.qsa_indexer_quant.fuse_indexer_projection",),
         touches=("vllm/models/qwen4_exp/nvidia/qsa.py",),
@@ -239,23 +217,23 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="qsa-offload", order=12, file="qsa-offload.patch", seed="decode-07",
+        id="qsa-offload", order=9, file="qsa-offload.patch", seed="decode-07",
         switch=envs.VLLM_QSA_KV_OFFLOAD,
         hooks=("flashnext.serving.hooks.qsa_offload",),
-        touches=("vllm/models/qwen4_exp/nvidia/qsa.py", "vllm/platforms/interface.py", "vllm/models/qwen4_exp/common/qsa_cache.py",),
+        touches=("vllm/models/qwen4_exp/nvidia/qsa.py", "vllm/platforms/interface.py", "vllm/models/qwen4_exp/common/qsa_indexer.py",),
         probe=probes.qsa_offload,
-        upstream="not upstream in 0.33.0 (verified: the QSA main K/V is a FullAttentionSpec in VRAM; HiSparse's host-resident groups are a separate block space for MLA); drop when vLLM offloads QSA K/V rows to host memory.",
+        upstream="not upstream in 0.34.0 (verified: the QSA main K/V is a FullAttentionSpec in VRAM; HiSparse's host-resident groups are a separate block space for MLA index groups); drop when vLLM offloads QSA K/V rows to host memory.",
         seed_effect="262,144 x 4 tokens at 550-783 MB of KV VRAM instead of ~122k without offload (§1, §2, §10); decode-07: one layer 174 -> 78 us at 72% overlap on a 3090, hit rate 86-91% (§5)",
-        tests="`tests/serving/patches/test_qsa_offload.py`: vLLM's own demo model on the CPU, its KV cache planned (`get_kv_cache_configs`), allocated and bound by Model Runner V2's `init_attn_backend` / `init_kv_cache`: the arena exists after model build and the host pools after KV allocation, to the byte of `flashnext plan` (544,772 B and 113,770,496 B at 4 MB), no step allocates; `_run_qsa` with the metadata vLLM's `QSAMetadataBuilder` built, K/V stored by `FlashAttentionImpl.do_kv_cache_update` (vLLM's Triton writer for the CUDA op; the indexer, CUDA-only, stood in for) into the host rows the block ids give, attention against a torch reference for a staged prefill and a row-cache decode; the seed's per-rank arena split against the plan; the kernels in `tests/quant/kernels/test_qsa_row_cache.py`",
+        tests="`tests/serving/patches/test_qsa_offload.py`: vLLM's own demo model on the CPU, its KV cache planned (`get_kv_cache_configs`), allocated and bound by Model Runner V2's `init_attn_backend` / `init_kv_cache`: the arena exists after model build and the host pools after KV allocation, to the byte of `flashnext plan` (544,772 B and 113,770,496 B at 4 MB), no step allocates; `_run_qsa` with the metadata vLLM's `QSAIndexerMetadataBuilder` built (the layer's own `Qwen4ExpQSAMetadata` made from the compressed-key group's, its slots the host rows the block ids give), K/V stored by `Qwen4ExpQSAImpl.do_kv_cache_update` (vLLM's Triton writer for the CUDA op; the indexer, CUDA-only, stood in for) into those rows, attention (`OffloadedQSA.forward` in `impl.forward`'s place) against a torch reference for a staged prefill and a row-cache decode; the seed's per-rank arena split against the plan; the kernels in `tests/quant/kernels/test_qsa_row_cache.py`",
         coverage=Coverage(
-            vllm_cpu="vLLM's demo model on CPU: patched Platform._align_hybrid_block_size, get_kv_cache_spec/get_kv_cache_configs, V2's init_attn_backend/init_kv_cache binding _QSAStateCache (host pool created), _run_qsa with QSAMetadataBuilder metadata, K/V stored by FlashAttentionImpl.do_kv_cache_update.",
+            vllm_cpu="vLLM's demo model on CPU: patched Platform._align_hybrid_block_size, get_kv_cache_spec/get_kv_cache_configs, V2's init_attn_backend/init_kv_cache binding _QSAIndexerCache (host pool created), _run_qsa with QSAIndexerMetadataBuilder metadata (main Qwen4ExpQSAMetadata derived from the compressed-key group's), K/V stored by Qwen4ExpQSAImpl.do_kv_cache_update.",
             gpu="test_qsa_row_cache.py on the H200 (9 passed, rows pinned and read via UVA, incl. test_real_shapes_on_pinned_host_memory); benchmarks/qsa_offload.py (warm 1.76-9.2x all-VRAM, 1.3x target missed). Kernels only, not through vLLM.",
-            stand_in="QSA indexer (CUDA-only) replaced by a random causal selection; reshape_and_cache_flash by vLLM's Triton twin; quant config dropped, seeded weights, torch F.linear projection; hand-written block table; get_device_capability mocked (8,6); host rows unpinned.",
+            stand_in="QSA indexer (CUDA-only) replaced by a random causal selection; vllm._custom_ops.reshape_and_cache_flash (needs vllm._C) by vLLM's Triton twin; quant config dropped, seeded weights, torch F.linear projection; hand-written block table; get_device_capability mocked (8,6); host rows unpinned.",
             gap="The release's indexer (head_dim 128, 1 KV head, ratio 4) makes vLLM use the fused qsa_prepare writer, storing K/V into the UVA host view: never driven (the demo takes the unfused writer). Also untested: real indexer, CUDA-graph capture of attend, profile_cudagraph_memory's double bind, 262k prefill.",
         ),
     ),
     Patch(
-        id="int8-modules", order=13, file="int8-modules.patch", seed=None,
+        id="int8-modules", order=10, file="int8-modules.patch", seed=None,
         switch=envs.VLLM_INT8_MODULES,
         hooks=("flashnext.serving.hooks.int8_modules",),
         touches=("vllm/models/qwen4_exp/nvidia/model.py", "vllm/models/qwen4_exp/nvidia/hyperconnection.py",),
@@ -271,7 +249,7 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="decode-04", order=14, file="decode-04.patch", seed="decode-04",
+        id="decode-04", order=11, file="decode-04.patch", seed="decode-04",
         switch=envs.VLLM_HC_FUSED_DECODE,
         hooks=("flashnext.serving.hooks.hc_decode.mix",),
         touches=("vllm/models/qwen4_exp/nvidia/hyperconnection.py",),
@@ -287,12 +265,13 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="int6-bitplane", order=15, file="int6-bitplane.patch", seed=None,
+        id="int6-bitplane", order=12, file=None, seed=None,
         switch=envs.VLLM_INT6_BITPLANE,
         hooks=("flashnext.serving.hooks.int6_bitplane.linear_method",),
-        touches=("vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py",),
+        touches=(),
+        registers="flashnext.serving.quantization.compressed_tensors.register",
         probe=probes.int6_bitplane,
-        upstream="not upstream in 0.33.0 (the bit-plane layout is flashnext's overlay); drop with the overlay.",
+        upstream="not upstream (the bit-plane layout is flashnext's overlay); drop with the overlay. A plugin since 0.34.0: vLLM's register_quantization_config replaces compressed-tensors' config with flashnext's subclass, which only re-decides the linear layers vLLM gives CompressedTensorsLinearMethod.",
         seed_effect="the bit-plane layout of seed 000 §3.3 is served at all; there, the INT6 shared expert through it (gate_up + SiluAndMul in one kernel, down + the final sum in another) went 13.4 / 7.0 -> 7.8 / 5.3 us on the 3090; the layout is the seed's, the kernels are flashnext's (docs/benchmarks.md)",
         tests="`tests/serving/test_patch_series.py::test_int6_bitplane_overlay_is_served`: vLLM's own demo model on the CPU with the overlay applied: stock refuses the planes on shape; patched, the shared experts load the planes and their outputs match the original dense weights; switch off: the words are the original snapshot's again and vLLM's own INT6 path (batch-invariant mode on the CPU) gives the same outputs; `tests/serving/patches/test_no_new_triton_variants.py::test_int6_bitplane_layers_are_warmed_at_load`: the load-time launch covers every Triton variant of 1..16 tokens",
         coverage=Coverage(
@@ -303,7 +282,7 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="decode-05", order=16, file="decode-05.patch", seed="decode-05",
+        id="decode-05", order=13, file="decode-05.patch", seed="decode-05",
         switch=envs.VLLM_MOE_FUSED_DECODE,
         hooks=("flashnext.serving.hooks.moe_decode.forward",),
         touches=("vllm/models/qwen4_exp/nvidia/model.py", "vllm/model_executor/layers/fused_moe/experts/marlin_moe.py",),
@@ -319,7 +298,7 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="vit-stream", order=17, file="vit-stream.patch", seed=None,
+        id="vit-stream", order=14, file="vit-stream.patch", seed=None,
         switch=envs.VLLM_VIT_STREAM,
         hooks=("flashnext.serving.hooks.vit_stream.install",),
         touches=("vllm/models/qwen4_exp/nvidia/model.py",),
@@ -335,7 +314,7 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        id="step-time", order=18, file="step-time.patch", seed=None,
+        id="step-time", order=15, file="step-time.patch", seed=None,
         switch=envs.VLLM_GPU_STEP_TIME, switch_off="0",
         hooks=("flashnext.serving.hooks.step_time.replay", "flashnext.serving.hooks.step_time.register_collector",),
         touches=("vllm/v1/worker/gpu/cudagraph_utils.py", "vllm/entrypoints/serve/instrumentator/metrics.py",),
@@ -349,5 +328,37 @@ SERIES: tuple[Patch, ...] = (
             stand_in="the CUDA graph is an object with replay() that advances a stand-in GPU clock; torch.cuda.Event is replaced by an event whose query() is true once a later replay was launched (the GPU one step behind) and whose synchronize() raises; managers are made with __new__ and given graphs (their __init__ needs a CUDA VllmConfig).",
             gap="Never run: a vLLM serve with the switch on (the engine core's workers and the API server as separate processes), real FULL_DECODE_ONLY replays on a 3090 or H200 and their event overhead, V1's CUDAGraphWrapper (not patched: the profiles run V2), multi-node PP (ranks on other hosts are not seen).",
         ),
+    ),
+)
+
+
+ABSORBED: tuple[Absorbed, ...] = (
+    Absorbed(
+        id="mtp-03", seed="mtp-03", since="0.34.0",
+        fixed_by="vllm/v1/worker/gpu/spec_decode/utils.py: DraftTokensHandler keeps the latest drafts per live request (_draft_tokens_by_req), begin_step() notes which requests the step's deferred grammar bitmask needs, get_draft_tokens() returns those, discard() forgets a finished one",
+        probe=probes.upstream_mtp_03,
+        seed_effect="2 concurrent: 9 of 16 structured requests failed before, 45 of 45 succeeded after; acceptance rate unchanged (§8)",
+        tests="`tests/serving/patches/test_absorbed_upstream.py::test_mtp03_drafts_survive_alternating_pp_batches_on_stock`: seed 000 §8's two structured requests alternating batches under PP=2 through 0.34.0's own DraftTokensHandler and the scheduler's deferred-bitmask path: every lookup finds its request's drafts",
+    ),
+    Absorbed(
+        id="pp-ple", seed=None, since="0.34.0",
+        fixed_by="vllm/model_executor/models/config.py and vllm/models/qwen4_exp/nvidia/model_state.py no longer refuse pipeline_parallel_size > 1 for the PLE model; vllm/v1/core/kv_cache_planning.py projects a uniform-type group's specs onto the worker's own layer names",
+        probe=probes.upstream_pp_ple,
+        seed_effect="makes the seed's PP3 system start at all (seed 000 §10)",
+        tests="`tests/serving/patches/test_absorbed_upstream.py::test_pp_ple_stock_accepts_pp3_and_plans_each_ranks_own_layers`: vLLM's own `VllmConfig` on the demo checkpoint at PP=3 accepted by stock 0.34.0, and rank 1 of the 3x3090 layout through vLLM's `get_kv_cache_config_from_groups` and `allocate_kv_cache`: a view for every layer of the rank",
+    ),
+    Absorbed(
+        id="mem-01", seed="mem-01", since="0.34.0",
+        fixed_by="vllm/models/qwen4_exp/nvidia/model.py: Qwen4ExpModel builds embed_tokens on the first pipeline rank only and Qwen4ExpForCausalLM its lm_head on the last only (PPMissingLayer elsewhere)",
+        probe=probes.upstream_mem_01,
+        seed_effect="weights per rank [21.58, 21.55, 21.55] -> [20.98, 20.44, 21.05] GiB, 2.2 GiB freed, which lets 16/17/15 and the MTP head fit (§6; the split and the MTP head's fit: §7)",
+        tests="`tests/serving/patches/test_draft_head_under_pp.py::test_mem01_embed_on_the_first_rank_and_lm_head_on_the_last`: stock 0.34.0's `Qwen4ExpForConditionalGeneration` for the demo checkpoint on two gloo ranks: the INT8 embedding on rank 0 only and the LM head on rank 1 only",
+    ),
+    Absorbed(
+        id="mtp-01 (the draft's branch)", seed="mtp-01", since="0.34.0",
+        fixed_by="vllm/models/qwen4_exp/nvidia/mtp.py: Qwen4ExpMultiTokenPredictor.forward branches on its inputs, not on the global first rank, so the drafter built on the last stage embeds (mtp-01 keeps only the INT8 embedding)",
+        probe=probes.upstream_mtp_01_branch,
+        seed_effect="MTP under PP at all: stock failed at startup (§7)",
+        tests="`tests/serving/patches/test_draft_head_under_pp.py`: vLLM's own `Qwen4ExpMTP` made by `load_eagle_model` on the last of two gloo ranks embeds and runs its forward",
     ),
 )

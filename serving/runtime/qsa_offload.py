@@ -9,6 +9,7 @@ engine's life once it does. Seed 000 §5 and §7 give the arena's sizing; the ke
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,18 +18,23 @@ from flashnext import envs
 from flashnext.errors import FlashnextError
 
 
-@dataclass
-class OffloadedMetadata:
-    """The part of the main layer's attention metadata that the QSA forward reads, built from the
-    compressed-key group's metadata (the group whose blocks the host rows share)."""
+@functools.cache
+def offloaded_metadata_type() -> type:
+    """vLLM's main-attention metadata (``Qwen4ExpQSAMetadata``, what ``_run_qsa`` hands the indexer
+    and ``impl.forward``) with the two facts the offloaded forward reads besides: whether the step
+    has prefills, and each request's context length (the blocks a staged prefill copies). Made on
+    first use so that importing this module (the arena tests do) does not import vLLM's models."""
+    from vllm.models.qwen4_exp.common.qsa import Qwen4ExpQSAMetadata
 
-    num_actual_tokens: int
-    max_query_len: int
-    num_prefills: int
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    token_to_req: torch.Tensor
-    seq_lens: torch.Tensor
+    @dataclass
+    class OffloadedMetadata(Qwen4ExpQSAMetadata):
+        """The main layer has no KV cache group, so vLLM builds it no metadata: this one is built
+        from the compressed-key group's (the group whose blocks the host rows share)."""
+
+        num_prefills: int
+        seq_lens: torch.Tensor
+
+    return OffloadedMetadata
 
 
 class RankArena:
@@ -89,12 +95,11 @@ class OffloadedQSA:
                                  "or set VLLM_QSA_KV_OFFLOAD=0")
         self.layer = layer
         self.cache_config = vllm_config.cache_config
-        self.decode_rows = 1 + vllm_config.num_speculative_tokens
         ARENA.reserve(inputs, layer.num_kv_heads, layer.head_dim)
         self.arena = ARENA.cache
         self.index = ARENA.register(self)
         self.pinned = None
-        # vLLM binds the compressed-key cache, and with it these rows (patch: _QSAStateCache.bind_kv_cache).
+        # vLLM binds the compressed-key cache, and with it these rows (patch: _QSAIndexerCache.bind_kv_cache).
         layer.indexer.compressed_key_cache.qsa_offload = self
 
     @property
@@ -127,35 +132,43 @@ class OffloadedQSA:
     def host_kv(self) -> torch.Tensor:
         return self.layer.kv_cache.transpose(1, 2)
 
-    def main_metadata(self, metadata: dict) -> OffloadedMetadata:
-        from vllm.models.qwen4_exp.common.qsa_cache import _logical_to_physical_qsa_slots
+    def main_metadata(self, metadata: dict):
+        """Called by ``_run_qsa`` for ``metadata[layer_name]``, which vLLM no longer builds: the step's
+        bounds, block table and each token's host row, from the compressed-key group's metadata
+        (``QSAIndexerMetadata``). The slots go to the indexer (the fused writer stores K/V there)
+        or to ``impl.do_kv_cache_update``, and to :meth:`forward`'s invalidation."""
+        from vllm.models.qwen4_exp.common.qsa_indexer import _logical_to_physical_qsa_slots
 
         side = metadata[self.layer.indexer.compressed_key_cache.prefix]
         n = side.num_actual_tokens
         slots = _logical_to_physical_qsa_slots(side.block_table, side.token_to_req[:n],
                                                side.logical_positions[:n], self.block_size)
-        return OffloadedMetadata(n, side.max_query_len, side.num_prefills, slots, side.block_table,
-                                 side.token_to_req, side.seq_lens)
+        return offloaded_metadata_type()(num_actual_tokens=n, max_query_len=side.max_query_len,
+                                         block_table=side.block_table, slot_mapping=slots,
+                                         num_prefills=side.num_prefills, seq_lens=side.seq_lens)
 
-    def stored(self, metadata: OffloadedMetadata) -> None:
-        """After this step's rows were written: cached copies of those slots are stale."""
-        self.arena.invalidate(self.index, metadata.slot_mapping)
-
-    def attend(self, query, metadata: OffloadedMetadata, output, output_gate, selection) -> torch.Tensor:
-        """Sparse attention of this step's query rows over their selected host rows, into ``output``."""
+    def forward(self, layer, query, kv_cache, attn_metadata, output, *, token_to_req, use_prefill_config,
+                output_gate) -> torch.Tensor:
+        """Called by ``_run_qsa`` in place of ``Qwen4ExpQSAImpl.forward``, with its arguments, after this
+        step's K/V rows were stored: sparse attention of the step's query rows over the host rows
+        the indexer selected (``layer.topk_indices_buffer``, as vLLM's impl reads it), into
+        ``output``. ``kv_cache`` is the layer's host view bound by :meth:`bind`."""
         from flashnext.quant.kernels import qsa_row_cache as kernels
 
-        n = metadata.num_actual_tokens
+        # the rows just stored change what cached copies of those slots hold
+        self.arena.invalidate(self.index, attn_metadata.slot_mapping)
+        n = attn_metadata.num_actual_tokens
         output.zero_()
         if n == 0:
             return output
+        host_kv = kv_cache.transpose(1, 2)
         q, out = query[:n], output[:n]
         gate = output_gate[:n].reshape(q.shape)
-        token_to_req, table = metadata.token_to_req[:n], metadata.block_table
-        indices = selection[:n]
-        if (metadata.max_query_len <= self.decode_rows and n <= kernels.ROW_CACHE_MAX_ROWS
-                and envs.VLLM_QSA_ROW_CACHE.enabled()):
-            return self.arena.attend(self.index, q, self.host_kv, indices, table, token_to_req, gate, out)
-        if metadata.num_prefills:
-            return self.arena.staged(q, self.host_kv, indices, table, token_to_req, metadata.seq_lens, gate, out)
-        return kernels.host_attention(q, self.host_kv, indices, table, token_to_req, gate, out)
+        token_to_req, table = token_to_req[:n], attn_metadata.block_table
+        indices = layer.topk_indices_buffer[:n]
+        # use_prefill_config: a query longer than 1 + num_speculative_tokens rows, i.e. not decode-shaped
+        if not use_prefill_config and n <= kernels.ROW_CACHE_MAX_ROWS and envs.VLLM_QSA_ROW_CACHE.enabled():
+            return self.arena.attend(self.index, q, host_kv, indices, table, token_to_req, gate, out)
+        if attn_metadata.num_prefills:
+            return self.arena.staged(q, host_kv, indices, table, token_to_req, attn_metadata.seq_lens, gate, out)
+        return kernels.host_attention(q, host_kv, indices, table, token_to_req, gate, out)

@@ -11,14 +11,11 @@ GPU part (CUDA GPUs for the profile's pipeline and a patched vLLM installed): :m
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.metadata
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +25,8 @@ from flashnext.serving.selftest.report import (
     KernelChoice, KernelChoices, KernelFit, KernelLayer, Machine, PatchResult, PleFormatAB, PleFormats, RunResult,
     SelftestReport, SeriesCheck, Summary,
 )
+
+MADE_BY = "flashnext selftest"  # its --out's marker, and its scratch directory's
 
 # Patches whose code runs on the quantized layers the kernel fit checks: decode-05 hands the routed
 # experts to vLLM's Marlin MoE; int6-bitplane's switch off serves INT6 through vLLM's own kernel.
@@ -44,13 +43,6 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def vllm_version() -> str | None:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _cpu_env(pythonpath: Path | None = None) -> dict[str, str]:
     """A fresh interpreter that sees no GPU: vLLM picks its CPU platform, Triton its interpreter."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", VLLM_TARGET_DEVICE="cpu",
@@ -63,7 +55,7 @@ def _cpu_env(pythonpath: Path | None = None) -> dict[str, str]:
 # -- the series --------------------------------------------------------------------------------
 
 def check_series(patches) -> SeriesCheck:
-    from flashnext.serving import patch_series
+    from flashnext.serving import patch_series, vllm_release
 
     try:
         results = patch_series.check_series()
@@ -208,10 +200,10 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
     if profile.model_family != "qwen4_exp":
         raise FlashnextError(f"profile {profile_name} serves {profile.model_family}; the selftest's demo checkpoint "
                              "is a qwen4_exp model: choose a qwen4_exp profile")
-    version = vllm_version()
+    version = vllm_release.installed_version()
     if version is None:
-        raise FlashnextError("flashnext selftest runs vLLM's own code and needs vllm 0.33.0: "
-                             "pip install 'flashnext[serve]'")
+        raise FlashnextError(f"flashnext selftest runs vLLM's own code: {vllm_release.support_line(None)}")
+    progress(vllm_release.support_line(version))
     patches = load_series()
     config = config if config is not None else demo.demo_config()
     n_gpus, names = gpu_count(gpus)
@@ -386,14 +378,10 @@ def selftest(profile_name: str, out: Path, gpus: str = "auto", keep: bool = Fals
              config: dict | None = None) -> tuple[SelftestReport, Path | None]:
     """:func:`run_selftest` into ``out`` (whole or not at all); with ``keep`` the scratch directory
     stays, and is returned."""
-    from flashnext.quant.checkpoint.fsutil import atomic_directory
+    from flashnext.quant.checkpoint.fsutil import atomic_directory, scratch_directory
 
-    workdir = Path(tempfile.mkdtemp(prefix="flashnext-selftest-"))
-    try:
-        with atomic_directory(Path(out), force=force, made_by="flashnext selftest") as tmp:
-            report = run_selftest(profile_name, tmp, workdir, gpus, progress, launcher, config)
-            write_outputs(report, tmp)
-    finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+    with scratch_directory("selftest", MADE_BY, keep=keep) as workdir, \
+            atomic_directory(Path(out), force=force, made_by=MADE_BY) as tmp:
+        report = run_selftest(profile_name, tmp, workdir, gpus, progress, launcher, config)
+        write_outputs(report, tmp)
     return report, workdir if keep else None

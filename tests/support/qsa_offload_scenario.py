@@ -1,4 +1,4 @@
-"""Build vLLM 0.33.0's own ``qwen4_exp`` model for the demo checkpoint on the CPU, lay out and
+"""Build vLLM 0.34.0's own ``qwen4_exp`` model for the demo checkpoint on the CPU, lay out and
 allocate its KV cache as the engine does, and (with patch qsa-offload) run one offloaded QSA layer's
 patched forward over metadata that vLLM's own builders made. Prints JSON.
 
@@ -16,8 +16,7 @@ kernels for the release's INT6 weights; KV cache specs do not depend on it) and 
 are seeded random numbers rather than loaded (so their projection GEMM is torch's); the scheduler's
 block allocation is a hand-written block table (the KV cache manager is not part of what is tested);
 the QSA indexer, the reshape_and_cache_flash op and the device capability query (CUDA-only, named
-where they are stood in for below). FlashAttention's availability
-probe: ``support/vllm_demo.py``.
+where they are stood in for below).
 """
 import json, sys
 from unittest import mock
@@ -61,7 +60,7 @@ with demo_vllm(snapshot, port, drop_quantization,
 
     from vllm.platforms.interface import Platform
 
-    Platform._align_hybrid_block_size(config, qsa.Qwen4ExpQSAFlashAttentionBackend)
+    Platform._align_hybrid_block_size(config, qsa.Qwen4ExpQSABackend)
     out["block_size"] = config.cache_config.block_size
     out["mamba_page_size_padded"] = config.cache_config.mamba_page_size_padded
 
@@ -173,12 +172,12 @@ with demo_vllm(snapshot, port, drop_quantization,
         # selection, which the stand-in writes as the indexer does (each row's chosen logical
         # positions, causal, and the count in the last column); the rest of _run_qsa is vLLM's.
         # The demo's 32-dim indexer is outside the fused qsa_prepare kernel's shapes, so on CUDA
-        # too the main K/V is stored by FlashAttentionImpl.do_kv_cache_update, whose CUDA op
-        # reshape_and_cache_flash is stood in for by vLLM's own Triton twin of the same signature.
-        import vllm.v1.attention.backends.flash_attn as flash_attn
+        # too the main K/V is stored by Qwen4ExpQSAImpl.do_kv_cache_update, whose CUDA op
+        # (vllm._custom_ops.reshape_and_cache_flash, which needs vllm._C) is stood in for by vLLM's
+        # own Triton twin of the same signature.
         from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 
-        flash_attn.reshape_and_cache_flash = triton_reshape_and_cache_flash
+        qsa.ops.reshape_and_cache_flash = triton_reshape_and_cache_flash
         topk = layer.indexer.packed_output_width - 1
 
         def indexer_stand_in(projected_qk, positions, out, attn=None, qkv=None, slot_mapping=None):
@@ -191,6 +190,12 @@ with demo_vllm(snapshot, port, drop_quantization,
 
         layer.indexer.forward = indexer_stand_in
         out["fused_writer"] = bool(layer.use_fused_qsa_prepare)
+        # What the patched _run_qsa hands the indexer and the attention in place of the
+        # metadata[layer_name] vLLM builds no more (recorded, not replaced).
+        from vllm.models.qwen4_exp.common.qsa import Qwen4ExpQSAMetadata
+
+        main_metadata, handed = hook.main_metadata, []
+        hook.main_metadata = lambda metadata: handed.append(main_metadata(metadata)) or handed[-1]
         torch.set_grad_enabled(False)
         before = host.clone()
         hook.arena.tags.fill_(5)  # as if an earlier decode had cached rows: the staged prefill must drop them
@@ -199,6 +204,9 @@ with demo_vllm(snapshot, port, drop_quantization,
         second = run_step([1, 1], prompt)
         out["cached_rows_after_decode"] = int((hook.arena.tags[hook.index] >= 0).sum())
         out["metadata_types"] = sorted({type(m).__name__ for m in first["metadata"].values()})
+        out["main_metadata"] = [dict(vllms=isinstance(m, Qwen4ExpQSAMetadata), tokens=m.num_actual_tokens,
+                                     slots=m.slot_mapping.tolist() == step["slots"])
+                                for m, step in zip(handed, (first, second))]
 
         flat_host = host.reshape(-1, layer.num_kv_heads, 2 * layer.head_dim).float()
         written = torch.zeros(flat_host.shape[0], dtype=torch.bool)

@@ -21,7 +21,12 @@ def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheCo
               mtp: bool = False):
     """A current ``VllmConfig`` for the demo checkpoint with one gloo rank (``mtp``: with MTP
     speculative decoding, as ``--speculative-config '{"method": "mtp"}'`` sets it); yields it and
-    vLLM's ``qsa`` module (imported after the model module, which it imports back)."""
+    vLLM's ``qsa`` module (imported after the model module, which it imports back). vLLM's general
+    plugins are loaded first, as its engine and workers load them before building a config:
+    flashnext's among them unless ``VLLM_PLUGINS`` leaves it out."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
     model_config = ModelConfig(model=snapshot, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16",
                                hf_overrides=hf_overrides if hf_overrides is not None else {})
     speculative = None

@@ -15,7 +15,7 @@ from support import ROOT
 from flashnext import envs
 from flashnext.serving.patch_series import load_series
 from flashnext.serving.patches import docs, probes
-from flashnext.serving.patches.series import PATCH_DIR, SERIES, VLLM_VERSION
+from flashnext.serving.patches.series import ABSORBED, PATCH_DIR, SERIES, VLLM_VERSION
 from flashnext.tools.cli import main as cli
 
 
@@ -44,17 +44,47 @@ def test_ids_are_unique_and_orders_count_up_in_the_listed_order():
 
 def test_the_diffs_and_prose_beside_the_registry_are_exactly_its_patches():
     ids = {p.id for p in SERIES}
-    assert {f.stem for f in PATCH_DIR.glob("*.patch")} == ids
+    assert {f.stem for f in PATCH_DIR.glob("*.patch")} == {p.id for p in SERIES if p.verdict == "diff"}
     assert {f.stem for f in PATCH_DIR.glob("*.md")} - {"README"} == ids
     for p in SERIES:
-        assert p.file == f"{p.id}.patch"
+        assert p.file == (f"{p.id}.patch" if p.verdict == "diff" else None)
         text = docs.prose(p)
         assert text.title and len(text.summary) > 80
 
 
-def test_the_vllm_the_diffs_are_against_is_the_one_the_serve_extra_pins():
+def test_a_plugin_entry_is_registered_by_flashnexts_vllm_plugin_and_touches_no_file():
+    from flashnext.serving import plugin
+
+    plugins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    assert plugins == {plugin.PLUGIN_NAME: "flashnext.serving.plugin:register"}
+    entries = [p for p in SERIES if p.verdict == "plugin"]
+    assert entries and plugin.registrations() == [(p.id, p.registers) for p in entries]
+    for p in entries:
+        assert p.touches == () and callable(resolve(p.registers))
+
+
+def test_absorbed_patches_left_the_series_with_their_evidence():
+    assert not {a.id for a in ABSORBED} & {p.id for p in SERIES}
+    for a in ABSORBED:
+        assert a.since == VLLM_VERSION and a.fixed_by and a.tests.startswith("`tests/")
+        assert not (PATCH_DIR / f"{a.id}.patch").exists()
+
+
+def test_the_vllm_the_diffs_are_against_is_the_one_installed_and_its_requirements_the_serve_extra():
+    """vLLM's own pin flashinfer-python==0.7.3 is not on PyPI, so vLLM is installed without its
+    requirements and the serve extra lists them: exactly the wheel's, with that one pin moved."""
+    import importlib.metadata
+
+    from flashnext.serving import vllm_release
+
+    assert importlib.metadata.version("vllm") == VLLM_VERSION
+    wheel = [r for r in importlib.metadata.requires("vllm") if "extra ==" not in r]
     serve = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
-    assert f"vllm=={VLLM_VERSION}" in serve
+    moved = {"flashinfer-python==0.7.3": "flashinfer-python==0.7.4"}
+    assert serve == [moved.get(r, r) for r in wheel]
+    install = f"pip install --no-deps vllm=={VLLM_VERSION}"
+    assert install in vllm_release.INSTALL and install in (ROOT / "README.md").read_text()
+    assert install in (ROOT / ".ci" / "run").read_text()
 
 
 @pytest.mark.parametrize("patch", SERIES, ids=[p.id for p in SERIES])
@@ -66,9 +96,9 @@ def test_every_hook_a_patch_names_is_importable(patch):
 
 def test_every_probe_is_a_function_of_the_probes_module_used_by_one_patch():
     functions = {name for name, f in inspect.getmembers(probes, inspect.isfunction) if f.__module__ == probes.__name__}
-    used = [p.probe.__name__ for p in SERIES]
+    used = [p.probe.__name__ for p in (*SERIES, *ABSORBED)]
     assert sorted(used) == sorted(functions)
-    for p in SERIES:
+    for p in (*SERIES, *ABSORBED):
         assert p.probe.__module__ == probes.__name__ and getattr(probes, p.probe.__name__) is p.probe
 
 

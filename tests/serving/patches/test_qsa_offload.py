@@ -8,7 +8,7 @@ from support import SUPPORT_DIR, free_port, run_scenario
 from flashnext.serving import capacity
 from flashnext.serving.profiles import load_profile
 
-pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 KV_BYTES = 4_000_000
 ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
@@ -30,8 +30,11 @@ def demo_plan(demo_snapshot) -> capacity.Plan:
 
 
 def test_stock_and_switched_off_keep_the_k_v_in_vram(patched_tree, demo_snapshot):
-    stock = scenario(None, demo_snapshot, VLLM_QSA_KV_OFFLOAD="1")  # stock vLLM 0.33.0 has no such switch
-    assert "3.self_attn.attn" in stock["specs"] and stock["block_size"] == 48 and stock["offloaded_layers"] == 0
+    stock = scenario(None, demo_snapshot, VLLM_QSA_KV_OFFLOAD="1")  # stock vLLM 0.34.0 has no such switch
+    # 0.34.0's default block of 64 tokens (0.33.0's was 16, aligned up to 48) already holds a state
+    # page: 64 x 512 B of K/V >= 18,432 B, so the alignment keeps it and pads the state pages
+    assert "3.self_attn.attn" in stock["specs"] and stock["block_size"] == 64 and stock["offloaded_layers"] == 0
+    assert stock["mamba_page_size_padded"] == 64 * 512
     off = scenario(patched_tree, demo_snapshot, VLLM_QSA_KV_OFFLOAD="0")
     keys = ("specs", "block_size", "num_blocks", "concurrency", "offloaded_layers")
     assert {k: off[k] for k in keys} == {k: stock[k] for k in keys}
@@ -66,10 +69,14 @@ def test_the_engine_lays_out_what_the_plan_says(served, demo_snapshot):
 
 
 def test_the_patched_forward_stores_and_attends_with_vllms_own_metadata(served):
-    """``_run_qsa`` with the metadata vLLM's QSAMetadataBuilder built for the compressed-key and
-    ring groups, K/V stored by FlashAttentionImpl.do_kv_cache_update (vLLM's Triton writer standing
+    """``_run_qsa`` with the metadata vLLM's QSAIndexerMetadataBuilder built for the compressed-key
+    and ring groups, K/V stored by Qwen4ExpQSAImpl.do_kv_cache_update (vLLM's Triton writer standing
     in for the CUDA op): a 37- and a 21-token prefill, then one decode token each."""
-    assert served["builders"] == ["QSAMetadataBuilder"] and served["metadata_types"] == ["QSAForwardMetadata"]
+    assert served["builders"] == ["QSAIndexerMetadataBuilder"] and served["metadata_types"] == ["QSAIndexerMetadata"]
+    # the layer has no group, so vLLM builds it no metadata: _run_qsa got a Qwen4ExpQSAMetadata made
+    # from the compressed-key group's, whose slots are the host rows the block ids give
+    assert served["main_metadata"] == [dict(vllms=True, tokens=37 + 21, slots=True),
+                                       dict(vllms=True, tokens=2, slots=True)]
     assert served["fused_writer"] is False  # the demo's 32-dim indexer: the unfused writer, on CUDA too
     # every token's K and V are in the host row the request's blocks put it in (computed from the
     # block ids and positions, not from the layer's metadata), and no other row changed

@@ -122,9 +122,9 @@ def test_the_demo_tokenizer_loads_with_the_demo_configs_special_ids(tmp_path):
 
 
 def test_without_vllm_it_says_what_to_install_and_leaves_nothing(tmp_path, monkeypatch):
-    from flashnext.serving.selftest import runner
+    from flashnext.serving import vllm_release
 
-    monkeypatch.setattr(runner, "vllm_version", lambda: None)  # as in the wheel's fresh venv without vLLM
+    monkeypatch.setattr(vllm_release, "installed_version", lambda: None)  # as in the wheel's fresh venv without vLLM
     done = CliRunner().invoke(main, ["selftest", "--out", str(tmp_path / "out")])
     assert done.exit_code == 1 and "pip install 'flashnext[serve]'" in done.output, done.output
     assert len(done.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
