@@ -43,6 +43,11 @@ class SlowDrive(FlashnextError):
     printed = True
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what ``timeout``, ``docker stop`` and systemd send), raised where the command is, as
+    Ctrl-C raises KeyboardInterrupt: every cleanup Ctrl-C runs runs for it too (tools/_common.py)."""
+
+
 class NoGoCode(enum.IntEnum):
     """The preflight's exit status per kind of blocking finding (``flashnext doctor``, ``serve``)."""
 
@@ -76,7 +81,8 @@ EXIT_CODES: dict[type[FlashnextError], int] = {
     # NoGo: its NoGoCode (10-15), carried by the error itself.
 }
 EXIT_INTERNAL = 70  # EX_SOFTWARE: a flashnext bug, not the user's input
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+EXIT_TERMINATED = 143  # 128 + SIGTERM: what a shell showed while SIGTERM killed flashnext outright, kept
 
 
 def exit_code(error: FlashnextError) -> int:

@@ -35,6 +35,7 @@ from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE
 if TYPE_CHECKING:
     import torch
 
+MADE_BY = "demo-checkpoint"  # the command, in its output's marker: only its --force replaces the snapshot
 TEXT = "model.language_model"
 
 DEMO_TEXT_CONFIG: dict = {
@@ -372,7 +373,7 @@ def write_demo_checkpoint(out: Path, force: bool = False) -> dict:
     weight_map: dict[str, str] = {}
     total = 0
     stream = 0
-    with atomic_directory(Path(out), force=force, made_by="demo-checkpoint", held=True) as tmp:
+    with atomic_directory(Path(out), force=force, made_by=MADE_BY, held=True) as tmp:
         for filename, planned in shards.items():
             tensors: dict[str, torch.Tensor] = {}
             for t in planned:

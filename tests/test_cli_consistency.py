@@ -12,7 +12,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from flashnext.errors import EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, NoGoCode
+from flashnext.errors import EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, NoGoCode
 from flashnext.sizes import format_size
 from flashnext.tools.cli import main as flashnext
 from support import ROOT
@@ -183,7 +183,7 @@ def test_ple_verify_exit_codes(ple_table, tmp_path, what, damage, code, words):
 def test_the_readme_lists_the_exit_code_table():
     text = " ".join((ROOT / "README.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0].split())
     listed = {int(n) for n in re.findall(r"(?:^|; |: )(\d+)(?:–\d+)? ", text)}
-    assert listed == {0, *EXIT_CODES.values(), 10, EXIT_INTERNAL, EXIT_INTERRUPTED}, text
+    assert listed == {0, *EXIT_CODES.values(), 10, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED}, text
     three = text.split("; 3 ", 1)[1].split(";", 1)[0]
     assert "`overlay verify`" in three and "`ple verify`" in three
     nogo = [c for c in NoGoCode if c]

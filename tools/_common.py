@@ -6,12 +6,14 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 
 import click
 
-from flashnext.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, FlashnextError, exit_code
+from flashnext.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, FlashnextError, Terminated, exit_code
 
 
 # -h as well as --help. Click hands help_option_names down from the root context, so this is set on
@@ -39,16 +41,41 @@ def _first_line(e: BaseException) -> str:
     return display_path(text.splitlines()[0]) if text else type(e).__name__
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM raises :class:`~flashnext.errors.Terminated` (a KeyboardInterrupt) while the block
+    runs, so that it ends a command as Ctrl-C does: through every ``finally`` (scratch directories
+    and partial outputs removed, a resumable build's journal kept, a server the selftest started
+    stopped) rather than at once, leaving them. Only the main thread can set a handler; elsewhere
+    (a command invoked from a thread) SIGTERM keeps its disposition."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        # A second SIGTERM (sent again while the first one's cleanup runs) must not cut it short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def user_errors(fn):
     """Every failure as one line on stderr and a non-zero exit from ``flashnext.errors.EXIT_CODES``:
     a :class:`FlashnextError` (bad input, a bad environment, a verdict already printed) and an OS
     error; anything else is a flashnext bug, reported in one line with exit 70
-    (``FLASHNEXT_DEBUG=1`` shows the traceback)."""
+    (``FLASHNEXT_DEBUG=1`` shows the traceback). Ctrl-C and SIGTERM end it after its cleanup, with
+    exit 130 and 143."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with sigterm_as_interrupt():
+                return fn(*args, **kwargs)
         except FlashnextError as e:
             if e.printed:
                 sys.exit(exit_code(e))
@@ -58,6 +85,9 @@ def user_errors(fn):
 
             where = f": {display_path(str(e.filename))}" if getattr(e, "filename", None) else ""
             raise click.ClickException(f"{e.strerror or _first_line(e)}{where}") from None
+        except Terminated:
+            click.echo("terminated", err=True)
+            sys.exit(EXIT_TERMINATED)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)

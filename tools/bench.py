@@ -227,8 +227,9 @@ def _check_out(out: Path, force: bool) -> None:
     """Refuse a taken --out before the run, not after an hour of measuring."""
     from flashnext.errors import FlashnextError
     from flashnext.quant.checkpoint.fsutil import require_flashnext_output
+    from flashnext.serving.bench.output import MADE_BY
 
     if out.exists() or out.is_symlink():
         if not force:
             raise FlashnextError(f"{out} already exists: choose another --out or pass --force")
-        require_flashnext_output(out)
+        require_flashnext_output(out, MADE_BY)

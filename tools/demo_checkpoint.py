@@ -19,9 +19,9 @@ def main(out: Path, force: bool, as_json: bool) -> None:
     keys and INT4/INT6/INT8 compressed-tensors layout, random heavy-tailed weights, the same
     bytes on every run."""
     from flashnext.quant.checkpoint.fsutil import refuse_existing_output
+    from flashnext.quant.demo import MADE_BY, write_demo_checkpoint
 
-    refuse_existing_output(out, force)  # before the config's compressed-tensors import brings in torch
-    from flashnext.quant.demo import write_demo_checkpoint
+    refuse_existing_output(out, force, made_by=MADE_BY)  # before the config's compressed-tensors import brings in torch
 
     summary = write_demo_checkpoint(out, force=force)
     if as_json:

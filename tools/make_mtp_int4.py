@@ -76,7 +76,7 @@ def main(src: Path, out: Path, group_size: str, quantizer: str | None, positive_
       make-mtp-int4 --src ~/models/Qwen3.8-Flash-Next --out ~/overlays/mtp-int4
     """
     from flashnext.quant.checkpoint.fsutil import refuse_existing_output
-    from flashnext.quant.overlays.mtp_int4 import MtpInt4Options, make_mtp_int4
+    from flashnext.quant.overlays.mtp_int4 import MtpInt4Builder, MtpInt4Options, make_mtp_int4
     from flashnext.quant.quantizers.device import DeviceError
 
     # The options and the outputs are checked before the work imports torch (seconds).
@@ -84,7 +84,8 @@ def main(src: Path, out: Path, group_size: str, quantizer: str | None, positive_
                              device=device, experts_per_batch=experts_per_batch,
                              scale_search=scale_search, calib=calib, calib_min_tokens=calib_min_tokens,
                              rounding=rounding, gptq_prior_tokens=gptq_prior_tokens)
-    refuse_existing_output(out, force, {"the source snapshot": src, "--calib": calib})
+    refuse_existing_output(out, force, {"the source snapshot": src, "--calib": calib},
+                           made_by=MtpInt4Builder.tool)
     if report is not None:
         _check_report_path(report, src, out)
     try:

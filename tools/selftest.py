@@ -38,8 +38,9 @@ def main(profile_name: str, out: Path, force: bool, gpus: str, keep: bool, as_js
     """
     from flashnext.quant.checkpoint.fsutil import refuse_existing_output
     from flashnext.serving.selftest import SelftestFailed, selftest
+    from flashnext.serving.selftest.runner import MADE_BY
 
-    refuse_existing_output(out, force)  # before minutes of checks, not after
+    refuse_existing_output(out, force, made_by=MADE_BY)  # before minutes of checks, not after
     report, kept = selftest(profile_name, out, gpus=gpus, keep=keep, force=force,
                             progress=lambda line: click.echo(line, err=True))
     s = report.summary

@@ -6,11 +6,14 @@ Every writer goes through this module, so that the rules hold for every command:
   inside its root (:func:`confined`);
 * an output never is, contains or lies inside an input (:func:`refuse_overlap` on the paths before
   any work, :func:`refuse_overlap_open` on the directories actually opened);
-* ``--force`` replaces only what flashnext made: a directory holding :data:`OUTPUT_MARKER`
-  (:func:`require_flashnext_output`);
+* ``--force`` replaces only what flashnext made, and only the same command's: a directory holding
+  :data:`OUTPUT_MARKER` whose ``made_by`` is that command (:func:`require_flashnext_output`);
 * one writer per output at a time (:func:`output_lock`), and the output appears whole or not at all
   (:func:`atomic_directory`, :func:`write_text_atomic`); what a killed writer left behind is
-  removed by the next one, by its exact temporary name (:func:`remove_leftovers`).
+  removed by the next one, by its exact temporary name (:func:`remove_leftovers`);
+* what a command needs only while it runs lives in a scratch directory of the system's temporary
+  folder that it removes when it ends (:func:`scratch_directory`), and that the next run removes if
+  it was killed first: by the marker naming the process that made it, once that process is gone.
 
 Whoever can write in an output's parent can plant or swap the temporary names beside it
 (``.OUT.partial-PID``, ``.OUT.old-PID``, ``.OUT.lock``, ``.NAME.tmp-PID``). So the parent is opened
@@ -28,7 +31,9 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable, Iterator
@@ -313,22 +318,39 @@ def _marker_at(parent: HeldDirectory, name: str) -> dict | None:
             return None
 
 
-def require_flashnext_output(out: Path) -> None:
-    """``--force`` may replace ``out`` only when it is a directory flashnext made."""
-    if out.is_symlink() or not out.is_dir() or read_output_marker(out) is None:
+def _refuse_unless_replaceable(out: Path, marker: dict | None, made_by: str | None) -> None:
+    """The one rule of ``--force``, given the marker of the existing ``out`` (None: no directory
+    flashnext made): it replaces only what flashnext made, and of that only what the same command
+    (``made_by``) made. One command's ``--force`` never takes another's output: a snapshot
+    ``demo-checkpoint`` wrote is not the selftest's report to replace, nor an overlay a view.
+    ``made_by`` None: the command is not known yet (an early check), only flashnext's marker is."""
+    if marker is None:
         _not_flashnexts(out)
+    if made_by is not None and marker["made_by"] != made_by:
+        # The marker is a file anyone could edit: its text is quoted, and only so far.
+        raise FlashnextError(f"{out} was made by {marker['made_by'][:80]!r}, not by {made_by}; --force only "
+                             f"replaces {made_by}'s own output: remove it yourself or choose another --out")
 
 
-def refuse_existing_output(out: Path, force: bool, inputs: dict[str, Path | None] | None = None) -> None:
-    """:func:`atomic_directory`'s refusals of ``out`` (one that overlaps ``inputs``, an existing one),
-    made up front: a command calls it before its slow part (importing torch, minutes of checks), so
-    that a wrong ``--out`` costs nothing. ``atomic_directory`` checks again, under its lock."""
+def require_flashnext_output(out: Path, made_by: str | None) -> None:
+    """``--force`` may replace ``out`` only when it is a directory the command ``made_by`` made."""
+    marker = None if out.is_symlink() or not out.is_dir() else read_output_marker(out)
+    _refuse_unless_replaceable(out, marker, made_by)
+
+
+def refuse_existing_output(out: Path, force: bool, inputs: dict[str, Path | None] | None = None,
+                           made_by: str | None = None) -> None:
+    """:func:`atomic_directory`'s refusals of ``out`` (one that overlaps ``inputs``, an existing one
+    unless ``force`` and the command ``made_by`` made it), made up front: a command calls it before
+    its slow part (importing torch, minutes of checks), so that a wrong ``--out`` costs nothing.
+    ``atomic_directory`` checks again, under its lock; there a command whose name comes only with
+    its slow imports (``repack-int6``'s builder imports torch) is held to its own output."""
     out = Path(out)
     refuse_overlap(out, inputs or {})
     if out.exists() or out.is_symlink():
         if not force:
             raise _already_exists(out.absolute())
-        require_flashnext_output(out)
+        require_flashnext_output(out, made_by)
 
 
 def _already_exists(out: Path, how: str = "") -> FlashnextError:
@@ -348,11 +370,26 @@ def write_new(path: Path, data: bytes | str) -> None:
         f.write(data.encode() if isinstance(data, str) else data)
 
 
-def write_marker(directory: Path, made_by: str) -> None:
+def _where_pids_count() -> dict:
+    """Where a process id names one process: this host and this PID namespace (a container numbers
+    its processes apart from the host's, and a temporary folder can be shared between them)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = None
+    return {"host": socket.gethostname(), "pid_namespace": namespace}
+
+
+def write_marker(directory: Path, made_by: str, pid: int | None = None) -> None:
+    """Mark ``directory`` as made by the command ``made_by``. ``pid``: the process whose scratch it
+    is (:func:`scratch_directory`), and where that id counts, so that a later run can tell when
+    that process is gone."""
     from flashnext import __version__
 
-    write_new(Path(directory) / OUTPUT_MARKER,
-               (json.dumps({"made_by": made_by, "flashnext_version": __version__}) + "\n").encode())
+    marker = {"made_by": made_by, "flashnext_version": __version__}
+    if pid is not None:
+        marker |= {"pid": pid, **_where_pids_count()}
+    write_new(Path(directory) / OUTPUT_MARKER, (json.dumps(marker) + "\n").encode())
 
 
 # --- files inside an output being built -----------------------------------------------------------
@@ -561,6 +598,72 @@ def _empty(parent: HeldDirectory, name: str) -> bool:
         return False
 
 
+# --- scratch --------------------------------------------------------------------------------------
+
+# What each command that keeps scratch calls its directories in the system's temporary folder:
+# ``flashnext-KIND-`` and tempfile.mkdtemp's eight random characters. Only names of exactly this
+# form, holding flashnext's marker, are ever taken for a dead run's scratch.
+SCRATCH_KINDS = ("selftest", "patches", "probes", "upload")
+_SCRATCH_NAME = re.compile(rf"flashnext-(?:{'|'.join(SCRATCH_KINDS)})-[a-z0-9_]{{8}}")
+
+
+def _scratch_abandoned(marker: dict) -> bool:
+    """Whether the process that a scratch directory's marker names is gone. A process of another
+    host or PID namespace (a temporary folder shared by containers) cannot be looked up from here,
+    so it never is; nor is this process's own."""
+    pid = marker.get("pid")
+    here = _where_pids_count()
+    return (type(pid) is int and pid > 0 and pid != os.getpid() and all(marker.get(k) == v for k, v in here.items())
+            and _writer_gone(pid))
+
+
+def remove_abandoned_scratch(temporary: Path) -> None:
+    """Remove from ``temporary`` the scratch directories that runs killed before their cleanup (a
+    SIGKILL, a power loss) left: this user's directories named as :data:`SCRATCH_KINDS` say, that
+    carry flashnext's marker and whose process is gone. Best effort: a directory another run
+    removes first, or one holding what this user cannot remove, is left, and the command goes on."""
+    try:
+        held = HeldDirectory.open(temporary)
+    except FlashnextError:
+        return
+    with held:
+        for name in sorted(os.listdir(held.fd)):
+            if not _SCRATCH_NAME.fullmatch(name):
+                continue
+            st = held.lstat(name)
+            if st is None or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            marker = _marker_at(held, name)
+            if marker is not None and _scratch_abandoned(marker):
+                try:
+                    held.remove_tree(name)
+                except OSError:
+                    pass  # what is left waits for the next run; this one's work does not depend on it
+
+
+@contextmanager
+def scratch_directory(kind: str, made_by: str, keep: bool = False) -> Iterator[Path]:
+    """A new private directory ``flashnext-KIND-XXXXXXXX`` in the system's temporary folder, for what
+    the command ``made_by`` needs only while it runs, removed when the block ends however it ends
+    (SIGTERM included: it raises as Ctrl-C does, tools/_common.py). Only SIGKILL or a power loss can
+    leave it; so it carries flashnext's marker naming this process, and each new scratch directory
+    is made after :func:`remove_abandoned_scratch` has removed those whose process is gone. With
+    ``keep`` it stays for the user, its marker removed: no later run takes it for a leftover."""
+    if kind not in SCRATCH_KINDS:
+        raise ValueError(f"scratch kind {kind!r} is not one of SCRATCH_KINDS")
+    temporary = Path(tempfile.gettempdir())
+    remove_abandoned_scratch(temporary)
+    path = Path(tempfile.mkdtemp(prefix=f"flashnext-{kind}-", dir=temporary))
+    try:
+        write_marker(path, made_by, pid=os.getpid())
+        yield path
+    finally:
+        if keep:
+            (path / OUTPUT_MARKER).unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 # --- atomic outputs -------------------------------------------------------------------------------
 
 def _renameat2(fd: int, src: str, dst: str, flags: int) -> bool:
@@ -676,13 +779,14 @@ class OutputDirectory:
 
 
 @contextmanager
-def output_directory(out: Path, force: bool, inputs: dict[str, Path | None]) -> Iterator[OutputDirectory]:
+def output_directory(out: Path, force: bool, inputs: dict[str, Path | None],
+                     made_by: str) -> Iterator[OutputDirectory]:
     """The rules of every output directory, for a caller that manages its partial itself (a
     resumable build): the output's lock held, its leftovers removed (a previous output that an
     interrupted ``--force`` replace had set aside put back), an existing ``out`` refused unless
-    ``force`` and flashnext made it, and ``out`` never, inside or around one of ``inputs`` (by path,
-    on what is open, and again at the commit). On an exception the parent directories this call
-    created (and left empty) are removed."""
+    ``force`` and the command ``made_by`` made it, and ``out`` never, inside or around one of
+    ``inputs`` (by path, on what is open, and again at the commit). On an exception the parent
+    directories this call created (and left empty) are removed."""
     out = Path(out).absolute()
     refuse_overlap(out, inputs)
     created = make_parents(out)
@@ -696,8 +800,8 @@ def output_directory(out: Path, force: bool, inputs: dict[str, Path | None]) -> 
                     how = f" (put back from {restored.name}, left by a --force replace that was interrupted)" \
                         if restored else ""
                     raise _already_exists(out, how)
-                if not stat.S_ISDIR(existing.st_mode) or _marker_at(parent, out.name) is None:
-                    _not_flashnexts(out)
+                marker = _marker_at(parent, out.name) if stat.S_ISDIR(existing.st_mode) else None
+                _refuse_unless_replaceable(out, marker, made_by)
             yield OutputDirectory(out, parent, inputs, replacing=existing is not None)
     except BaseException:
         remove_empty(created)
@@ -705,21 +809,22 @@ def output_directory(out: Path, force: bool, inputs: dict[str, Path | None]) -> 
 
 
 @contextmanager
-def atomic_directory(out: Path, force: bool = False, inputs: dict[str, Path | None] | None = None,
-                     made_by: str = "flashnext", held: bool = False) -> Iterator[Path]:
+def atomic_directory(out: Path, force: bool = False, inputs: dict[str, Path | None] | None = None, *,
+                     made_by: str, held: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of ``out`` to build in; rename it to ``out`` only on success.
 
     ``out`` must not be, contain or lie inside any of ``inputs`` (checked by path first, then on
     the directories opened, again before the rename). An existing ``out`` is refused unless
-    ``force``, and even then only if flashnext made it; it is replaced only once the new one is
-    complete. On any exception the temporary directory is removed and ``out`` is left as it was.
+    ``force``, and even then only if the same command (``made_by``) made it; it is replaced only
+    once the new one is complete. On any exception the temporary directory is removed and ``out``
+    is left as it was.
 
     With ``held`` the yielded path resolves through the temporary directory's descriptor, so that
     swapping it or its parent for a link changes nothing; it is good for this process's own opens
     only (not for a child process's command line).
     """
     out = Path(out).absolute()
-    with output_directory(out, force, inputs or {}) as output:
+    with output_directory(out, force, inputs or {}, made_by) as output:
         name = f".{out.name}.partial-{os.getpid()}"
         partial = output.make_partial(name, made_by)
         try:
@@ -740,19 +845,33 @@ def _write_durably(fd: int, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def write_text_at(parent: HeldDirectory, name: str, text: str) -> None:
-    """Write the small file ``name`` in the held ``parent`` via a temporary sibling and a rename."""
+def _create_temporary(parent: HeldDirectory, name: str) -> tuple[str, int]:
+    """A new file beside ``name`` in the held ``parent`` to write it in, under this process's
+    temporary name ``.NAME.tmp-PID``: that name and the file's descriptor. Whatever already has
+    the name is a leftover of an earlier attempt, or a link or file someone planted to block or
+    redirect the write: removing the name changes nothing it points at, so it goes, and the file is
+    created exclusively, never through a link. Anything else there is refused, named."""
     tmp = f".{name}.tmp-{os.getpid()}"
     try:
-        fd = parent.create(tmp)
+        return tmp, parent.create(tmp)
     except FileExistsError:
-        # Our own temporary name: a leftover, or a link someone planted. Removing the name changes
-        # nothing it points at; anything else there is refused.
         st = parent.lstat(tmp)
-        if st is None or not (stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode)):
-            raise FlashnextError(f"{parent.path / tmp} exists and is not a leftover of flashnext's; remove it") from None
+    if st is not None and not (stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise FlashnextError(f"{parent.path / tmp} exists and is not a leftover of flashnext's; remove it")
+    try:
         os.unlink(tmp, dir_fd=parent.fd)
-        fd = parent.create(tmp)
+    except FileNotFoundError:
+        pass
+    try:
+        return tmp, parent.create(tmp)
+    except FileExistsError:
+        raise FlashnextError(f"{parent.path / tmp} came back as soon as it was removed; is someone else "
+                             "writing in that folder?") from None
+
+
+def write_text_at(parent: HeldDirectory, name: str, text: str) -> None:
+    """Write the small file ``name`` in the held ``parent`` via a temporary sibling and a rename."""
+    tmp, fd = _create_temporary(parent, name)
     mine = _identity(os.fstat(fd))
     try:
         _write_durably(fd, text)
@@ -777,8 +896,7 @@ def write_new_file(path: Path, text: str) -> None:
     with parent:
         if parent.lstat(path.name) is not None:
             raise FlashnextError(f"{path} already exists: choose another name (it is never replaced)")
-        tmp = f".{path.name}.tmp-{os.getpid()}"
-        fd = parent.create(tmp)
+        tmp, fd = _create_temporary(parent, path.name)
         mine = _identity(os.fstat(fd))
         try:
             _write_durably(fd, text)

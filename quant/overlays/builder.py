@@ -179,7 +179,7 @@ class OverlayBuilder(ABC):
         from flashnext.quant.overlays.resume import ResumableOutput
 
         source = {"overlay kind": self.kind, **self.resume_identity()}
-        with output_directory(out, force, inputs) as output, \
+        with output_directory(out, force, inputs, self.tool) as output, \
                 ResumableOutput(output, self.tool, source, notice) as run:
             resumed = run.resume(plans, metadata, self.restore)
             check_free_space(existing_ancestor(out), max(0, needed - run.allocated()), f"the overlay {out}")

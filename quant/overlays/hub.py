@@ -28,7 +28,6 @@ a draft head) is its row of :data:`~flashnext.quant.overlays.builder.OVERLAY_KIN
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from pydantic import Field
 
 from flashnext import __version__
 from flashnext.errors import FlashnextError
-from flashnext.quant.checkpoint.fsutil import confined, write_text_atomic
+from flashnext.quant.checkpoint.fsutil import confined, scratch_directory, write_text_atomic
 from flashnext.quant.overlays.builder import OVERLAY_KINDS, builder_for_kind
 from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest, hub_repo_id_problem
 from flashnext.quant.overlays.view import (
@@ -383,8 +382,8 @@ def upload_overlay(overlay: Path, repo_id: str, private: bool = False, revision:
         reached = True
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            card_path = Path(tmp) / CARD_FILE
+        with scratch_directory("upload", "flashnext overlay upload") as tmp:
+            card_path = tmp / CARD_FILE
             card_path.write_text(card)
             operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(local))
                           for name, local in files]

@@ -16,6 +16,8 @@ from flashnext.serving.bench import plots
 from flashnext.serving.bench.phases import PHASES
 from flashnext.serving.bench.report import BenchReport
 
+MADE_BY = "flashnext bench"  # the command, in its --out's marker: only its --force replaces the folder
+
 
 def report_json(report: BenchReport) -> str:
     """``report`` as strict JSON. The report's models hold finite floats only, so allow_nan=False
@@ -59,7 +61,7 @@ def write_outputs(report: BenchReport, out: Path, force: bool = False) -> list[s
     pngs = render(report)
     files = {"report.json": report_json(report).encode("utf-8"), **pngs,
              "report.html": html_page(report, pngs).encode("utf-8")}
-    with atomic_directory(Path(out), force=force, made_by="flashnext bench", held=True) as tmp:
+    with atomic_directory(Path(out), force=force, made_by=MADE_BY, held=True) as tmp:
         for name, data in files.items():
             write_new(tmp / name, data)
     return list(files)

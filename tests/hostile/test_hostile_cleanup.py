@@ -2,13 +2,19 @@
 *this* output (``.OUT.partial-PID``, ``.OUT.old-PID``, ``.OUT.tmp-PID`` of a writer that is gone),
 not whatever starts the same way (another output's partial, a user's folder); and a ``--force``
 replace killed between its renames leaves the previous output recoverable, which the next run
-puts back.
+puts back. A command stopped by SIGTERM removes its scratch directory as Ctrl-C does; what a
+SIGKILL leaves there the next run removes, by flashnext's marker and only once its process is gone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -156,3 +162,154 @@ def test_the_old_output_survives_a_second_interrupted_replace(work: Work, monkey
     assert result.exit_code == 0, result.output
     assert (out / "overlay.json").is_file() and not (out / "mine.txt").exists()
     assert not [p for p in work.root.iterdir() if p.name.startswith(".out.")]
+
+
+# --- scratch of a run stopped by a signal (issue 44) ----------------------------------------------
+# Real processes and real signals: `flashnext` started with its own temporary folder (TMPDIR), so
+# that its scratch directory can be watched, and nothing outside the work tree is touched.
+
+SCRATCH_WAIT_S = 300  # the scratch appears within seconds; this is for a machine under load
+
+
+def start(argv: list[str], tmpdir: Path, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "flashnext", *argv], stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TMPDIR": str(tmpdir)})
+
+
+def _marked_by(directory: Path, pid: int) -> bool:
+    try:
+        return json.loads((directory / MARKER).read_text()).get("pid") == pid
+    except (OSError, ValueError):
+        return False
+
+
+def wait_for_scratch(proc: subprocess.Popen, tmpdir: Path, kind: str, marked: bool = False) -> Path:
+    """``proc``'s scratch directory ``flashnext-KIND-*`` in ``tmpdir``, as soon as it exists (with
+    ``marked``: once its marker names ``proc``)."""
+    deadline = time.monotonic() + SCRATCH_WAIT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        for p in tmpdir.glob(f"flashnext-{kind}-*"):
+            if p.is_dir() and not p.is_symlink() and (not marked or _marked_by(p, proc.pid)):
+                return p
+        time.sleep(0.01)
+    pytest.fail(f"no flashnext-{kind}-* scratch{' marked with its process' if marked else ''} appeared "
+                f"(exit {proc.poll()})")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@dataclass(frozen=True)
+class Scratching:
+    id: str
+    argv: Callable[[Work], list[str]]
+    kind: str  # its scratch directory is flashnext-KIND-XXXXXXXX
+
+
+def selftest(w: Work) -> list[str]:
+    return ["selftest", "--out", str(w.root / "report"), "--gpus", "0"]
+
+
+SCRATCHING = [
+    Scratching("selftest", selftest, "selftest"),  # the demo checkpoint and a patched vLLM tree
+    Scratching("patches-check", lambda w: ["patches", "check"], "patches"),  # a shadow vLLM tree
+]
+
+
+@pytest.mark.parametrize("command", SCRATCHING, ids=[c.id for c in SCRATCHING])
+def test_sigterm_removes_the_scratch_as_ctrl_c_does(command: Scratching, work: Work):
+    """SIGTERM (``timeout``, ``docker stop``, systemd) ends the command through its cleanup: its
+    scratch is gone, nothing is left beside ``--out``, and the exit is the table's for SIGTERM."""
+    from flashnext.errors import EXIT_TERMINATED
+
+    tmpdir = work.root / "tmp"
+    tmpdir.mkdir()
+    log = work.root / "run.log"
+    proc = start(command.argv(work), tmpdir, log)
+    try:
+        scratch = wait_for_scratch(proc, tmpdir, command.kind)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+    finally:
+        stop(proc)
+    output = log.read_text(errors="replace")
+    assert not scratch.exists(), f"{scratch.name} was left behind (exit {code})"
+    assert not list(tmpdir.glob("flashnext-*")), "scratch was left behind"
+    assert code == EXIT_TERMINATED, output
+    assert output.splitlines()[-1] == "terminated", output
+    assert not list(work.root.glob(".report*")) and not (work.root / "report").exists()
+
+
+def marker_like(scratch: Path, **changes) -> dict:
+    """The marker of the real ``scratch`` directory, with ``changes``."""
+    return {**json.loads((scratch / MARKER).read_text()), **changes}
+
+
+def marked_folder(path: Path, marker: dict | None) -> Path:
+    path.mkdir()
+    if marker is not None:
+        (path / MARKER).write_text(json.dumps(marker))
+    (path / "keep.txt").write_text("not a leftover of a dead flashnext run")
+    return path
+
+
+def test_the_next_run_removes_what_a_killed_run_left_and_nothing_else(work: Work):
+    """A selftest killed outright (SIGKILL: no cleanup can run) leaves its scratch; the next run
+    removes it, by its marker and because its process is gone, and leaves every directory that
+    only looks like one: no marker (a user's, or one kept with --keep), a live process's, another
+    host's or PID namespace's, a name tempfile would not make, a link to a dead run's scratch."""
+    tmpdir = work.root / "tmp"
+    tmpdir.mkdir()
+    first = start(selftest(work), tmpdir, work.root / "first.log")
+    try:
+        left = wait_for_scratch(first, tmpdir, "selftest", marked=True)
+        first.kill()
+        first.wait()
+    finally:
+        stop(first)
+    assert left.is_dir(), "SIGKILL should leave the scratch for the next run"
+    dead = marker_like(left)  # the very marker of a run that is gone
+    elsewhere = marked_folder(work.root / "elsewhere", dead)
+    kept = [
+        marked_folder(tmpdir / "flashnext-selftest-usrfoldr", None),
+        marked_folder(tmpdir / "flashnext-selftest-liveproc", marker_like(left, pid=os.getpid())),
+        marked_folder(tmpdir / "flashnext-selftest-otherhst", marker_like(left, host=f"not-{socket.gethostname()}")),
+        marked_folder(tmpdir / "flashnext-selftest-otherpns", marker_like(left, pid_namespace="pid:[1]")),
+        marked_folder(tmpdir / "flashnext-selftest-dead", dead),
+        marked_folder(tmpdir / "flashnext-selftest-deadrun1x", dead),
+        marked_folder(tmpdir / "flashnext-nokind-deadrun1", dead),
+    ]
+    link = tmpdir / "flashnext-selftest-linkdead"
+    os.symlink(elsewhere, link)
+    before = {p: tree_state(p) for p in (*kept, elsewhere)}
+
+    second = start(selftest(work), tmpdir, work.root / "second.log")
+    try:
+        own = wait_for_scratch(second, tmpdir, "selftest", marked=True)  # made after the sweep
+        second.send_signal(signal.SIGTERM)
+        second.wait(120)
+    finally:
+        stop(second)
+    assert not left.exists(), f"{left.name}, left by a killed run, was not removed"
+    assert {p: tree_state(p) for p in (*kept, elsewhere)} == before
+    assert link.is_symlink() and os.readlink(link) == str(elsewhere)
+    assert not own.exists()
+
+
+def test_scratch_kept_with_keep_is_the_users(tmp_path, monkeypatch):
+    """``selftest --keep``'s scratch stays, without the marker: no later run takes it for a leftover."""
+    import tempfile
+
+    from flashnext.quant.checkpoint.fsutil import remove_abandoned_scratch, scratch_directory
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with scratch_directory("selftest", "flashnext selftest", keep=True) as kept:
+        assert json.loads((kept / MARKER).read_text())["pid"] == os.getpid()
+        (kept / "demo").mkdir()
+    assert kept.parent == tmp_path and (kept / "demo").is_dir() and not (kept / MARKER).exists()
+    remove_abandoned_scratch(tmp_path)
+    assert (kept / "demo").is_dir()

@@ -6,6 +6,8 @@ this folder is one class of attack.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from click.testing import CliRunner
 
@@ -48,6 +50,11 @@ from support.hostile import (
     unrelated_folder,
     view_record_case,
 )
+
+
+def snapshot_at_out(w: Work) -> None:
+    """A second demo snapshot (demo-checkpoint's output, its marker included) where ``--out`` is."""
+    shutil.copytree(w.snap, w.root / "out", symlinks=True)
 
 
 CASES = [
@@ -95,6 +102,18 @@ CASES = [
     Case("demo-force-file", lambda w: ["demo-checkpoint", "--out", str(w.snap / "README.md"), "--force"],
          "was not made by flashnext"),
     Case("apply-force-unrelated", lambda w: apply(w, "--force", out=unrelated_folder(w)), "was not made by flashnext"),
+    # --force replaces only its own command's output, not another command's (issue 44): the work
+    # tree's snapshot is demo-checkpoint's, its overlay make-mtp-int4's.
+    Case("selftest-force-snapshot", lambda w: ["selftest", "--out", str(w.snap), "--force", "--gpus", "0"],
+         "was made by 'demo-checkpoint', not by flashnext selftest; --force only replaces"),
+    Case("demo-force-overlay", lambda w: ["demo-checkpoint", "--out", str(w.ov), "--force"],
+         "was made by 'make-mtp-int4', not by demo-checkpoint"),
+    Case("mtp-force-demo-snapshot", lambda w: (snapshot_at_out(w), mtp(w, "--force"))[1],
+         "was made by 'demo-checkpoint', not by make-mtp-int4"),
+    Case("apply-force-demo-snapshot", lambda w: (snapshot_at_out(w), apply(w, "--force"))[1],
+         "was made by 'demo-checkpoint', not by overlay apply"),
+    Case("repack-force-demo-snapshot", lambda w: (snapshot_at_out(w), repack(w, "--force", "--no-progress"))[1],
+         "was made by 'demo-checkpoint', not by repack-int6"),
     Case("ple-build-over-a-source-shard", lambda w: ["ple", "build", "--src", str(w.snap), "--out",
                                                     str(w.snap / FIRST_SHARD), "--force", "--no-progress"],
          "lies inside the source snapshot"),

@@ -103,6 +103,17 @@ def report(w: Work) -> list[str]:
     return mtp(w, "--report", str(w.root / "report.json"))
 
 
+def write_profile(w: Work) -> list[str]:
+    return ["plan", "--gpus", "4", "--gpu-memory", "24", "--host-ram", "125",
+            "--write-profile", str(w.root / "rig.json")]
+
+
+def profile_done(w: Work) -> bool:
+    from flashnext.serving.profiles import load_profile
+
+    return load_profile(str(w.root / "rig.json")).name == "rig" and not (w.root / f".rig.json.tmp-{PID}").exists()
+
+
 LOCK_VICTIMS = {"symlink-file": "refused", "symlink-absent": "refused", "symlink-shard": "refused",
                 "hardlink-file": "refused"}
 
@@ -118,6 +129,11 @@ PLANTED = [
             dict.fromkeys(("symlink-file", "symlink-absent", "symlink-shard", "hardlink-file", "hardlink-shard"),
                           "either"),
             done=lambda w: mtp_done(w) and '"make-mtp-int4"' in (w.root / "report.json").read_text()),
+    # plan --write-profile writes a new file through the same temporary name as every small file: a
+    # link or file planted there is removed, never followed, and does not block it (issue 44).
+    Planted("tmp-profile", lambda w: w.root / f".rig.json.tmp-{PID}", write_profile,
+            dict.fromkeys(("symlink-file", "symlink-absent", "symlink-shard", "hardlink-file", "hardlink-shard"),
+                          "done"), done=profile_done),
     # A resume of an interrupted build into a partial that is now a link (to a source shard).
     Planted("ple-resume-partial", lambda w: w.root / "new.bin.partial", ple_build,
             dict.fromkeys(("symlink-shard", "hardlink-shard", "symlink-file", "hardlink-file"), "refused"),
