@@ -556,7 +556,8 @@ def check_series(vllm: Path | None = None, series: Sequence[Patch] = SERIES,
     """The series checked against ``vllm`` (:func:`drift_table` for the series alone): one result
     a patch; the first entry that does not apply or probe raises, naming it (and how many more)."""
     rows = drift_table(vllm, series, absorbed=(), progress=progress)
-    bad = [r for r in rows if not r.ok]
+    # a refused hunk first: it is what to port, and probes after it fail for want of it
+    bad = sorted((r for r in rows if not r.ok), key=lambda r: r.status != "fails")
     if bad:
         first, *others = bad
         more = f" (and {len(others)} more failed: {', '.join(r.id for r in others)})" if others else ""
