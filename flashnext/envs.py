@@ -116,27 +116,17 @@ VLLM_VIT_STREAM = EnvVar(
     "VLLM_VIT_STREAM", "1",
     "Patch vit-stream: 0 keeps the vision tower's blocks resident in device memory.")
 
-VLLM_MTP_DRAFTS_PER_REQUEST = EnvVar(
-    "VLLM_MTP_DRAFTS_PER_REQUEST", "1",
-    "Patch mtp-03: 0 restores vLLM's single-batch DraftTokensHandler.")
-
 VLLM_MTP_PP = EnvVar(
     "VLLM_MTP_PP", "1",
-    "Patch mtp-01: 0 lets the MTP draft ask the global pipeline group whether to embed (stock vLLM).")
+    "Patch mtp-01: 0 builds the MTP draft's embed_tokens and lm_head without the checkpoint's INT8 "
+    "method again (stock vLLM, whose loader then refuses the release's INT8 draft tensors).")
 VLLM_MTP_SLIM_DRAFT = EnvVar(
     "VLLM_MTP_SLIM_DRAFT", "1",
     "Patch mtp-02: 0 gives the draft head its own lm_head copy and a device embedding again under PP.")
 
-VLLM_PP_PLE = EnvVar(
-    "VLLM_PP_PLE", "1",
-    "Patch pp-ple: 0 restores vLLM's refusal of pipeline parallelism for PLE models.")
-
 VLLM_PP_DEFER_RECV = EnvVar(
     "VLLM_PP_DEFER_RECV", "1",
     "Patch decode-03: 0 receives the previous pipeline rank's tensors first thing in execute_model again.")
-VLLM_PP_MISSING_LAYERS = EnvVar(
-    "VLLM_PP_MISSING_LAYERS", "1",
-    "Patch mem-01: 0 builds qwen4_exp's embed_tokens and lm_head on every pipeline rank again.")
 
 VLLM_GPU_STEP_TIME = EnvVar(
     "VLLM_GPU_STEP_TIME", "0",

@@ -16,7 +16,7 @@ def test_every_variable_of_the_module_is_declared_once():
     assert sorted(instances, key=lambda v: v.name) == sorted(envs.DECLARED, key=lambda v: v.name)
     assert len({v.name for v in envs.DECLARED}) == len(envs.DECLARED)
     with pytest.raises(ValueError, match="declared twice"):
-        envs.EnvVar(envs.VLLM_PP_PLE.name, "1", "again")
+        envs.EnvVar(envs.VLLM_PP_DEFER_RECV.name, "1", "again")
     assert len(envs.DECLARED) == len(instances)
 
 

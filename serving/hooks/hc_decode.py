@@ -1,6 +1,6 @@
 """Patch decode-04: a decode step's hyper-connection mix in two fused kernels.
 
-vLLM 0.33.0 runs each GatedResidual mix as a GEMM, ``hc_silu``, a second GEMM and ``hc_gate_mix``
+vLLM 0.34.0 runs each GatedResidual mix as a GEMM, ``hc_silu``, a second GEMM and ``hc_gate_mix``
 (six kernels, about 32 us on a 3090, 96 times a token; seed 000 §3.3). When the mixer's projections
 are INT8 (patch int8-modules) and the step has 1..16 tokens, :func:`mix` runs the same arithmetic,
 rounded at the same points, in :func:`flashnext.quant.kernels.hc_mix.hc_mix`'s two kernels, which

@@ -3,7 +3,7 @@ mixers, served as INT8.
 
 The release stores ``embed_tokens`` and ``lm_head`` as compressed-tensors INT8, group 128, and the
 hyper-connection mixers' projections as INT8, group 64 (``weight_packed`` int32 words,
-``weight_scale``, ``weight_shape``; seed 000 §3.3, §6). vLLM 0.33.0 builds all of them without a
+``weight_scale``, ``weight_shape``; seed 000 §3.3, §6). vLLM 0.34.0 builds all of them without a
 quantization method, with a bf16 ``weight``, so its own loader refuses the checkpoint
 (``There is no module or parameter named 'embed_tokens.weight_packed'``; for the mixers an
 AttributeError in the merged layer's loader). With ``VLLM_INT8_MODULES=1`` (the default), where the

@@ -1,6 +1,6 @@
 """Patch decode-05: a decode step's MoE block routed by one kernel.
 
-vLLM 0.33.0 routes each MoE block of a decode step with the router GEMV, ``topk_softmax``, the
+vLLM 0.34.0 routes each MoE block of a decode step with the router GEMV, ``topk_softmax``, the
 shared expert's gate and, inside Marlin, ``moe_align_block_size`` (seed 000 §3.3, one token on a
 3090: 12, 7, 7 and 7 us). For a step of 1..4 tokens (:data:`MAX_FUSED_TOKENS`, the CUDA-graph
 sizes), :func:`forward` instead:
@@ -47,7 +47,9 @@ def enabled() -> bool:
 
 
 def marlin_block_size(tokens: int, top_k: int, experts: int) -> int:
-    """The ``block_size_m`` that vLLM 0.33.0's ``fused_marlin_moe`` picks for a bf16 step."""
+    """The ``block_size_m`` that vLLM 0.34.0's ``fused_marlin_moe`` picks for a step without expert
+    parallelism. (0.33.0 raised it to 16 for quantized activations, ``VLLM_MARLIN_INPUT_DTYPE``, and
+    :func:`alignment_for` then declined the alignment; 0.34.0 no longer quantizes Marlin MoE inputs.)"""
     for size in MARLIN_BLOCK_SIZES:
         if tokens * top_k / experts / size < 0.9:
             return size
@@ -69,7 +71,7 @@ def alignment_for(topk_ids: torch.Tensor, block_size: int, num_experts: int,
 
 def _plain_router(router) -> bool:
     """Whether ``router`` is a softmax over all experts, top-k and renormalization, and nothing else:
-    what :func:`route` computes. Decided by exact class, from what each of vLLM 0.33.0's router
+    what :func:`route` computes. Decided by exact class, from what each of vLLM 0.34.0's router
     classes holds (``router_factory.create_fused_moe_router``): on CUDA this MoE gets
     ``FusedTopKRouter``, which has no grouping, bias, scaling or custom function to check; on the
     CPU ``CPURouter``, which covers every scheme in one class. Every other class (grouped, biased or
@@ -114,6 +116,12 @@ def _applies(block: torch.nn.Module, x: torch.Tensor) -> bool:
             and block.shared_expert.expert_gate is block.shared_expert_gate)
 
 
+def router_rows_shape(num_experts: int, hidden_size: int) -> tuple[int, int]:
+    """The matrix :func:`_router_rows` allocates once per MoE block: the router's ``num_experts``
+    rows and the shared gate's one (``flashnext plan``'s ledger counts it from here)."""
+    return num_experts + 1, hidden_size
+
+
 def _router_rows(block: torch.nn.Module) -> torch.Tensor:
     """The router's rows and the shared gate's row as one ``[E + 1, H]`` matrix. Made once: the two
     weights then become views into it, so vLLM's own path reads the same memory, no copy is held,
@@ -122,7 +130,9 @@ def _router_rows(block: torch.nn.Module) -> torch.Tensor:
     rows = getattr(block, "_flashnext_router_rows", None)
     experts = gate.shape[0]
     if rows is None or gate.data_ptr() != rows.data_ptr() or shared_gate.data_ptr() != rows[experts:].data_ptr():
-        rows = torch.cat([gate.data, shared_gate.data]).contiguous()
+        rows = torch.empty(router_rows_shape(experts, gate.shape[1]), dtype=gate.dtype, device=gate.device)
+        rows[:experts].copy_(gate.data)
+        rows[experts:].copy_(shared_gate.data)
         gate.data, shared_gate.data = rows[:experts], rows[experts:]
         block._flashnext_router_rows = rows
     return rows

@@ -1,18 +1,18 @@
-"""Hooks of patches mtp-01 and mtp-02: the MTP draft head's embedding, LM head and branch.
+"""Hooks of patches mtp-01 and mtp-02: the MTP draft head's embedding and LM head.
 
-vLLM 0.33.0 builds the draft (``Qwen4ExpMTP``) on the last pipeline rank only and, right after
-loading it, its drafter (``load_eagle_model`` under Model Runner V2, ``_maybe_share_*`` under V1)
-replaces the draft's ``lm_head`` by the target's always (the class declares no ``has_own_lm_head``)
-and its ``embed_tokens`` by the target's at PP=1 only. At PP > 1 the target's embedding is on the
-first rank (patch mem-01), so the draft keeps and uses its own (seed 000 §7).
+vLLM 0.34.0 builds the draft (``Qwen4ExpMTP``) on the last pipeline rank only and, right after
+loading it, its drafter (``load_eagle_model``: ``maybe_share_target_embed`` and
+``share_target_lm_head``) replaces the draft's ``lm_head`` by the target's always (the class
+declares no ``has_own_lm_head``) and its ``embed_tokens`` by the target's at PP=1 only. At PP > 1
+the target's embedding is on the first rank (a ``PPMissingLayer`` elsewhere), so the draft keeps
+and uses its own (seed 000 §7).
 
 - mtp-01: the draft's ``embed_tokens`` and ``lm_head`` are built with the checkpoint's INT8 method
   where the release stores them as INT8 (patch int8-modules' :class:`Int8EmbeddingMethod`, the same
-  one the target's are built with, under int8-modules' switch); vLLM 0.33.0 builds them without
+  one the target's are built with, under int8-modules' switch); vLLM 0.34.0 builds them without
   one, and its loader stops at ``embed_tokens.weight_packed`` (at PP=1 at ``lm_head.weight_packed``
-  too). And ``Qwen4ExpMultiTokenPredictor.forward`` takes its embedding branch only on the *global*
-  first pipeline rank, so at PP > 1 the draft, on the last rank, went down the intermediate-tensor
-  branch and stopped on an assert; it now embeds wherever it runs.
+  too). (The seed's other mtp-01 item, the draft's forward branching on the global first rank, is
+  fixed in 0.34.0: it branches on whether it was handed intermediate tensors.)
 - mtp-02: what the drafter replaces right after loading is never built (a ``PPMissingLayer``, which
   vLLM's loader skips, holds the place): the ``lm_head`` always, the ``embed_tokens`` at PP=1. At
   PP > 1 the draft's embedding, which reads a few rows per step, is built and loaded in host memory
@@ -45,11 +45,6 @@ def _pipelined() -> bool:
     return _pp_group().world_size > 1
 
 
-def draft_takes_embedding_branch() -> bool:
-    """mtp-01: whether the draft's forward embeds its input (rather than wait for intermediates)."""
-    return envs.VLLM_MTP_PP.enabled() or _pp_group().is_first_rank
-
-
 def draft_quant_config(vllm_config):
     """The draft's quantization config as vLLM resolves it (``get_draft_quant_config``: the draft
     model config's own, the same checkpoint's for MTP)."""
@@ -63,14 +58,17 @@ def draft_quant_config(vllm_config):
 def draft_embedding_method(vllm_config, checkpoint_name: str):
     """mtp-01: the quantization method of the draft's ``embed_tokens`` (``CHECKPOINT_EMBED``) or
     ``lm_head`` (``CHECKPOINT_LM_HEAD``): int8-modules' INT8 method where the checkpoint stores that
-    tensor as INT8 by groups, else None (vLLM's unquantized layer). int8-modules' switch
-    (``VLLM_INT8_MODULES``) governs it, as it does the target's; ``VLLM_MTP_PP`` is the branch's.
+    tensor as INT8 by groups, else None (vLLM's unquantized layer). Both int8-modules' switch
+    (``VLLM_INT8_MODULES``), as for the target's, and mtp-01's own (``VLLM_MTP_PP``, which governed
+    the draft's branch until vLLM 0.34.0 fixed that) turn it off.
 
     The names are resolved as vLLM maps the draft's config: by the draft model class's mapper
     (Qwen4ExpMTP has none), not the target's, which would move ``lm_head`` to
     ``language_model.lm_head`` and leave the draft's copy unquantized."""
     from flashnext.serving.hooks import int8_modules
 
+    if not envs.VLLM_MTP_PP.enabled():
+        return None
     speculative = vllm_config.speculative_config
     draft_model = speculative.draft_model_config if speculative is not None else None
     return int8_modules.embedding_method(draft_quant_config(vllm_config), checkpoint_name,

@@ -1,9 +1,10 @@
 """Hooks of patches ple-mmap, ttft-01 and decode-06: the PLE table served from the file that
 ``flashnext ple build`` writes.
 
-vLLM 0.33.0 holds this model's 95 GiB table either on the GPU or in pinned host memory (its
+vLLM 0.34.0 holds this model's 95 GiB table either on the GPU or in pinned host memory (its
 default here, ``engram_config.cpu_offload``), which a 125 GiB host that also pins the QSA K/V
-cannot give. With ``VLLM_PLE_MMAP_PATH=FILE`` (patch ple-mmap) the table is instead a read-only
+cannot give, or reads each step's rows from the checkpoint's shards (its new
+``engram_config.disk_offload``, which this patch overrides: serving/patches/ple-mmap.md). With ``VLLM_PLE_MMAP_PATH=FILE`` (patch ple-mmap) the table is instead a read-only
 shared mapping of the file, advised ``MADV_RANDOM`` (readahead multiplies NVMe traffic 23x, seed
 000 §1). A step's rows are gathered on the host in the model state's ``prepare_inputs``, outside
 any CUDA graph, into a fixed device buffer that the captured forward reads.
@@ -15,7 +16,7 @@ any CUDA graph, into a fixed device buffer that the captured forward reads.
   are served in parallel instead of one at a time.
 
 >>> serving = attach(model)          # doctest: +SKIP  (Qwen4ExpModelState.__init__)
->>> serving.admitted("req-1", prompt_token_ids)    # add_request
+>>> serving.admitted("req-1", prefill_token_ids)   # add_request
 >>> ids = serving.ngram_ids(input_ids, query_start_loc, ngram_context)    # prepare_inputs
 >>> serving.advise(ids)
 >>> serving.stage(ids)

@@ -1,7 +1,9 @@
 """Patch qsa-indexer-quant: the QSA indexer's projection keeps its own quantization scheme.
 
-vLLM 0.33.0's ``Qwen4ExpQSAAttention`` merges ``q/k/v_proj`` with ``indexer.index_qk_proj`` into one
-``Qwen4ExpQSAQKVIndexerLinear`` unless LoRA is on. compressed-tensors resolves a merged layer's
+vLLM 0.34.0's ``Qwen4ExpQSAAttention`` merges ``q/k/v_proj`` with ``indexer.index_qk_proj`` into one
+``Qwen4ExpQSAQKVIndexerLinear`` unless LoRA is on or the parts' quant methods are of different types,
+which compressed-tensors' never are (every part gets ``CompressedTensorsLinearMethod``, whatever its
+scheme; the patch adds this check to vLLM's). compressed-tensors resolves a merged layer's
 scheme from its parts (``_match_fused_layer``): every part must match some target, and the first
 part's target wins, without asking whether the parts' targets agree. The release quantizes q/k/v
 INT6 group 64 and the indexer INT8 group 128, so the merged layer is built INT6 group 64 and the

@@ -1,6 +1,6 @@
 """GPU time per decode step, for ``flashnext bench`` (patch step-time).
 
-vLLM 0.33.0 replays a FULL cudagraph in one line, ``self.graphs[desc].replay()`` in
+vLLM 0.34.0 replays a FULL cudagraph in one line, ``self.graphs[desc].replay()`` in
 ``CudaGraphManager.run_fullgraph`` (Model Runner V2: the qwen4_exp profiles' decode steps under
 ``FULL_DECODE_ONLY``, and the MTP draft's), with nothing around it to hook. The patch replays
 through :func:`replay`, which times it with CUDA events when ``VLLM_GPU_STEP_TIME=1``
@@ -20,8 +20,9 @@ from flashnext.serving.runtime.step_time import (
     SnapshotCollector, SnapshotWriter, StepTimeRecorder, cuda_event, snapshot_path,
 )
 
-# The model's own graphs; every other CudaGraphManager subclass in 0.33.0 is a speculator's
-# (SpeculatorCudaGraphManager, DFlashCudaGraphManager, multi_module_mtp's).
+# The model's own graphs; every other CudaGraphManager that replays a FULL graph in 0.34.0 is a
+# speculator's (SpeculatorCudaGraphManager, which MTP and multi_module_mtp use, and
+# DFlashCudaGraphManager); DeepSeek-V4.1's DecoderReplayCudaGraphManager captures PIECEWISE only.
 _MODEL_MANAGERS = frozenset({"ModelCudaGraphManager"})
 
 _UNSET = object()

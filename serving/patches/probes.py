@@ -137,7 +137,9 @@ def upstream_pp_ple() -> None:
     import vllm.models.qwen4_exp.nvidia.model_state as m
     assert 'pipeline_parallel_size > 1' not in inspect.getsource(m.Qwen4ExpModelState.__init__)
     import vllm.v1.core.kv_cache_planning as p
-    assert 'worker_layer_names' in inspect.getsource(p)
+    # each group's own layer names, not the whole-model spec's (0.33.0 iterated kv_cache_specs)
+    src = inspect.getsource(p.get_kv_cache_config_from_groups)
+    assert 'in group.layer_names' in src and 'group_spec.kv_cache_specs.items()' not in src
 
 
 def upstream_mem_01() -> None:

@@ -1,4 +1,4 @@
-"""Build vLLM 0.33.0's own ``qwen4_exp`` model for the demo checkpoint on the CPU, as a 3090 and an
+"""Build vLLM 0.34.0's own ``qwen4_exp`` model for the demo checkpoint on the CPU, as a 3090 and an
 H200 would build it, and follow the INT8 LM head through vLLM's own kernel chooser, scheme, loader
 and the method its logits processor calls; print JSON.
 

@@ -1,4 +1,4 @@
-"""Build vLLM 0.33.0's own ``qwen4_exp`` model for the demo checkpoint on the CPU and load the
+"""Build vLLM 0.34.0's own ``qwen4_exp`` model for the demo checkpoint on the CPU and load the
 release's INT8 ``embed_tokens``, ``lm_head`` and hyper-connection mixers with vLLM's own loader; run
 a mixer's mix fused (decode-04) and unfused; print JSON.
 

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own ``qwen4_exp`` MoE block for the demo checkpoint, built on the CPU with the router
+"""vLLM 0.34.0's own ``qwen4_exp`` MoE block for the demo checkpoint, built on the CPU with the router
 that vLLM builds for it on CUDA, and decode steps through it with patch decode-05 on and off; print
 JSON. ``python moe_decode_cuda_router_scenario.py SNAPSHOT PORT``.
 
@@ -123,7 +123,7 @@ with demo_vllm(snapshot, port, bf16_layers) as (config, _):
                                            .abs().max())
             out.setdefault("steps", []).append(row)
 
-        # Every other router vLLM 0.33.0 can build: reproduced where it is plain softmax top-k,
+        # Every other router vLLM 0.34.0 can build: reproduced where it is plain softmax top-k,
         # declined (None, vLLM's path) otherwise, never an exception.
         from vllm.distributed.eplb.eplb_state import EplbLayerState
         from vllm.model_executor.layers.fused_moe.router.aiter_shared_routed_fused_moe_router import (

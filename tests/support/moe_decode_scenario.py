@@ -1,4 +1,4 @@
-"""Build vLLM 0.33.0's own ``qwen4_exp`` MoE block for the demo checkpoint on the CPU and run decode
+"""Build vLLM 0.34.0's own ``qwen4_exp`` MoE block for the demo checkpoint on the CPU and run decode
 steps through it with patch decode-05 on and off; print JSON.
 
 Run by tests/serving/test_patch_series.py under Triton's interpreter, against the stock and the

@@ -1,4 +1,4 @@
-"""Build vLLM 0.33.0's own ``Qwen4ExpNGramEmbedding`` for the demo checkpoint on the CPU, load its
+"""Build vLLM 0.34.0's own ``Qwen4ExpNGramEmbedding`` for the demo checkpoint on the CPU, load its
 PLE weights from the snapshot, embed a two-request batch and print what happened, as JSON.
 
 Run by tests/serving/test_patch_series.py against stock and patched vLLM trees: ``python

@@ -1,7 +1,7 @@
 """One rank of a pipeline of WORLD gloo ranks on the CPU building vLLM 0.33.0's own ``qwen4_exp``
 model for the demo checkpoint with MTP speculative decoding, as ``vllm serve --speculative-config
 '{"method": "mtp"}'`` configures it, and loading the release's INT8 ``embed_tokens`` and ``lm_head``
-(patches mem-01, mtp-01, mtp-02, int8-modules):
+(patches mtp-01, mtp-02, int8-modules; mem-01's placement is vLLM 0.34.0's own):
 
 * the target (``Qwen4ExpForConditionalGeneration``, vLLM's ``initialize_model``) takes the
   checkpoint's embed_tokens and lm_head tensors through its own ``load_weights``;
@@ -175,5 +175,4 @@ with set_current_vllm_config(config):
                 out["draft_forward"] = f"{type(error).__name__} in {frame.name}"
             hook.remove()
             out["draft_forward_embedded"] = bool(used) and bool(torch.equal(used[0], want[ids]))
-            out["draft_takes_embedding_branch"] = getattr(draft.model, "takes_embedding_branch", None)
 print(json.dumps(out))

@@ -2,8 +2,9 @@
 
 Rank 0 "computes" for SEND_AFTER seconds, then sends its hidden states as the worker does
 (``isend_tensor_dict``). Rank 1 takes its intermediate tensors as the worker does, either vLLM
-0.33.0's way (``irecv_tensor_dict`` first thing) or through the decode-03 hook, then "prepares
-inputs" for PREP seconds and reads ``.tensors`` as the model runner does right before the forward.
+0.34.0's way (``irecv_tensor_dict`` first thing, its result in vLLM's ``AsyncIntermediateTensors``)
+or through the decode-03 hook, then "prepares inputs" for PREP seconds and reads ``.tensors`` as the
+model runner does right before the forward.
 ``python pp_recv_scenario.py RANK PORT`` prints rank 1's timings as JSON.
 """
 
@@ -14,6 +15,7 @@ import time
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import get_pp_group, get_tp_group, init_distributed_environment, initialize_model_parallel
+from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
 
 from flashnext.serving.hooks.pipeline import deferred_intermediate_tensors
 
@@ -34,18 +36,16 @@ with set_current_vllm_config(VllmConfig()):
     else:
         intermediate = deferred_intermediate_tensors(get_pp_group(), get_tp_group())
         deferred = intermediate is not None
-        if not deferred:  # vLLM 0.33.0's worker
+        if not deferred:  # vLLM 0.34.0's worker
             tensors, handles, postprocess = get_pp_group().irecv_tensor_dict(all_gather_group=get_tp_group())
-            for handle in handles:
-                handle.wait()
-            for fn in postprocess:
-                fn()
+            intermediate = AsyncIntermediateTensors(tensors, comm_handles=handles, comm_postprocess=postprocess)
         taken = time.monotonic() - start
         time.sleep(PREP)  # prepare inputs and attention metadata
-        received = intermediate.tensors if deferred else tensors
+        received = intermediate.tensors
         ready = time.monotonic() - start
         if deferred:
-            intermediate.wait_for_comm()  # idempotent, as the worker calls it after every step
+            intermediate.wait_for_comm()  # idempotent, as the patched worker calls it after every step
         print(json.dumps({"rank": 1, "deferred": deferred, "returned_after_s": round(taken, 2),
                           "forward_ready_after_s": round(ready, 2),
+                          "vllms_async_tensors": isinstance(intermediate, AsyncIntermediateTensors),
                           "equal": torch.equal(received["hidden_states"], hidden)}))

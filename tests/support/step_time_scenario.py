@@ -1,8 +1,9 @@
 """Patch step-time on two gloo pipeline ranks, on the CPU, through vLLM's own replay and /metrics.
 
-Each rank replays "decode steps" through vLLM 0.33.0's own ``ModelCudaGraphManager.run_fullgraph``
+Each rank replays "decode steps" through vLLM 0.34.0's own ``ModelCudaGraphManager.run_fullgraph``
 (whose base, ``CudaGraphManager.run_fullgraph``, the patch changes), rank 1 also its MTP draft's
-through a ``SpeculatorCudaGraphManager``. No CUDA exists here, so two stand-ins, named so:
+through a ``SpeculatorCudaGraphManager`` (the MTP speculator's, which 0.34.0 moved from
+``spec_decode/target_dependent_ar`` to ``spec_decode/autoregressive``). No CUDA exists here, so two stand-ins, named so:
 
 - ``StandInGraph``: a captured graph whose ``replay()`` runs for a set time on ``GPU``, a stand-in
   device with one stream and a clock;
@@ -26,7 +27,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.distributed import get_pp_group, init_distributed_environment, initialize_model_parallel
 from vllm.sequence import IntermediateTensors
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, ModelCudaGraphManager
-from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import SpeculatorCudaGraphManager
+from vllm.v1.worker.gpu.spec_decode.autoregressive.cudagraph_utils import SpeculatorCudaGraphManager
 
 from flashnext import envs
 

@@ -1,11 +1,11 @@
-"""One rank of a two-rank pipeline (gloo, vLLM's own process groups) building vLLM 0.33.0's own
+"""One rank of a two-rank pipeline (gloo, vLLM's own process groups) building vLLM 0.34.0's own
 ``qwen4_exp`` model for the demo checkpoint on the CPU and loading the vision tower's tensors with
 the model's own loader; prints what the rank holds, as JSON.
 
 ``python vision_ranks_scenario.py RANK PORT SNAPSHOT``. The quantization groups are dropped (no CPU
 kernels for them; the vision tower is bf16 in the release).
 """
-import importlib, json, os, sys
+import json, os, sys
 import torch
 from safetensors import safe_open
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
@@ -25,14 +25,12 @@ model_config = ModelConfig(model=snapshot, max_model_len=4096, skip_tokenizer_in
 config = VllmConfig(model_config=model_config, cache_config=CacheConfig(),
                     parallel_config=ParallelConfig(pipeline_parallel_size=2))
 config.engram_config.cpu_offload = False
-out = {"rank": rank, "v2_model_runner": config.use_v2_model_runner}
+out = {"rank": rank}
 with set_current_vllm_config(config):
     init_distributed_environment(world_size=2, rank=rank, distributed_init_method="tcp://127.0.0.1:" + port,
                                  local_rank=rank, backend="gloo")
     initialize_model_parallel(1, 2)
     torch.set_default_dtype(torch.bfloat16)
-    importlib.import_module("vllm.models.qwen4_exp.nvidia.model")
-    importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa").is_flash_attn_varlen_func_available = lambda: True
     from vllm.model_executor.model_loader.utils import initialize_model
 
     model = initialize_model(vllm_config=config)

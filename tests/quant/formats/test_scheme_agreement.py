@@ -1,6 +1,6 @@
 """Every module of the demo checkpoint, plain, with each overlay and with stacks of them, resolves to
 the same scheme through the builders' rule (``ct_config.scheme_for`` on checkpoint names), the
-hooks' rule (``ct_config.vllm_scheme`` and the bit-plane record on vLLM's names) and vLLM 0.33.0's own
+hooks' rule (``ct_config.vllm_scheme`` and the bit-plane record on vLLM's names) and vLLM 0.34.0's own
 ``CompressedTensorsConfig``, built from the view's config and mapped with the model's own mapper."""
 
 import json
@@ -14,7 +14,7 @@ from flashnext.quant.formats.ct_config import (quantization_config_of, scheme_fo
 
 vllm_ct = pytest.importorskip(
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
-    reason="vLLM 0.33.0 is installed by .ci/run")
+    reason="vLLM 0.34.0 is installed by .ci/run")
 
 from test_vllm_resolution import module_names  # noqa: E402
 
@@ -72,7 +72,7 @@ def check_agreement(config: dict, names: list[str], model_cls, vllm_differs: dic
 
 
 def lm_head_gap(names):
-    """vLLM 0.33.0's ``apply_vllm_mapper`` maps only targets with a dot, so the release's
+    """vLLM 0.34.0's ``apply_vllm_mapper`` maps only targets with a dot, so the release's
     ``lm_head`` target stays a checkpoint name and vLLM's own config leaves ``language_model.lm_head``
     unquantized; the hooks finish the mapping (``ct_config.vllm_entries``)."""
     return {n: None for n in names if n == "lm_head"}
@@ -147,8 +147,8 @@ def test_fused_layers_resolve_through_their_shards(demo_snapshot, overlays, mode
             builder = [described(scheme_for(qc, p)) for p in parts]
             vllm = described(theirs.get_scheme_dict(None, layer_name=vname))
             if len(set(builder)) > 1:
-                # QSA's qkv_proj also holds the indexer's INT8 index_qk_proj: vLLM 0.33.0 gives the
-                # merged layer q_proj's INT6 scheme; flashnext's rule refuses to pick one.
+                # A merged layer whose shards differ: vLLM gives it the first shard's scheme;
+                # flashnext's rule refuses to pick one.
                 assert vllm == builder[0], vname
                 with pytest.raises(FlashnextError, match="different schemes"):
                     vllm_scheme(ours, vname, mapper)
@@ -156,7 +156,16 @@ def test_fused_layers_resolve_through_their_shards(demo_snapshot, overlays, mode
                 continue
             assert described(vllm_scheme(ours, vname, mapper)) == vllm == builder[0], vname
             checked += 1
-    assert checked > 10 and mixed == 1
+    # vLLM 0.34.0 lists only q/k/v under qkv_proj (0.33.0 listed the indexer's INT8 index_qk_proj
+    # too, beside q/k/v's INT6; Qwen4ExpQSAAttention now fuses it only when its quant method is
+    # q/k/v's): no merged layer of the demo mixes schemes any more.
+    assert checked > 10 and mixed == 0
+    # The rule still refuses one that does: QSA's qkv_proj under 0.33.0's mapping.
+    qkv = next(n for n in sorted(names) if n.endswith(".self_attn.q_proj")).removesuffix("q_proj") + "qkv_proj"
+    ours.packed_modules_mapping = {**ours.packed_modules_mapping,
+                                   "qkv_proj": ["q_proj", "k_proj", "v_proj", "indexer.index_qk_proj"]}
+    with pytest.raises(FlashnextError, match="different schemes"):
+        vllm_scheme(ours, vllm_module_name(qkv, mapper), mapper)
 
 
 def test_the_reverse_overlay_over_bit_planes(demo_snapshot, overlays, model_cls, tmp_path):

@@ -1,4 +1,4 @@
-"""decode-05 on the router vLLM 0.33.0 builds for this MoE on CUDA (issue 25, item 1).
+"""decode-05 on the router vLLM 0.34.0 builds for this MoE on CUDA (issue 25, item 1).
 
 vLLM's own MoE block for the demo checkpoint, built on the CPU by vLLM's own ``FusedMoEFactory``
 while ``router_factory``'s platform reports CUDA, so the block holds what a GPU run holds

@@ -1,12 +1,12 @@
 """int8-modules' LM head through vLLM's own kernel chooser (issue 28: where a library kernel wins,
-call it). vLLM 0.33.0's ``qwen4_exp`` model is built on the CPU as a 3090 (sm86) and an H200 (sm90)
+call it). vLLM 0.34.0's ``qwen4_exp`` model is built on the CPU as a 3090 (sm86) and an H200 (sm90)
 would build it; the stand-ins are named in support/int8_lm_head_scenario.py."""
 
 import pytest
 
 from support import SUPPORT_DIR, free_port, run_scenario
 
-pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 pytestmark = pytest.mark.slow
 
 

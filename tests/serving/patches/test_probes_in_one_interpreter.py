@@ -12,7 +12,7 @@ from flashnext.errors import FlashnextError
 from flashnext.serving import patch_series as ps
 from flashnext.serving.patches.series import SERIES
 
-pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 
 def _series_with(tmp_path, monkeypatch, probes: dict[str, str]):
@@ -33,21 +33,21 @@ def _series_with(tmp_path, monkeypatch, probes: dict[str, str]):
 
 
 def test_a_failing_probe_among_passing_ones_is_named_with_its_error(tmp_path, monkeypatch):
-    # mem-01's probe asks the opposite of what the patched tree has; its neighbours are unchanged
-    wrong = ("import vllm.models.qwen4_exp.nvidia.model as m\n"
-             "assert 'on_first_rank(' not in inspect.getsource(m.Qwen4ExpModel.__init__), 'the patched source'")
+    # mtp-01's probe asks the opposite of what the patched tree has; its neighbours are unchanged
+    wrong = ("import vllm.models.qwen4_exp.nvidia.mtp as m\n"
+             "assert 'draft_embedding_method(' not in inspect.getsource(m.Qwen4ExpMTP.__init__), 'the patched source'")
     with pytest.raises(FlashnextError) as failed:
-        ps.check_series(series=_series_with(tmp_path, monkeypatch, {"mem-01": wrong}))
-    assert str(failed.value) == ("patch mem-01 applied but its probe failed: AssertionError: the patched source "
-                                 "(other_probes.py line 6: assert 'on_first_rank(' not in "
-                                 "inspect.getsource(m.Qwen4ExpModel.__init__), 'the patched source')")
+        ps.check_series(series=_series_with(tmp_path, monkeypatch, {"mtp-01": wrong}))
+    assert str(failed.value) == ("patch mtp-01 applied but its probe failed: AssertionError: the patched source "
+                                 "(other_probes.py line 6: assert 'draft_embedding_method(' not in "
+                                 "inspect.getsource(m.Qwen4ExpMTP.__init__), 'the patched source')")
 
 
 def test_probes_after_a_failing_one_still_run_and_each_is_named(tmp_path, monkeypatch):
-    probes = {"pp-ple": "raise RuntimeError('first')", "decode-05": "import vllm.no_such_module"}
+    probes = {"decode-06": "raise RuntimeError('first')", "decode-05": "import vllm.no_such_module"}
     with pytest.raises(FlashnextError) as failed:
         ps.check_series(series=_series_with(tmp_path, monkeypatch, probes))
-    assert str(failed.value) == ("patch pp-ple applied but its probe failed: RuntimeError: first (other_probes.py "
+    assert str(failed.value) == ("patch decode-06 applied but its probe failed: RuntimeError: first (other_probes.py "
                                  "line 5: raise RuntimeError('first')) (and 1 more failed: decode-05)")
 
 

@@ -1,6 +1,8 @@
 """Patch qsa-indexer-quant: the release quantizes QSA q/k/v INT6 group 64 and the indexer's
-index_qk_proj INT8 group 128; vLLM 0.33.0 merges them into one linear layer that gets q_proj's
-scheme, and its loader then refuses the indexer's INT8 tensors. Driven through vLLM's own model,
+index_qk_proj INT8 group 128; vLLM 0.34.0 merges them into one linear layer that gets q_proj's
+scheme (it keeps them apart only when their quant methods are of different types, and
+compressed-tensors gives both its CompressedTensorsLinearMethod), and its loader then refuses the
+indexer's INT8 tensors. Driven through vLLM's own model,
 quantization config, kernel chooser (at sm86, the 3x3090's) and loader on the demo checkpoint,
 whose quantization layout is the release's (``quant/demo.py``)."""
 
@@ -8,7 +10,7 @@ import pytest
 
 from support import SUPPORT_DIR, free_port, run_scenario
 
-pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
 INT6_G64, INT8_G128 = [6, 64], [8, 128]

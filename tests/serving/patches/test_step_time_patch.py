@@ -11,7 +11,7 @@ from support import SUPPORT_DIR, two_ranks
 from flashnext.serving.bench import server_state
 from flashnext.serving.runtime.step_time import METRIC
 
-pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 
 def run(patched_tree, tmp_path, **env) -> list[dict]:

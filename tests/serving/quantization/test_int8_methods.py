@@ -10,7 +10,7 @@ import torch
 
 from flashnext.quant.formats.packing import pack_int32
 
-pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 ROWS, COLS, GROUP = 48, 256, 64
 
