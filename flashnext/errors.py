@@ -76,8 +76,8 @@ class NoGo(FlashnextError):
 EXIT_CODES: dict[type[FlashnextError], int] = {
     FlashnextError: 1,
     UsageError: 2,  # click's own exit status for its usage errors
-    SlowDrive: 2,
     VerificationMismatch: 3,
+    SlowDrive: 4,  # a verdict on the drive, not the command line's mistake (2 is for those)
     # NoGo: its NoGoCode (10-15), carried by the error itself.
 }
 EXIT_INTERNAL = 70  # EX_SOFTWARE: a flashnext bug, not the user's input

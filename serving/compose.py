@@ -17,10 +17,13 @@ import yaml
 
 from flashnext import __version__, envs
 from flashnext.errors import FlashnextError
+from flashnext.serving.patches.series import VLLM_VERSION
 from flashnext.serving.profiles import Profile, is_shipped
 
-IMAGE = f"flashnext/vllm-openai:v0.33.0-flashnext{__version__}"
-BASE_IMAGE = "vllm/vllm-openai:v0.33.0"
+# vLLM's own image of the release the series is cut against (serving/Dockerfile's FROM, and
+# manifests/vllm-VERSION.json's "image": tests/test_project.py holds the three to one release).
+BASE_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
+IMAGE = f"flashnext/vllm-openai:v{VLLM_VERSION}-flashnext{__version__}"
 SERVICE = "vllm"
 CONTAINER_PORT = 8000
 MODEL_DIR = "/models/snapshot"
@@ -111,6 +114,12 @@ def _published_port(bind: str, host_port: int) -> dict:
     return {"target": CONTAINER_PORT, "published": str(host_port), "host_ip": bind, "protocol": "tcp"}
 
 
+def container_ulimits(profile: Profile) -> dict:
+    """The ``ulimits`` of the profile's service: what the container gets, whatever the host's own
+    limits (the preflight judges a container's locked-memory limit by this)."""
+    return {"memlock": {"soft": -1, "hard": -1}} if profile.container.memlock_unlimited else {}
+
+
 def compose_model(req: ServeRequest) -> dict:
     """The Compose document for ``req`` with every value as the container must see it, before the
     escaping a Compose file needs (:func:`render_compose`); paths need not exist (it may be meant
@@ -149,8 +158,8 @@ def compose_model(req: ServeRequest) -> dict:
             "retries": p.healthcheck.retries, "start_period": f"{p.healthcheck.start_period_s}s"},
         "labels": {"io.flashnext.profile": p.name, "io.flashnext.version": __version__},
     }
-    if c.memlock_unlimited:
-        service["ulimits"] = {"memlock": {"soft": -1, "hard": -1}}
+    if ulimits := container_ulimits(p):
+        service["ulimits"] = ulimits
     if c.cap_add:
         service["cap_add"] = sorted(c.cap_add)
         for cap, why in c.cap_add.items():

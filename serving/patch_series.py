@@ -78,7 +78,9 @@ def installed_vllm_root() -> Path:
 
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
-        raise FlashnextError("vllm is not installed here: pip install 'flashnext[serve]', or pass --vllm PATH")
+        from flashnext.serving import vllm_release
+
+        raise FlashnextError(f"{vllm_release.support_line(None)}; or pass --vllm PATH")
     return Path(spec.origin).parent.parent
 
 

@@ -44,16 +44,16 @@ class GpuInfo:
     free_bytes: int
 
 
-def nvml_devices() -> list[GpuInfo]:
-    """The GPUs NVML reports (empty without a driver)."""
+def nvml_devices() -> list[GpuInfo] | None:
+    """The GPUs NVML reports; None where NVML cannot load (no ``pynvml``, no driver library)."""
     try:
-        import pynvml
+        import pynvml  # nvidia-ml-py, a base dependency; imported here, not at start-up
     except ImportError:
-        return []
+        return None
     try:
         pynvml.nvmlInit()
     except Exception:  # no driver: NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return []
+        return None
     try:
         out = []
         for i in range(pynvml.nvmlDeviceGetCount()):
@@ -66,20 +66,68 @@ def nvml_devices() -> list[GpuInfo]:
         pynvml.nvmlShutdown()
 
 
+NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total,memory.free", "--format=csv,noheader,nounits"]
+MIB = 2**20
+
+
+def nvidia_smi_devices() -> list[GpuInfo]:
+    """The GPUs ``nvidia-smi`` reports (empty where it is missing or fails): the driver's own tool,
+    for where the NVML bindings cannot load. Its memory columns are MiB."""
+    import shutil
+
+    program = shutil.which("nvidia-smi")
+    if program is None:
+        return []
+    try:
+        done = subprocess.run([program, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if done.returncode != 0:
+        return []
+    out = []
+    for row in done.stdout.splitlines():
+        if not row.strip():
+            continue
+        try:
+            # The name is the only column that could hold a comma: the others are taken from both ends.
+            index, rest = row.split(",", 1)
+            name, total, free = rest.rsplit(",", 2)
+            out.append(GpuInfo(int(index), name.strip(), int(float(total)) * MIB, int(float(free)) * MIB))
+        except ValueError:  # "[N/A]" where a GPU reports no memory, or not the asked format
+            return []
+    return out
+
+
+def visible_gpus() -> list[GpuInfo]:
+    """The GPUs this process can see: NVML's answer, else ``nvidia-smi``'s where NVML cannot load."""
+    devices = nvml_devices()
+    return nvidia_smi_devices() if devices is None else devices
+
+
 def check_gpus(profile: Profile, devices: list[GpuInfo]) -> Finding:
     if len(devices) < profile.gpus:
         return Finding("gpus", False, f"{len(devices)} GPU(s) visible, the profile needs {profile.gpus}",
                        "expose the GPUs to this process (drivers installed, CUDA_VISIBLE_DEVICES, "
                        f"compose `deploy.resources.reservations.devices: count: {profile.gpus}`)", NoGoCode.GPU)
     from flashnext.errors import FlashnextError
-    from flashnext.serving.capacity import gpu_memory_utilization
+    from flashnext.serving import vllm_release
+    from flashnext.serving.capacity import extensible_kv_cache, gpu_memory_utilization
 
     models = ", ".join(sorted({d.name for d in devices[:profile.gpus]}))
     try:
-        util = gpu_memory_utilization(profile)
+        util, extensible = gpu_memory_utilization(profile), extensible_kv_cache(profile)
     except FlashnextError as e:  # no vLLM here to read the profile with: the count is all that is known
         return Finding("gpus", False, f"{profile.gpus} x {models}; free VRAM not checked ({e})",
-                       "install vLLM 0.33.0 beside flashnext (the `serve` extra) to check it here", NoGoCode.GPU, blocking=False)
+                       f"install vLLM beside flashnext to check it here: {vllm_release.INSTALL}", NoGoCode.GPU,
+                       blocking=False)
+    if extensible:
+        # vLLM's start refuses a GPU with less free than its share only when the KV cache is sized
+        # up front (vllm/v1/worker/utils.py request_memory); the extensible one takes what is free
+        # after warm-up, so less free memory is a smaller cache, not a refusal.
+        least = min(devices[:profile.gpus], key=lambda d: d.free_bytes / d.total_bytes)
+        return Finding("gpus", True, f"{profile.gpus} x {models}; vLLM's extensible KV cache takes what is free after "
+                       f"warm-up, up to {util:.0%} of each (least free now: GPU {least.index}, "
+                       f"{format_size(least.free_bytes)} of {format_size(least.total_bytes)})")
     busy = [d for d in devices[:profile.gpus] if d.free_bytes < util * d.total_bytes]
     if busy:
         d = busy[0]
@@ -90,14 +138,38 @@ def check_gpus(profile: Profile, devices: list[GpuInfo]) -> Finding:
     return Finding("gpus", True, f"{profile.gpus} x {models}, free VRAM ≥ {util:.0%} on each")
 
 
-def check_memlock(profile: Profile) -> Finding:
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if not profile.container.memlock_unlimited or soft == resource.RLIM_INFINITY:
-        return Finding("memlock", True, "locked memory: unlimited" if soft == resource.RLIM_INFINITY
-                       else f"locked memory limit {soft} B (the profile does not pin)")
-    return Finding("memlock", False, f"`ulimit -l` is {soft // 1024} KiB; pinned host K/V pools need it unlimited",
-                   "compose: `ulimits: {memlock: {soft: -1, hard: -1}}` (serve writes it); natively: `ulimit -l unlimited`",
-                   NoGoCode.MEMORY)
+def _kib(limit: int) -> str:
+    return "unlimited" if limit == resource.RLIM_INFINITY else f"{limit // 1024} KiB"
+
+
+def check_memlock(profile: Profile, engine: str = "native") -> Finding:
+    """The locked-memory limit the server will run under: natively this process's own (``ulimit
+    -l``); in a container the one the compose file that ``serve`` writes gives it, whatever this
+    shell's is. Docker's daemon sets it as root; rootless podman cannot raise it past this user's
+    hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if not profile.container.memlock_unlimited:
+        return Finding("memlock", True, f"locked memory limit {_kib(soft)} (the profile does not pin)")
+    if engine in ("docker", "podman"):
+        from flashnext.serving.compose import container_ulimits
+
+        if container_ulimits(profile).get("memlock") != {"soft": -1, "hard": -1}:
+            return Finding("memlock", False, f"the compose file for {profile.name} does not set memlock unlimited, "
+                           "and pinned host K/V pools need it", "set `container.memlock_unlimited: true` in the "
+                           "profile (compose then gets `ulimits: {memlock: {soft: -1, hard: -1}}`)", NoGoCode.MEMORY)
+        if engine == "podman" and os.geteuid() != 0 and hard != resource.RLIM_INFINITY:
+            return Finding("memlock", False, f"the compose file sets memlock unlimited, but rootless podman cannot "
+                           f"raise the container's limit past this user's hard limit ({_kib(hard)})",
+                           "raise this user's hard limit (/etc/security/limits.conf: `USER hard memlock unlimited`, "
+                           "then log in again), or run podman as root", NoGoCode.MEMORY)
+        return Finding("memlock", True, "locked memory in the container: unlimited (the compose file serve writes "
+                       f"sets `ulimits: memlock: -1`; this shell's `ulimit -l` of {_kib(soft)} does not apply to it)")
+    if soft == resource.RLIM_INFINITY:
+        return Finding("memlock", True, "locked memory: unlimited")
+    return Finding("memlock", False, f"`ulimit -l` is {_kib(soft)}; pinned host K/V pools need it unlimited",
+                   "`ulimit -l unlimited` in the shell that runs serve (past the hard limit, "
+                   f"{_kib(hard)}, it needs root or /etc/security/limits.conf), or serve in a container: the compose "
+                   "file sets `ulimits: {memlock: {soft: -1, hard: -1}}`", NoGoCode.MEMORY)
 
 
 def _parse_size(text: str) -> int:
@@ -135,142 +207,26 @@ def check_cgroup(memory_max: Path = CGROUP_MEMORY_MAX, meminfo: Path = MEMINFO) 
     return Finding("cgroup", True, f"cgroup memory.max {format_size(limit)} of {format_size(total)}")
 
 
-VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelEmbedding pads its rows to it
-BF16_BYTES = 2  # the release's PLE rows and its INT8 embedding's group scales are bf16
+# The pinned-host accounting lives in the memory ledger (one home with `flashnext plan` and the rig
+# planner); the preflight counts its terms and keeps these names for its callers.
+from flashnext.serving.capacity.ledger import (  # noqa: E402
+    BF16_BYTES, DRAFT_EMBED, PLE_FORMATS, RELEASE_EMBED_GROUP, VOCAB_PADDING, PinnedTerm, draft_embedding_bytes,
+    host_fit, manifest_table_allocations, pinned_host_terms, ple_table_allocations, ple_table_bytes,
+)
 
 
-@dataclass(frozen=True)
-class PinnedTerm:
-    """One allocation that stays pinned in host memory for the server's life."""
+def _no_plan_fix(profile: Profile, model: Path | None) -> str:
+    """What to do when the preflight cannot plan ``profile``: where vLLM is missing, install it;
+    with --model the plan is that snapshot's (the demo's 4 layers do not split as a profile made for
+    the base checkpoint splits its 48), which `plan --profile` alone would not reproduce."""
+    from flashnext.serving import vllm_release
 
-    name: str
-    bytes: int  # as allocated: power-of-two rounded when PyTorch's allocator takes it
-    why: str
-
-
-def _text_config(model: Path | None) -> tuple[dict, str]:
-    from flashnext.serving.capacity import MANIFEST, base_manifest
-
-    if model is None:
-        return base_manifest()["text_config"], MANIFEST.name
-    from flashnext.quant.checkpoint.snapshot import Snapshot
-
-    return Snapshot.open(model).text_config, str(model)
-
-
-PLE_FORMATS = ("file", "bf16", "nvfp4", "fp8")  # how the table is served: a mapped file, or pinned in a format
-
-
-def manifest_table_allocations(fmt: str) -> list[int]:
-    """The pinned base checkpoint's PLE table as vLLM allocates it in ``fmt`` (bf16, nvfp4, fp8)."""
-    from flashnext.quant.formats import float_rows
-    from flashnext.serving.capacity import base_manifest
-
-    table = base_manifest()["ple_table"]
-    rows, d = int(table["padded_rows"]), int(table["row_elements"])
-    return {"bf16": [rows * d * BF16_BYTES], "fp8": [rows * d],
-            "nvfp4": [rows * d // 2, rows * d // float_rows.NVFP4_BLOCK]}[fmt]
-
-
-def ple_table_allocations(model: Path | None, overlays=()) -> list[int]:
-    """The pinned allocations of the PLE tables, in bytes: one a table (its BF16 rows, from the
-    snapshot's shards and config, else the pinned manifest); for a table that ``flashnext ple build
-    --format`` quantized (config.json's ``ple_embedding_dtype``), vLLM's method allocates its
-    ``weight`` (NVFP4 codes or FP8 rows) and, for NVFP4, its ``weight_scale`` blocks, each whole."""
-    from flashnext.serving.capacity import base_manifest
-
-    if model is None:
-        table = base_manifest()["ple_table"]
-        return [int(table["padded_rows"]) * int(table["row_elements"]) * BF16_BYTES]
-    from flashnext.quant.checkpoint.snapshot import Snapshot
-    from flashnext.quant.ple.table import find_ple_source
-
-    from flashnext.quant.overlays.ple_quant import quantized_table_allocations, served_ple_format
-
-    if served_ple_format(model, overlays) is not None:
-        return quantized_table_allocations(model, overlays)
-    snap = Snapshot.open(model)
-    layers = sorted(set(snap.text_config.get("ple_layer_ids") or ()))
-    return [find_ple_source(snap, i).file_size for i in range(len(layers))]
-
-
-def ple_table_bytes(model: Path | None) -> int:
-    """The PLE tables' bytes as vLLM holds them (:func:`ple_table_allocations`)."""
-    return sum(ple_table_allocations(model))
-
-
-# What the draft loads as its embed_tokens (vLLM's _remap_mtp_weight_name), and how the release
-# stores it (manifests/qwen3.8-flash-next.json "releases": embed_tokens INT8 g128, bf16 scales).
-DRAFT_EMBED = "model.language_model.embed_tokens"
-RELEASE_EMBED_GROUP = 128
-
-
-def draft_embedding_bytes(model: Path | None) -> int:
-    """The MTP draft's ``embed_tokens`` as patch mtp-02 pins it at PP > 1: the checkpoint's tensors
-    of that embedding (INT8 words and scales, or bf16 rows), per row as stored, over the vocabulary
-    padded to 64 rows as vLLM's ``VocabParallelEmbedding`` allocates it."""
-    text, _ = _text_config(model)
-    vocab, hidden = int(text["vocab_size"]), int(text["hidden_size"])
-    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-    if model is None:
-        return padded * hidden + padded * (hidden // RELEASE_EMBED_GROUP) * BF16_BYTES
-    from flashnext.errors import FlashnextError
-    from flashnext.quant.checkpoint.snapshot import Snapshot
-
-    snap = Snapshot.open(model)
-    quantized = [f"{DRAFT_EMBED}.weight_packed", f"{DRAFT_EMBED}.weight_scale"]
-    names = quantized if all(n in snap.weight_map for n in quantized) else [f"{DRAFT_EMBED}.weight"]
-    total = 0
-    for name in names:
-        _, entry = snap.entry(name)
-        if not entry.shape or entry.shape[0] != vocab:
-            raise FlashnextError(f"{model}: {name} has shape {list(entry.shape)}; config.json's vocab_size is {vocab}")
-        total += entry.nbytes // vocab * padded
-    return total
-
-
-def pinned_host_terms(shape, plan, model: Path | None, ple_table: Path | None, overlays=(),
-                      ple_format: str | None = None) -> list[PinnedTerm]:
-    """Every host allocation the patched engine pins for a profile served as ``shape`` (a
-    :class:`~flashnext.serving.capacity.ServingShape`) with ``plan``, each as it is allocated; the
-    model facts are ``model``'s, as ``plan`` is (None: the pinned base checkpoint). ``ple_format``
-    (for the base checkpoint, as ``flashnext plan`` asks): the table served from a file, or pinned
-    in that format; None: as the profile and ``model`` say."""
-    from flashnext.serving import capacity
-
-    exact = shape.exact_host_pool
-    terms = [PinnedTerm("QSA K/V", plan.pinned_host_bytes_needed,
-                        f"{sum(plan.qsa_layers_per_rank)} layers x {plan.blocks} blocks (flashnext plan)")]
-    text = capacity.load_text_config(model)
-    file_backed = ple_table is not None or shape.ple_table_file or ple_format == "file"
-    if text.ple_layer_ids and not file_backed and shape.engram_cpu_offload:
-        allocations = (manifest_table_allocations(ple_format) if ple_format and model is None
-                       else ple_table_allocations(model, overlays))
-        why = (f"the table pinned as {ple_format}" if ple_format else "no --ple-table") + \
-            ": vLLM's engram cpu_offload pins it whole"
-        terms.append(PinnedTerm("PLE table", sum(capacity.pinned_bytes(n, exact) for n in allocations), why))
-    if shape.speculative_method == "mtp" and shape.pipeline_parallel_size > 1 and shape.mtp_slim_draft:
-        terms.append(PinnedTerm("MTP draft embedding", capacity.pinned_bytes(draft_embedding_bytes(model), exact),
-                                "patch mtp-02 (VLLM_MTP_SLIM_DRAFT)"))
-    vision = plan.vision
-    if vision is not None and vision.streamed and vision.streamed_weight_bytes < vision.resident_weight_bytes:
-        tower = capacity.load_vision_config(model)
-        terms.append(PinnedTerm("ViT blocks", capacity.pinned_bytes(capacity.streamed_host_bytes(tower), exact),
-                                f"patch vit-stream: {tower.depth} blocks in one pinned row each"))
-    return terms
-
-
-def host_fit(shape, plan, terms: list[PinnedTerm], available: int) -> tuple[bool, int | None]:
-    """Whether ``terms`` and the pool's headroom fit ``available`` host bytes, and the largest
-    ``--kv-cache-memory-bytes`` whose QSA K/V would fit beside the rest (None without the
-    exact-size pool, whose pools PyTorch rounds, or when no block fits)."""
-    from flashnext.serving import capacity
-
-    need = sum(t.bytes for t in terms)
-    others = need - plan.pinned_host_bytes_needed
-    per_block = plan.pinned_host_bytes_needed / plan.blocks
-    fits = max(int((available - capacity.HOST_HEADROOM - others) // per_block), 0) if shape.exact_host_pool else 0
-    return need + capacity.HOST_HEADROOM <= available, (fits * max(plan.bytes_per_block) if fits else None)
+    if vllm_release.installed_version() is None:
+        return f"install vLLM to plan here: {vllm_release.INSTALL}"
+    if model is not None:
+        return (f"the plan is for {model}: `flashnext plan --profile {profile.name} --model {model}` gives the same "
+                f"reason; profile {profile.name} is made for the base checkpoint (leave out --model to check that)")
+    return f"`flashnext plan --profile {profile.name}` says why"
 
 
 def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path = CGROUP_MEMORY_MAX, *,
@@ -285,8 +241,8 @@ def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path =
         shape = capacity.ServingShape.from_profile(profile)
         terms = pinned_host_terms(shape, plan, model, ple_table, overlays)
     except FlashnextError as e:
-        return Finding("host-ram", False, f"no plan for this profile ({e})", "`flashnext plan --profile "
-                       f"{profile.name}` says why", NoGoCode.MEMORY, blocking=False)
+        return Finding("host-ram", False, f"no plan for this profile ({e})", _no_plan_fix(profile, model),
+                       NoGoCode.MEMORY, blocking=False)
     available = read_host_memory(meminfo, memory_max).allowance
     headroom = capacity.HOST_HEADROOM
     need = sum(t.bytes for t in terms)
@@ -340,9 +296,16 @@ def check_process_madvise() -> Finding:
 
 
 def check_ple_drive(table: Path, seconds: float = 3.0) -> Finding:
-    from flashnext.quant.ple.drive import drive_check
+    from flashnext.quant.ple.drive import MIN_FILE_BYTES, drive_check
     from flashnext.errors import FlashnextError
 
+    size = table.stat().st_size if table.is_file() else None
+    if size is not None and size < MIN_FILE_BYTES:  # the demo's table (528 KiB)
+        return Finding("ple-drive", False, f"{table} is {format_size(size)}, under the {format_size(MIN_FILE_BYTES)} "
+                       "the drive check reads: its drive is not measured (a table this small stays in the page "
+                       "cache once read, so the drive's tail does not reach decode)",
+                       "nothing to do for this table; to measure its drive anyway: `flashnext ple drive-check FILE` "
+                       f"with a FILE of at least {format_size(MIN_FILE_BYTES)} there", NoGoCode.PLE, blocking=False)
     try:
         r = drive_check(table, seconds)
     except FlashnextError as e:
@@ -372,9 +335,17 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
     from flashnext.quant.ple.table import verify_table
     from flashnext.quant.checkpoint.snapshot import Snapshot
 
-    rebuild = f"flashnext ple build --src {model or 'SNAPSHOT'} --out {table} --force"
+    src = model or "SNAPSHOT"
     try:
         sidecar = read_sidecar(table)
+    except FlashnextError as e:
+        # Without a valid sidecar the file is not `ple build`'s, and its --force replaces only its own.
+        fix = (f"flashnext ple build --src {src} --out NEW.bin, then pass --ple-table NEW.bin (`ple build --force` "
+               f"replaces only a table it made)" if os.path.lexists(table) else
+               f"flashnext ple build --src {src} --out {table}")
+        return Finding("ple-table", False, str(e), fix, NoGoCode.PLE)
+    rebuild = f"flashnext ple build --src {src} --out {table} --force"
+    try:
         result = verify_table(table, seconds=seconds)
         if model is not None:
             source = find_ple_source(Snapshot.open(model), sidecar.dense_layer_id)
@@ -427,7 +398,7 @@ def check_image(engine: str, image: str) -> Finding:
         return Finding("image", False, f"{engine} is not installed", f"install {engine}, or `serve --engine native`",
                        NoGoCode.IMAGE)
     if not found:
-        return Finding("image", False, f"{image} is not built", f"`serve` builds it (serving/Dockerfile: vLLM 0.33.0 "
+        return Finding("image", False, f"{image} is not built", f"`serve` builds it (serving/Dockerfile: vLLM 0.34.0 "
                        "with the patch series); to build now: `docker build -f serving/Dockerfile -t "
                        f"{image} .`", NoGoCode.IMAGE, blocking=False)
     return Finding("image", True, f"{image} present")
@@ -465,8 +436,8 @@ def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_ta
               engine: str, devices: list[GpuInfo] | None = None) -> list[Finding]:
     from flashnext.serving.compose import IMAGE
 
-    findings = [check_gpus(profile, nvml_devices() if devices is None else devices),
-                check_memlock(profile), check_shm(profile), check_cgroup(), check_process_madvise()]
+    findings = [check_gpus(profile, visible_gpus() if devices is None else devices),
+                check_memlock(profile, engine), check_shm(profile), check_cgroup(), check_process_madvise()]
     from flashnext.serving.capacity import FAMILIES
 
     if profile.model_family in FAMILIES:

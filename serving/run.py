@@ -5,12 +5,12 @@ The ``serve`` command line is a thin layer over this module.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
 import shutil
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -134,9 +134,11 @@ def serve_compose(compose: list[str], profile, model: Path, compose_text: str, u
     ``compose_text``: build ``image`` where the engine lacks it, print the plan's line for ``model``,
     start the project and wait until ``url`` serves. ``say`` takes the lines for the user,
     ``progress`` the waiting line; returns the models listing."""
+    from flashnext.serving.patches.series import VLLM_VERSION
+
     build = not image_present(compose, image)
     if build and say:
-        say(f"building {image} (vLLM 0.33.0 with the patch series) ...")
+        say(f"building {image} (vLLM {VLLM_VERSION} with the patch series) ...")
     if say and (line := summary_line(profile, model)):
         say(line)
     start_compose(compose, profile.name, compose_text, build)
@@ -219,22 +221,39 @@ def summary_line(profile, model: Path | None = None) -> str | None:
             f"{p.capacity_tokens:,} tokens ({p.concurrency:.2f}x); pinned host K/V {format_size(p.pinned_host_bytes_needed)}")
 
 
+def refuse_missing_inputs(model: Path, overlays=(), ple_table: Path | None = None) -> None:
+    """Each path serve mounts or hands to vLLM must exist here: a missing one would become an empty
+    bind mount, or a vLLM that fails minutes later."""
+    for flag, path in (("--model", model), *(("--overlay", o) for o in overlays),
+                       *((("--ple-table", ple_table),) if ple_table is not None else ())):
+        if not os.path.exists(path):
+            raise FlashnextError(f"{flag} {path} does not exist on this host")
+
+
+def view_dir(profile, model: Path, overlays: tuple[Path, ...]) -> Path:
+    """Where ``serve --engine native`` makes the view of ``model`` with ``overlays``: one folder per
+    snapshot and overlays (made again by each start, which replaces only its own), so that
+    ``--dry-run`` names the path the start will use."""
+    key = "\0".join(str(Path(p).absolute()) for p in (model, *overlays))
+    return state_dir(profile.name) / "views" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def native_command(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | None, listen: str,
                    port: int, make_view: bool = True) -> tuple[list[str], dict[str, str]]:
-    """``vllm serve`` and the environment that run ``profile`` on this host. With overlays, the
-    model is a fresh view of the snapshot with them applied (``make_view=False``: a placeholder)."""
+    """``vllm serve`` and the environment that run ``profile`` on this host, every path absolute
+    (vLLM and its workers may run from another directory). With overlays, the model is the view of
+    the snapshot with them applied (:func:`view_dir`), made here unless ``make_view`` is False."""
     from flashnext.serving.compose import runtime_env, vllm_command
 
-    model_dir = model
+    model_dir = Path(model).absolute()
     if overlays:
         from flashnext.quant.overlays.view import apply_overlays
 
+        model_dir = view_dir(profile, model, overlays)
         if make_view:
-            model_dir = Path(tempfile.mkdtemp(prefix="flashnext-view-")) / "model"
-            apply_overlays(model, list(overlays), model_dir)
-        else:
-            model_dir = Path("<view of the snapshot with the overlays>")
-    return vllm_command(profile, str(model_dir), listen, port), runtime_env(profile, str(ple_table) if ple_table else None)
+            apply_overlays(model, list(overlays), model_dir, force=True)
+    table = str(Path(ple_table).absolute()) if ple_table else None
+    return vllm_command(profile, str(model_dir), listen, port), runtime_env(profile, table)
 
 
 def exec_native(cmd: list[str], env: dict[str, str]) -> None:
@@ -242,5 +261,7 @@ def exec_native(cmd: list[str], env: dict[str, str]) -> None:
     import shutil
 
     if shutil.which(cmd[0]) is None:
-        raise FlashnextError("vllm is not installed here: pip install 'flashnext[serve]', or use --engine docker")
+        from flashnext.serving import vllm_release
+
+        raise FlashnextError(f"{vllm_release.support_line(None)}; or use --engine docker")
     os.execvpe(cmd[0], cmd, {**os.environ, **env})

@@ -112,7 +112,7 @@ USAGE_ERRORS = [
     (["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--rounding", "gptq"], "give --calib FILE"),
     (["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--calib", "{snap}/config.json", "--no-scale-search"],
      "--no-scale-search"),
-    (["serve", "--profile", "3x3090"], "needs --profile and --model"),
+    (["serve", "--profile", "3x3090"], "serve needs --model (see"),
     (["serve", "--profile", "3x3090", "--model", "{snap}", "--check", "--no-check"], "contradict"),
     (["ple", "ids", "--config", "{snap}/config.json", "--tokens", "1,x"], "comma-separated integers"),
     (["ple", "ids", "--config", "{snap}/config.json", "--tokens", ","], "--tokens is empty"),
@@ -176,8 +176,41 @@ def test_ple_verify_exit_codes(ple_table, tmp_path, what, damage, code, words):
     damage(table)
     done = CliRunner().invoke(flashnext, ["ple", "verify", "--full", "--no-progress", str(table)])
     lines = done.output.strip().splitlines()
-    assert done.exit_code == code and len(lines) == 1 and lines[0].startswith("Error: "), done.output
+    # a mismatch is the verdict, worded as `overlay verify` words its own; unreadable input an error
+    start = f"mismatch: {table}: " if code == 3 else "Error: "
+    assert done.exit_code == code and len(lines) == 1 and lines[0].startswith(start), done.output
     assert words in lines[0]
+
+
+def test_ple_verify_and_overlay_verify_word_a_mismatch_alike(ple_table, demo_snapshot, demo_overlay, tmp_path):
+    """Issue 41: the same exit-3 result was "Error: TABLE: ..." from one and "mismatch: FILE: ..."
+    from the other; both now print "mismatch: PATH: what differs", on stderr, and no "Error:" line,
+    and --json gives both the same shape."""
+    import shutil
+
+    table = tmp_path / "table.bin"
+    table.write_bytes(ple_table.read_bytes())
+    table.with_name("table.bin.json").write_bytes(ple_table.with_name("table.bin.json").read_bytes())
+    _corrupt_block(table)
+    overlay = tmp_path / "overlay"
+    shutil.copytree(demo_overlay, overlay)
+    with open(overlay / "config.json", "a") as f:
+        f.write(" ")
+    runs = {"ple": (["ple", "verify", str(table)], table),
+            "overlay": (["overlay", "verify", "--base", str(demo_snapshot), str(overlay)], "overlay/config.json")}
+    for name, (argv, path) in runs.items():
+        done = CliRunner().invoke(flashnext, argv)
+        assert done.exit_code == 3 and done.stdout == "", (name, done.output)
+        assert done.stderr.splitlines()[-1].startswith(f"mismatch: {path}: ") and "Error" not in done.stderr, name
+        as_json = json.loads(CliRunner().invoke(flashnext, [*argv, "--json"]).stdout)
+        assert as_json["ok"] is False and [set(m) for m in as_json["mismatches"]] == [{"path", "problem"}], name
+
+
+def test_ple_layout_names_the_ple_layer_it_was_asked_for(demo_snapshot):
+    """`--layer 0` printed "layer: 1" (the decoder layer the first PLE layer sits in)."""
+    done = CliRunner().invoke(flashnext, ["ple", "layout", "--src", str(demo_snapshot), "--layer", "0"])
+    assert done.exit_code == 0, done.output
+    assert done.stdout.splitlines()[:2] == ["ple_layer: 0", "decoder_layer: 1"]
 
 
 def test_the_readme_lists_the_exit_code_table():

@@ -147,6 +147,16 @@ def test_the_digest_names_real_patches_and_switches():
             assert patch_named(patch, claims), f"docs/seed-000.md never says what carries {patch.id}"
             assert patch.switch.name in claims, f"docs/seed-000.md names {patch.id} without its switch"
     known = {name for p in series for name in (p.id, p.seed) if name}
+    # and the patches vLLM absorbed (series.ABSORBED: their work is vLLM's own since a release); where
+    # the digest says what carries one (by a name no live patch also carries), it says it is absorbed
+    from flashnext.serving.patches.series import ABSORBED
+
+    items = re.split(r"\n(?=- )", claims)
+    for patch in ABSORBED:
+        names = [n for n in (patch.id, patch.seed) if n and n not in known]
+        named = [item for item in items if any(re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", item) for n in names)]
+        assert all("ABSORBED" in item for item in named), f"docs/seed-000.md names {patch.id} as a live patch"
+    known |= {name for p in ABSORBED for name in (p.id, p.seed) if name}
     codes = set(re.findall(r"\b(?:decode|ttft|mem|mtp)-\d\d\b", DIGEST.read_text()))
     # decode-01/02 and vllm.patch are the previous article's, which flashnext's series has no entry for
     assert codes - known <= {"decode-01", "decode-02"}, sorted(codes - known)

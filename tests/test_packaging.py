@@ -4,6 +4,7 @@ runs the README's main job and the serving commands that need no vLLM."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from test_project import readme_commands
 
+from flashnext.serving.patches.series import VLLM_VERSION
 from support import ROOT, no_torch
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -86,9 +88,10 @@ def test_wheel_contents(wheel):
     stray = sorted(n for n in names if n.startswith(("tests/", "benchmarks/", "docs/")))
     assert not stray, stray
     for required in ("flashnext/serving/hooks/ple_file.py", "flashnext/quant/kernels/bitplane_gemv.py",
-                     "flashnext/serving/patches/series.py", "flashnext/serving/patches/mtp-03.md",
+                     "flashnext/serving/patches/series.py", "flashnext/serving/patches/qsa-offload.md",
                      "flashnext/serving/profiles/3x3090.json",
                      "flashnext/manifests/overlay.schema.json", "flashnext/manifests/qwen3.8-flash-next.json",
+                     f"flashnext/manifests/vllm-{VLLM_VERSION}.json",
                      "flashnext/serving/bench/runner.py", "flashnext/manifests/bench-report.schema.json"):
         assert required in names
     metadata = zipfile.ZipFile(wheel).read(f"flashnext-{wheel.name.split('-')[1]}.dist-info/METADATA").decode()
@@ -131,6 +134,41 @@ def hub_failures_are_one_line_with_what_to_do(env: dict, cwd: Path) -> None:
             assert len(lines) == 1 and lines[0].startswith("Error: "), f"{case}: {done.stderr}"
             assert lines[0].endswith(hint), f"{case}: {lines[0]}"
             assert not (cwd / "view").exists() and not (cwd / "demo" / "mtp-int4" / "overlay.published.json").exists()
+
+
+# What `nvidia-smi --query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits`
+# prints on three 3090s (tests/serving/test_preflight_as_users_meet_it.py has the same stand-in).
+FAKE_NVIDIA_SMI = """#!/bin/sh
+for i in 0 1 2; do echo "$i, NVIDIA GeForce RTX 3090, 24576, 24250"; done
+"""
+
+
+def base_install_meets_a_rig(env: dict, cwd: Path) -> None:
+    """Issue 41, without vLLM: the NVML bindings are installed; where NVML cannot load (no driver
+    here) the preflight asks nvidia-smi; Docker's memlock is the compose file's; and the commands
+    that need vLLM say in one line what to install."""
+    from flashnext.serving.vllm_release import INSTALL
+
+    done = subprocess.run(["python", "-c", "import pynvml; print(pynvml.__file__)"], cwd=cwd, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith(str(Path(env["PATH"].split(os.pathsep)[0]).parent)), \
+        done.stderr
+    fake_bin = cwd / "fake-bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    rig_env = {**env, "PATH": f"{env['PATH']}{os.pathsep}{fake_bin}"}
+    # the usual 8 MiB `ulimit -l` of a shell (no higher than the hard limit lets it be)
+    doctor = subprocess.run("ulimit -S -l 8192 2>/dev/null; flashnext doctor --profile 3x3090 --engine docker --json",
+                            shell=True, cwd=cwd, env=rig_env, capture_output=True, text=True)
+    assert doctor.stdout.startswith("{"), doctor.stderr
+    findings = {f["check"]: f for f in json.loads(doctor.stdout)["findings"]}
+    assert "3 x NVIDIA GeForce RTX 3090" in findings["gpus"]["detail"], findings["gpus"]
+    assert findings["memlock"]["ok"], findings["memlock"]
+    for command in ("flashnext plan --profile 3x3090", "flashnext patches check --no-progress"):
+        needs_vllm = subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True)
+        lines = needs_vllm.stderr.strip().splitlines()
+        assert needs_vllm.returncode == 1 and len(lines) == 1 and INSTALL in lines[0], (command, needs_vllm.stderr)
 
 
 def _constraints(path: Path) -> Path:
@@ -176,8 +214,13 @@ def test_wheel_in_a_fresh_venv_runs_the_main_job(wheel, tmp_path):
     assert no_extra.returncode == 1 and "pip install 'flashnext[bench]'" in no_extra.stderr, no_extra.stderr
     assert not (tmp_path / "b").exists()
     hub_failures_are_one_line_with_what_to_do(env, tmp_path)
-    profiles = run("serve --profile 3x3090 --model demo/snapshot --ple-table demo/ple.bin --dry-run").stdout
+    dry_run = "serve --profile 3x3090 --model demo/snapshot --ple-table demo/ple.bin --dry-run"
+    missing = subprocess.run(dry_run, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert missing.returncode == 1 and "--ple-table demo/ple.bin does not exist on this host" in missing.stderr
+    run("flashnext ple build --src demo/snapshot --out demo/ple.bin --no-progress")
+    profiles = run(dry_run).stdout
     assert "vllm serve" in profiles or "services:" in profiles
+    base_install_meets_a_rig(env, tmp_path)
     # Commands that need no torch start without importing it.
     probe = ("import sys, time; t = time.perf_counter(); from flashnext.tools.cli import main\n"
              "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"

@@ -37,6 +37,20 @@ def test_manifests_are_json():
         json.loads(path.read_text())
 
 
+def test_one_vllm_release_throughout():
+    """The vLLM manifest, the serving image's base, the image serve names and the release the series
+    is cut against are one release (a port to the next one moves them together)."""
+    from flashnext.serving.compose import BASE_IMAGE
+    from flashnext.serving.patches.series import VLLM_VERSION
+
+    [manifest] = (ROOT / "manifests").glob("vllm-*.json")
+    release = json.loads(manifest.read_text())
+    assert manifest.name == f"vllm-{VLLM_VERSION}.json" and release["version"] == VLLM_VERSION
+    assert release["image"] == BASE_IMAGE
+    bases = re.findall(r"^FROM (\S+)", (ROOT / "serving" / "Dockerfile").read_text(), re.M)
+    assert bases == [BASE_IMAGE]
+
+
 def test_commands_do_not_import_each_other():
     """A command is a thin layer over the library; what two commands share lives in the library
     (or, for printing, in ``tools/_common.py``), never in another command."""

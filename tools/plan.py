@@ -88,11 +88,13 @@ def main(profile: str | None, kv_cache_memory_bytes: int | None, prefix_caching:
          context: int | None, write_profile: Path | None, as_json: bool) -> None:
     """KV cache plan for a profile: attention block size, state page, blocks per rank, blocks for one
     max-length request, token capacity and concurrency, pinned host memory and VRAM. The grouping is
-    vLLM 0.33.0's own (`pip install 'flashnext[serve]'`).
+    vLLM 0.34.0's own, so plan needs vLLM installed (`pip install --no-deps vllm==0.34.0 && pip
+    install 'flashnext[serve]'`).
 
     With --gpus N --gpu-memory GiB --host-ram GiB it plans a rig of N equal GPUs instead: the layer
     partition, --max-num-seqs and the KV memory that fit, VRAM per rank, pinned host memory, and
-    whether it fits (if not, why, in numbers); --write-profile writes that profile.
+    whether it fits (if not, why, in numbers, and exit 1); --write-profile writes that profile.
+    With --host-ram, a profile whose pinned host memory does not fit exits 1 too.
 
     \b
     Examples:
@@ -130,12 +132,18 @@ def main(profile: str | None, kv_cache_memory_bytes: int | None, prefix_caching:
     with held_back_output():  # vLLM's and torch's import-time notes: the plan is the first line
         result = plan_profile(loaded, kv_cache_memory_bytes, prefix_caching, model)
         host = _host(loaded, result, model, ple_format, host_ram) if ple_format or host_ram else None
+        ledger = _ledger(loaded, result, model, ple_format)
     if as_json:
-        emit_json({"profile": loaded.name, **result.to_json(), **({"host": host} if host else {})})
+        emit_json({"profile": loaded.name, **result.to_json(), **({"host": host} if host else {}),
+                   **({"ledger": ledger.to_json()} if ledger else {})})
     else:
         _print(f"profile {loaded.name}", result)
         if host:
             _print_host(host)
+        if ledger:
+            _print_ledger(ledger)
+    if host and not host["fits"]:  # the plan is printed; the exit status says it does not fit
+        raise FlashnextError(f"profile {loaded.name} does not fit: {_host_reason(host)}")
 
 
 def _rig(gpus: int, gpu_memory: float, host_ram: float, mtp: bool, context: int | None, ple_format: str | None,
@@ -160,13 +168,22 @@ def _rig(gpus: int, gpu_memory: float, host_ram: float, mtp: bool, context: int 
     profile = rig_profile(result, name) if write_profile is not None else None
     if profile is not None:
         write(profile, write_profile)
+    with held_back_output():
+        ledger = _ledger(result.profile, result.plan, None, rig.ple_format) if result.fits else None
     if as_json:
-        emit_json({**result.to_json(), **({"profile_written": str(write_profile)} if profile else {})})
-        return
-    _print_rig(result)
-    if profile is not None:
-        click.echo(f"wrote {write_profile}: serve --profile {write_profile} --model SNAPSHOT"
-                   f"{' --ple-table FILE' if profile.uses_ple_table else ''}")
+        emit_json({**result.to_json(), **({"profile_written": str(write_profile)} if profile else {}),
+                   **({"ledger": ledger.to_json()} if ledger else {})})
+    else:
+        _print_rig(result)
+        if ledger:
+            _print_ledger(ledger)
+        if profile is not None:
+            click.echo(f"wrote {write_profile}: serve --profile {write_profile} --model SNAPSHOT"
+                       f"{' --ple-table FILE' if profile.uses_ple_table else ''}")
+    if not result.fits:  # the plan is printed; the exit status says it does not fit, and the first reason why
+        more = len(result.reasons) - 1
+        raise FlashnextError(f"the rig does not fit: {result.reasons[0] if result.reasons else 'see the plan'}"
+                             + (f" (and {more} more reason(s) in the plan)" if more > 0 else ""))
 
 
 def _print_rig(r) -> None:
@@ -178,10 +195,14 @@ def _print_rig(r) -> None:
                f"{'from a file (--ple-table)' if rig.ple_format == 'file' else 'pinned as ' + rig.ple_format}")
     split = "vLLM's even split" if r.even_split else f"{PP_LAYER_PARTITION}={','.join(map(str, r.partition))}"
     click.echo(f"  layer partition      {'/'.join(map(str, r.partition))} ({split})")
-    click.echo(f"  --max-num-seqs       {r.max_num_seqs} (at most {r.max_num_seqs_limit}: the CUDA graphs' "
+    # Where not one request fits, the numbers that follow are one request's (plan_rig's last try):
+    # no setting to take, and said so, rather than "--max-num-seqs 0" beside "1 x N blocks".
+    seqs = f"{r.max_num_seqs}" if r.max_num_seqs else "none: not one request fits; what follows is for one"
+    click.echo(f"  --max-num-seqs       {seqs} (at most {r.max_num_seqs_limit}: the CUDA graphs' "
                f"{r.max_num_seqs_limit * (1 + p.num_speculative_tokens)} tokens a step)")
     click.echo(f"  --kv-cache-memory-bytes {r.kv_cache_memory_bytes:,} = {max(r.max_num_seqs, 1)} x "
-               f"{p.blocks_per_request} blocks x {max(p.bytes_per_block):,} B")
+               f"{p.blocks_per_request} blocks x {max(p.bytes_per_block):,} B"
+               f"{'' if r.max_num_seqs else ' (one request)'}")
     _print("  its plan", p)
     peaks = ", ".join(format_size(m.total) for m in r.ranks)
     weights = ", ".join(format_size(m.weights) for m in r.ranks)
@@ -200,10 +221,28 @@ def _print_rig(r) -> None:
         click.echo(f"  the fewest GPUs of {rig.gpu_memory_bytes / GIB:g} GiB that fit: {r.fewest_gpus_that_fit}")
 
 
+def _ledger(profile, plan, model: Path | None, ple_format: str | None):
+    """The memory ledger of ``profile`` with ``plan`` (serving/capacity/ledger.py); None for a family
+    it does not cover."""
+    from flashnext.serving.capacity.ledger import profile_ledger
+
+    if profile.model_family != "qwen4_exp":
+        return None
+    return profile_ledger(profile, plan, model=model, ple_format=ple_format)
+
+
+def _print_ledger(ledger) -> None:
+    from flashnext.serving.capacity.ledger import markdown
+
+    click.echo("memory ledger (MiB; `inside`: which of vLLM's numbers holds it; serving/capacity/ledger.py):")
+    for line in markdown(ledger).splitlines():
+        click.echo(f"  {line}" if line else "")
+
+
 def _host(profile, plan, model: Path | None, ple_format: str | None, host_ram: float | None) -> dict:
     """Every pinned host byte of the profile (the preflight's terms) against a host of ``host_ram`` GiB."""
     from flashnext.serving import capacity
-    from flashnext.serving.preflight import host_fit, pinned_host_terms
+    from flashnext.serving.capacity.ledger import host_fit, pinned_host_terms
 
     shape = capacity.ServingShape.from_profile(profile, plan.kv_cache_memory_bytes)
     terms = pinned_host_terms(shape, plan, model, None, ple_format=ple_format)
@@ -212,6 +251,11 @@ def _host(profile, plan, model: Path | None, ple_format: str | None, host_ram: f
     return {"host_bytes": available, "headroom_bytes": capacity.HOST_HEADROOM, "ple_format": ple_format,
             "pinned": {t.name: t.bytes for t in terms}, "pinned_total_bytes": sum(t.bytes for t in terms),
             "fits": fits, "largest_kv_cache_memory_bytes_that_fits": kv_fits}
+
+
+def _host_reason(host: dict) -> str:
+    return (f"pinned host memory {format_size(host['pinned_total_bytes'])} + {format_size(host['headroom_bytes'])} "
+            f"headroom > a {format_size(host['host_bytes'])} host")
 
 
 def _print_host(host: dict) -> None:

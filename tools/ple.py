@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.errors import FlashnextError, SlowDrive, UsageError
+from flashnext.errors import FlashnextError, SlowDrive, UsageError, VerificationMismatch
 from flashnext.sizes import format_size
 from flashnext.tools._common import emit_json, json_option, user_errors
 
@@ -77,9 +77,10 @@ def layout_cmd(src: Path, dense_layer_id: int, as_json: bool) -> None:
 
     source = find_ple_source(Snapshot.open(src), dense_layer_id)
     lay = source.layout
-    info = {"layer": source.layer, "dtype": source.dtype, "row_elements": source.row_elements,
-            "row_bytes": source.row_bytes, "rows": lay.rows, "padded_rows": lay.padded_rows,
-            "file_size": source.file_size, "multipliers": list(lay.multipliers),
+    # --layer counts PLE layers (0: the first id in ple_layer_ids); the decoder layer is where it sits.
+    info = {"ple_layer": source.dense_layer_id, "decoder_layer": source.layer, "dtype": source.dtype,
+            "row_elements": source.row_elements, "row_bytes": source.row_bytes, "rows": lay.rows,
+            "padded_rows": lay.padded_rows, "file_size": source.file_size, "multipliers": list(lay.multipliers),
             "head_sizes": list(lay.head_sizes), "head_offsets": list(lay.head_offsets),
             "shards": len(source.shards), "shard_rows": lay.shard_rows, "differences": source.differences}
     if as_json:
@@ -149,10 +150,19 @@ def build(src: Path, out: Path, fmt: str, device: str, dense_layer_id: int, forc
 @json_option
 @user_errors
 def verify(table: Path, full: bool, progress: bool, as_json: bool) -> None:
-    """Check TABLE's size and hashes against its sidecar."""
+    """Check TABLE's size and hashes against its sidecar. A mismatch is one line, as `overlay
+    verify` prints each of its own ("mismatch: PATH: what differs"), with exit status 3."""
     from flashnext.quant.ple.table import verify_table
 
-    result = verify_table(table, full=full, progress=progress)
+    try:
+        result = verify_table(table, full=full, progress=progress)
+    except VerificationMismatch as e:
+        problem = str(e).removeprefix(f"{table}: ")
+        if as_json:
+            emit_json({"ok": False, "mismatches": [{"path": str(table), "problem": problem}]})
+        else:
+            click.echo(f"mismatch: {table}: {problem}", err=True)
+        raise VerificationMismatch("1 mismatch") from None
     if as_json:
         emit_json(result)
     else:
@@ -193,7 +203,7 @@ def residency(table: Path, as_json: bool) -> None:
 @user_errors
 def drive_check_cmd(path: Path, seconds: float, depth: int, as_json: bool) -> None:
     """O_DIRECT 4 KiB random reads on PATH (a file on the drive, e.g. the table): QD1 latency
-    and deep-queue throughput. Exits 2 if the drive's tail would stall decode."""
+    and deep-queue throughput. Exits 4 if the drive's tail would stall decode."""
     from flashnext.quant.ple.drive import drive_check
 
     result = drive_check(path, seconds, depth)

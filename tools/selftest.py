@@ -22,7 +22,8 @@ def _gpus(value: str) -> str:
               show_default=True, help="Output directory: report.json, report.html, runs/ (bench reports, server logs).")
 @click.option("--force", is_flag=True, help="Replace --out if an earlier flashnext selftest made it.")
 @click.option("--gpus", default="auto", show_default=True, callback=lambda c, p, v: _gpus(v),
-              help="How many CUDA GPUs to use: auto (as many as NVML reports) or N (0: the CPU part only).")
+              help="How many CUDA GPUs to use: auto (as many as NVML, else nvidia-smi, reports) or N (0: the CPU "
+                   "part only).")
 @click.option("--keep", is_flag=True, help="Keep the scratch directory (demo checkpoint, patched vLLM tree) and say where.")
 @json_option
 @user_errors
@@ -34,18 +35,21 @@ def main(profile_name: str, out: Path, force: bool, gpus: str, keep: bool, as_js
     size), benched with every patch on and with each patch's switch off, against an A/A rerun, and
     with its PLE table as NVFP4 against BF16. Writes OUT/report.json and OUT/report.html; exits 0
     only if everything that ran passed or agreed (1 otherwise). Without GPUs it runs the CPU part
-    and says, per patch, what it could not run.
+    and says, per patch, what it could not run; its headline then says PARTIAL and how many of the
+    checks ran. `--gpus N` with fewer than N GPUs here is refused before anything runs.
     """
     from flashnext.quant.checkpoint.fsutil import refuse_existing_output
     from flashnext.serving.selftest import SelftestFailed, selftest
-    from flashnext.serving.selftest.runner import MADE_BY
+    from flashnext.serving.selftest.report import headline
+    from flashnext.serving.selftest.runner import MADE_BY, gpu_count
 
     refuse_existing_output(out, force, made_by=MADE_BY)  # before minutes of checks, not after
+    gpu_count(gpus)  # more GPUs asked for than are here: refused now, not after the CPU part
     report, kept = selftest(profile_name, out, gpus=gpus, keep=keep, force=force,
                             progress=lambda line: click.echo(line, err=True))
     s = report.summary
     if as_json:
-        emit_json({"ok": s.ok, "out": str(out), "passed": s.passed, "failed": s.failed,
+        emit_json({"ok": s.ok, "headline": headline(s), "out": str(out), "passed": s.passed, "failed": s.failed,
                    "could_not_run": s.could_not_run, "lines": s.lines,
                    "patches": {p.id: p.ab for p in report.patches},
                    "ple_formats": {c.format: {"status": c.status, "rows_differing": c.rows_differing,
@@ -58,8 +62,7 @@ def main(profile_name: str, out: Path, force: bool, gpus: str, keep: bool, as_js
     else:
         for line in s.lines:
             click.echo(line)
-        click.echo(f"{'OK' if s.ok else 'FAILED'}: {s.passed} passed, {s.failed} failed, {s.could_not_run} could "
-                   f"not run here; wrote {out}/report.html and report.json")
+        click.echo(f"{headline(s)}; wrote {out}/report.html and report.json")
         if kept:
             click.echo(f"kept the scratch directory {kept}")
     if not s.ok:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from flashnext.errors import FlashnextError, UsageError
+from flashnext.errors import UsageError
 from flashnext.serving.run import (compose_command, compose_engine, engine_found, exec_native, find_compose,
-                                   native_command, recorded_compose_file, require_ple_table, run_command,
-                                   serve_compose, summary_line)
+                                   native_command, recorded_compose_file, refuse_missing_inputs, require_ple_table,
+                                   run_command, serve_compose, summary_line)
 from flashnext.tools._common import CONTEXT_SETTINGS, preflight_report, user_errors
 
 ENGINES = ("docker", "podman", "native")
@@ -20,7 +20,11 @@ def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | 
             dry_run: bool) -> None:
     cmd, env = native_command(profile, model, overlays, ple_table, listen, port, make_view=not dry_run)
     if dry_run:
-        click.echo(json.dumps({"command": cmd, "env": env}, indent=2))
+        shown = {"command": cmd, "env": env}
+        if overlays:  # the model vLLM gets is a view that serve makes (`overlay apply`) before it starts
+            shown["view"] = {"path": cmd[2], "base": str(Path(model).absolute()),
+                             "overlays": [str(Path(o).absolute()) for o in overlays]}
+        click.echo(json.dumps(shown, indent=2))
         return
     if line := summary_line(profile, model):
         click.echo(line, err=True)
@@ -40,7 +44,7 @@ def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | 
                    "Compose found of `docker compose`, `docker-compose`, `podman compose`.")
 @click.option("--dry-run", is_flag=True,
               help="Print the compose YAML (native: the command and env) and do nothing else: no preflight, "
-                   "so it works on a machine without GPUs (e.g. to render a file for another host).")
+                   "so it works on a machine without GPUs. The paths it names must exist here.")
 @click.option("--bind", default="127.0.0.1", show_default=True, help="Host address the port is published on.")
 @click.option("--listen", default="127.0.0.1", show_default=True, help="native: the address vLLM listens on.")
 @click.option("--port", type=int, default=None, help="Port (default: the profile's).")
@@ -59,7 +63,7 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
 
     \b
     Examples:
-      serve --profile 3x3090 --model SNAPSHOT --overlay OVERLAY --ple-table TABLE
+      serve --profile 3x3090-mtp --model SNAPSHOT --overlay MTP_OVERLAY --ple-table TABLE
       serve --profile 3x3090 --model SNAPSHOT --ple-table TABLE --dry-run > compose.yaml
       serve down --profile 3x3090
     """
@@ -68,8 +72,9 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     from flashnext.serving.compose import IMAGE, ServeRequest, render_compose, to_yaml
     from flashnext.serving.profiles import load_profile
 
-    if not profile or model is None:
-        raise UsageError("serve needs --profile and --model (see `serve --help`)")
+    missing = [flag for flag, given in (("--profile", profile), ("--model", model)) if not given]
+    if missing:
+        raise UsageError(f"serve needs {' and '.join(missing)} (see `serve --help`)")
     prof = load_profile(profile)
     if check and no_check:
         raise UsageError("--check and --no-check contradict each other: pass one")
@@ -79,6 +84,9 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     req = ServeRequest(prof, model, tuple(overlays), ple_table, bind, port)
     # rendered first: a path or address no Compose file can carry is refused before the preflight
     document = render_compose(req) if engine != "native" else None
+    # Then the paths it mounts or hands to vLLM, --dry-run's too: from a missing one it would render
+    # a file that cannot start (an empty bind mount, a vLLM that fails minutes in).
+    refuse_missing_inputs(model, overlays, ple_table)
     if dry_run:
         if engine == "native":
             return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
@@ -91,9 +99,6 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
                          False, err=True)
     if engine == "native":
         return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
-    for path in (model, *overlays, *([ple_table] if ple_table else [])):
-        if not Path(path).exists():
-            raise FlashnextError(f"{path} does not exist on this host")
     url = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{req.host_port}"
     models = serve_compose(compose, prof, model, to_yaml(document), url, IMAGE,
                            say=lambda line: click.echo(line, err=True),

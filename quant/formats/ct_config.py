@@ -3,7 +3,7 @@ resolves to, building schemes, and retargeting the MTP head.
 
 This is the one reader of these documents, so the builders (which decide what an overlay
 quantizes) and the serving hooks (which decide how vLLM serves it) cannot drift apart: both ask
-:func:`target_for`, which resolves a module as vLLM 0.33.0's ``CompressedTensorsConfig.get_scheme_dict``
+:func:`target_for`, which resolves a module as vLLM 0.34.0's ``CompressedTensorsConfig.get_scheme_dict``
 does. A module matched by an ``ignore`` entry is unquantized; otherwise the *first* target, in
 config-group order, that matches it gives the scheme. Each single match is compressed-tensors' own
 ``match_name`` (an exact name, or ``re:`` with ``re.match``), behind :func:`bounded_pattern`. A vLLM
@@ -44,7 +44,7 @@ MTP_EXPERT_TARGET = "re:^" + MTP_EXPERT_PATTERN
 MTP_OTHER_IGNORE = "re:^mtp\\.(?!" + MTP_EXPERT_PATTERN[len("mtp\\."):] + ")"
 
 
-# The keys a config may keep its quantization config under, in the order vLLM 0.33.0 looks
+# The keys a config may keep its quantization config under, in the order vLLM 0.34.0 looks
 # (``ModelArchConfigConvertor._normalize_quantization_config``): compressed-tensors once wrote
 # ``compression_config``.
 QUANTIZATION_KEYS = ("quantization_config", "compression_config")
@@ -62,7 +62,7 @@ def _holder_and_key(config: dict) -> tuple[dict, str] | None:
 def quantization_holder(config: dict) -> dict | None:
     """The object of a ``config.json`` that holds its quantization config: the config itself, or
     its ``text_config`` (where a multimodal checkpoint may keep the text model's), the top level
-    first, as vLLM 0.33.0 looks (``get_quantization_config``); None when neither has one. The one
+    first, as vLLM 0.34.0 looks (``get_quantization_config``); None when neither has one. The one
     rule every reader and writer of a snapshot's quantization config uses."""
     found = _holder_and_key(config)
     return None if found is None else found[0]
@@ -314,7 +314,7 @@ def vllm_entries(entries: Iterable[str], mapper) -> list[str]:
     """Targets or ``ignore`` entries as vLLM's ``apply_vllm_mapper`` left them, with those it
     cannot map finished: it maps only entries with a dot, and an exact entry without one is a
     class name (``Linear``) or a top-level module (``lm_head``), of which only the latter has
-    tensors ``mapper`` renames. (vLLM 0.33.0 alone leaves the release's ``lm_head`` target in
+    tensors ``mapper`` renames. (vLLM 0.34.0 alone leaves the release's ``lm_head`` target in
     checkpoint names, so its own config resolves ``language_model.lm_head`` as unquantized.)"""
     return [vllm_module_name(e, mapper) if isinstance(e, str) and "." not in e and not e.startswith("re:") else e
             for e in entries]

@@ -1,4 +1,4 @@
-"""Embedding rows in NVFP4 and FP8, as vLLM 0.33.0's ``qwen4_exp`` PLE methods store and read them.
+"""Embedding rows in NVFP4 and FP8, as vLLM 0.34.0's ``qwen4_exp`` PLE methods store and read them.
 
 ``ple_embedding_dtype: "nvfp4"`` (``Qwen4ExpPLENvFp4EmbeddingMethod``): per shard ``weight`` uint8
 ``[rows, D/2]`` of E2M1 codes, the even element in the low nibble; ``weight_scale`` float8_e4m3fn

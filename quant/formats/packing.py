@@ -6,7 +6,7 @@ and, when ``b`` does not divide 32, a value may straddle two words. Stored value
 ``2**(b-1)`` so that a signed code ``q`` in ``[-2**(b-1), 2**(b-1) - 1]`` is kept as ``q + 2**(b-1)``.
 
 For b in {4, 8} every compressed-tensors version writes exactly this; for b = 6 compressed-tensors
-0.17 (the one vLLM 0.33.0 pins) writes a *padded* layout (5 values per word) instead, which this
+0.17 (the one vLLM 0.34.0 pins) writes a *padded* layout (5 values per word) instead, which this
 module never produces.
 """
 

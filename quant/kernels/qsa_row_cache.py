@@ -28,8 +28,13 @@ counter wraps. A hit reads the same bytes as the host row and the tile arithmeti
 the output is bit-identical to reading everything from the host.
 
 Prefill does not use the cache: :func:`staged_attention` copies whole blocks of the context from
-the host pool into the arena with DMA, a window of ``arena blocks`` at a time, and runs the same
-split-K kernel over each window; every window writes its own partials, merged once at the end.
+the host pool into the arena with DMA, a window of blocks at a time, and runs the same kernel over
+each window, one program per query row and KV head; each window's result is folded into a running
+fp32 state (:func:`_fold_kernel`), gated once at the end. Its scratch (the state, one chunk of
+partials, the block remap) lies in the arena's last blocks, which then stage no window
+(:func:`staged_scratch`): a prefill allocates no device memory, however many windows its context
+spans (seed 000 §5: the staged prefill ran within the 95 MiB staging arena), and its kernels'
+variants do not depend on the window count.
 
 Launch configurations (``configs``' ``qsa_attention`` rows) fit the RTX 3090's 99 KiB of shared
 memory per block by construction (``tests/quant/kernels/test_qsa_row_cache.py`` compiles them for
@@ -37,6 +42,9 @@ sm_86 and checks). The torch references are in :mod:`.reference`.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -205,6 +213,30 @@ def _merge_kernel(partial_out_ptr, partial_lse_ptr, gate_ptr, out_ptr, num_rows,
     tl.store(out_ptr + row * stride_out_row + head * HEAD_DIM + dims, merged * tl.sigmoid(gate))
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def _fold_kernel(state_out_ptr, state_lse_ptr, part_out_ptr, part_lse_ptr, num_rows, HEAD_DIM: tl.constexpr,
+                 NUM_Q_HEADS: tl.constexpr):
+    """``state (+)= part`` for one query row and head: two log-sum-exp weighted means, as
+    :func:`_merge_kernel` weighs its parts (lse in log2 units)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM)
+    at = row.to(tl.int64) * NUM_Q_HEADS + head
+    lse_state = tl.load(state_lse_ptr + at)
+    lse_part = tl.load(part_lse_ptr + at)
+    top = tl.maximum(lse_state, lse_part)
+    top = tl.where(top > -float("inf"), top, 0.0)  # neither saw a row: both weights exp2(-inf) = 0
+    w_state = tl.math.exp2(lse_state - top)
+    w_part = tl.math.exp2(lse_part - top)
+    total = w_state + w_part
+    state = tl.load(state_out_ptr + at * HEAD_DIM + dims)
+    part = tl.load(part_out_ptr + at * HEAD_DIM + dims)
+    merged = tl.where(total > 0, (state * w_state + part * w_part) / tl.maximum(total, 1.0e-30), 0.0)
+    tl.store(state_out_ptr + at * HEAD_DIM + dims, merged)
+    tl.store(state_lse_ptr + at, tl.where(total > 0, top + tl.math.log2(tl.maximum(total, 1.0e-30)),
+                                          -float("inf")))
+
+
 def _config(q: torch.Tensor) -> AttentionConfig:
     return configs.config_for("qsa_attention", device=q.device)
 
@@ -257,6 +289,16 @@ def _merge(partial_out, partial_lse, gate, out) -> torch.Tensor:
                                        HEAD_DIM=head_dim, NUM_Q_HEADS=num_q_heads, PARTS=parts,
                                        BLOCK_PARTS=triton.next_power_of_2(parts), num_warps=2, num_stages=1)
     return out
+
+
+FP32_BYTES = 4
+
+
+def partials_bytes(parts: int, rows: int, q_heads: int, head_dim: int) -> int:
+    """The fp32 partial outputs and log-sum-exps of ``parts`` splits of ``rows`` query rows: what
+    :func:`host_attention` and :func:`row_cache_attention` allocate a call (in a CUDA graph's pool
+    when captured), and ``flashnext plan``'s ledger counts."""
+    return parts * rows * q_heads * (head_dim + 1) * FP32_BYTES
 
 
 def _partials(parts: int, q: torch.Tensor):
@@ -318,36 +360,165 @@ def row_cache_attention(q, host_kv, arena_rows, indices, block_table, token_to_r
     return out
 
 
+# The staged prefill runs one program per query row and KV head over a window: a prefill chunk's
+# rows already fill the GPU, and one split keeps a window's partials at one fp32 row per query row.
+STAGED_SPLITS = 1
+# Query rows a launch takes at least, where the scratch cannot hold partials for all of them.
+STAGED_MIN_CHUNK_ROWS = 64
+SCRATCH_ALIGN = 256  # bytes: each scratch tensor starts on a boundary any dtype's view accepts
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+
+
+@dataclass(frozen=True)
+class StagedScratch:
+    """Where a staged prefill of ``rows`` query rows keeps its scratch, and what that leaves for
+    staging: the fp32 running state of every row (output and log-sum-exp), the int32 block tables
+    of one window (the remap of every KV block, and the requests' tables through it), and the
+    partials of one chunk of ``chunk_rows`` rows, in that order."""
+
+    rows: int
+    chunk_rows: int
+    window_blocks: int  # arena blocks a window stages
+    in_arena: bool  # in the arena's last ``arena_blocks - window_blocks`` blocks; else allocated per call
+    state_bytes: int
+    table_bytes: int
+    partial_bytes: int
+    nbytes: int  # the scratch's span: whole arena blocks in the arena, else what a call allocates
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.rows // self.chunk_rows)
+
+
+def staged_scratch(rows: int, q_heads: int, head_dim: int, arena_blocks: int, block_bytes: int, num_blocks: int,
+                   table_entries: int) -> StagedScratch:
+    """The scratch of a staged prefill of ``rows`` query rows of ``q_heads`` x ``head_dim`` over an
+    arena of ``arena_blocks`` blocks of ``block_bytes``, for a KV cache of ``num_blocks`` blocks and
+    block tables of ``table_entries`` entries (requests x width). In the fewest of the arena's last
+    blocks that hold the state, the tables and a chunk of at least :data:`STAGED_MIN_CHUNK_ROWS`
+    rows (all the rows where fewer), as long as one block is left to stage a window; else (an arena
+    of one block, or rows beyond what it holds) allocated by the call, all rows in one chunk.
+    ``flashnext plan``'s ledger asks this of the served shape; :func:`staged_attention` of each call."""
+    per_row = partials_bytes(STAGED_SPLITS, 1, q_heads, head_dim)
+    state = _aligned(rows * per_row)
+    tables = _aligned((num_blocks + 1) * 4) + 2 * _aligned(table_entries * 4)
+    reserved = -(-(state + tables + min(rows, STAGED_MIN_CHUNK_ROWS) * per_row) // block_bytes)
+    if reserved < arena_blocks:
+        chunk = min(rows, (reserved * block_bytes - state - tables) // per_row)
+        return StagedScratch(rows, chunk, arena_blocks - reserved, True, state, tables, chunk * per_row,
+                             reserved * block_bytes)
+    partial = rows * per_row
+    return StagedScratch(rows, rows, arena_blocks, False, state, tables, partial, state + tables + partial)
+
+
+def _scratch_views(memory: torch.Tensor, scratch: StagedScratch, q_heads: int, head_dim: int, num_blocks: int,
+                   table_shape: tuple[int, ...]):
+    """The scratch's tensors over ``memory`` (its bytes), in :class:`StagedScratch`'s order: the
+    state's output and log-sum-exp, the remap, the two block-table buffers, one chunk's output and
+    log-sum-exp."""
+    offset = 0
+
+    def take(dtype: torch.dtype, shape: tuple[int, ...], span: int | None = None) -> torch.Tensor:
+        nonlocal offset
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * dtype.itemsize
+        view = memory[offset:offset + nbytes].view(dtype).view(shape)
+        offset += _aligned(nbytes) if span is None else span
+        return view
+
+    out_row = q_heads * head_dim * FP32_BYTES
+    state_out = take(torch.float32, (scratch.rows, q_heads, head_dim), scratch.rows * out_row)
+    state_lse = take(torch.float32, (scratch.rows, q_heads), scratch.state_bytes - scratch.rows * out_row)
+    remap = take(torch.int32, (num_blocks + 1,))
+    clamped = take(torch.int32, table_shape)
+    window_table = take(torch.int32, table_shape)
+    part_out = take(torch.float32, (scratch.chunk_rows, q_heads, head_dim), scratch.chunk_rows * out_row)
+    part_lse = take(torch.float32, (scratch.chunk_rows, q_heads))
+    return state_out, state_lse, remap, clamped, window_table, part_out, part_lse
+
+
 def staged_attention(q, host_kv, arena, indices, block_table, token_to_req, seq_lens, gate, out=None,
                      config: AttentionConfig | None = None) -> torch.Tensor:
     """Prefill attention: the batch's context blocks are copied from ``host_kv`` into ``arena``
     (``[arena_blocks, block_size, kv_heads, 2 * head_dim]`` in VRAM) a window at a time, and each
-    window's selected rows are read from VRAM. ``seq_lens`` bounds each request's blocks."""
+    window's selected rows are read from VRAM. ``seq_lens`` bounds each request's blocks. The
+    scratch is :func:`staged_scratch`'s: in the arena's last blocks, so that nothing is allocated
+    on the device (with ``out`` given) where the arena holds it."""
     _check(q, host_kv, indices, block_table, token_to_req)
     if arena.ndim != 4 or arena.shape[1:] != host_kv.shape[1:]:
         raise ValueError("the arena must hold whole blocks: [arena_blocks, block_size, kv_heads, 2 * head_dim]")
     config = config or _config(q)
     out = torch.empty_like(q) if out is None else out
-    if not q.shape[0]:
+    rows, q_heads, head_dim = q.shape
+    if not rows:
         return out
-    block_size = host_kv.shape[1]
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * block_size < seq_lens[:, None]
-    blocks = torch.unique(block_table[used & (block_table >= 0)]).tolist()
-    capacity = arena.shape[0]
+    num_blocks, block_size = host_kv.shape[0], host_kv.shape[1]
+    block_bytes = arena[0].numel() * arena.element_size()
+    scratch = staged_scratch(rows, q_heads, head_dim, arena.shape[0], block_bytes, num_blocks, block_table.numel())
+    if scratch.in_arena:
+        memory = arena.view(-1).view(torch.uint8)[arena.numel() * arena.element_size() - scratch.nbytes:]
+    else:
+        memory = torch.empty(scratch.nbytes, dtype=torch.uint8, device=q.device)
+    state_out, state_lse, remap, clamped, window_table, part_out, part_lse = _scratch_views(
+        memory, scratch, q_heads, head_dim, num_blocks, tuple(block_table.shape))
+    # The batch's blocks, on the host (one wait for the device, as the step's .tolist() always had).
+    table, lens = block_table.cpu(), seq_lens.cpu()
+    used = torch.arange(table.shape[1])[None, :] * block_size < lens[:, None]
+    blocks = torch.unique(table[used & (table >= 0)]).tolist()
+    capacity = scratch.window_blocks
     windows = [blocks[i:i + capacity] for i in range(0, len(blocks), capacity)] or [[]]
-    partial_out, partial_lse = _partials(config.splits * len(windows), q)
-    remap = torch.full((host_kv.shape[0] + 1,), -1, dtype=torch.int32, device=block_table.device)
+    # The requests' tables through a remap indexed by block + 1: padding (-1) reads entry 0, which is -1.
+    torch.clamp(block_table, min=-1, out=clamped)
+    clamped.add_(1)
+    window_config = dataclasses.replace(config, splits=STAGED_SPLITS)
     for w, window in enumerate(windows):
         for i, block in enumerate(window):
             arena[i].copy_(host_kv[block], non_blocking=True)
-        remap.fill_(-1)
-        if window:
-            remap[torch.tensor(window, device=remap.device)] = torch.arange(len(window), dtype=torch.int32,
-                                                                            device=remap.device)
-        window_table = remap[block_table.long().clamp_min(-1)]  # -1 (padding) indexes the last entry: -1
-        _attention_launch(q, arena, arena, indices, window_table, token_to_req, None, partial_out, partial_lse,
-                          w * config.splits, config, num_blocks=capacity)
-    return _merge(partial_out, partial_lse, gate, out)
+        host_remap = torch.full((num_blocks + 1,), -1, dtype=torch.int32)
+        host_remap[torch.tensor(window, dtype=torch.long) + 1] = torch.arange(len(window), dtype=torch.int32)
+        remap.copy_(host_remap)
+        torch.index_select(remap, 0, clamped.view(-1), out=window_table.view(-1))
+        for start in range(0, rows, scratch.chunk_rows):
+            stop = min(rows, start + scratch.chunk_rows)
+            # the first window writes the running state itself; each later one is folded into it
+            target_out, target_lse = ((state_out[start:stop], state_lse[start:stop]) if w == 0
+                                      else (part_out[:stop - start], part_lse[:stop - start]))
+            _attention_launch(q[start:stop], arena, arena, indices[start:stop], window_table,
+                              token_to_req[start:stop], None, target_out, target_lse, 0, window_config,
+                              num_blocks=capacity)
+            if w:
+                _fold_kernel[(stop - start, q_heads)](state_out[start:stop], state_lse[start:stop], target_out,
+                                                      target_lse, stop - start, HEAD_DIM=head_dim,
+                                                      NUM_Q_HEADS=q_heads, num_warps=2, num_stages=1)
+    flat_gate = gate.reshape(rows, q_heads * head_dim)
+    flat = out.view(rows, q_heads * head_dim)
+    # one part (the state): a fixed variant, whatever the window count
+    _merge_kernel[(rows, q_heads)](state_out, state_lse, flat_gate, flat, rows, flat_gate.stride(0), flat.stride(0),
+                                   HEAD_DIM=head_dim, NUM_Q_HEADS=q_heads, PARTS=1, BLOCK_PARTS=2, num_warps=2,
+                                   num_stages=1)
+    return out
+
+
+def row_cache_tensors(num_layers: int, arena_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                      dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What :class:`RowCache` allocates, name -> (shape, dtype): the arena's rows and, per layer, a
+    tag, a hitmark and a bid per set and one epoch. ``flashnext plan`` sizes the arena from this."""
+    sets = arena_blocks * block_size // num_layers
+    return {"arena": ((arena_blocks, block_size, kv_heads, 2 * head_dim), dtype),
+            "tags": ((num_layers, sets), torch.int64), "hitmark": ((num_layers, sets), torch.int32),
+            "claim": ((num_layers, sets), torch.int64), "epoch": ((num_layers, 1), torch.int32)}
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count * dtype.itemsize
 
 
 class RowCache:
@@ -364,17 +535,19 @@ class RowCache:
         if num_layers <= 0 or arena_blocks <= 0:
             raise ValueError("a row cache needs at least one layer and one arena block")
         self.num_layers = num_layers
-        self.arena = torch.zeros((arena_blocks, block_size, kv_heads, 2 * head_dim), dtype=dtype, device=device)
-        self.sets = arena_blocks * block_size // num_layers
+        tensors = row_cache_tensors(num_layers, arena_blocks, block_size, kv_heads, head_dim, dtype)
+        shape, arena_dtype = tensors["arena"]
+        self.arena = torch.zeros(shape, dtype=arena_dtype, device=device)
+        self.sets = tensors["tags"][0][1]
         rows = self.arena.view(-1, kv_heads, 2 * head_dim)
         self.layer_rows = [rows[i * self.sets:(i + 1) * self.sets] for i in range(num_layers)]
-        self.tags = torch.full((num_layers, self.sets), EMPTY_TAG, dtype=torch.int64, device=device)
-        self.hitmark = torch.zeros((num_layers, self.sets), dtype=torch.int32, device=device)
-        self.claim = torch.zeros((num_layers, self.sets), dtype=torch.int64, device=device)
+        self.tags = torch.full(tensors["tags"][0], EMPTY_TAG, dtype=tensors["tags"][1], device=device)
+        self.hitmark = torch.zeros(tensors["hitmark"][0], dtype=tensors["hitmark"][1], device=device)
+        self.claim = torch.zeros(tensors["claim"][0], dtype=tensors["claim"][1], device=device)
         self.epoch_limit = epoch_limit
         # On the device, so that a step can be replayed in a CUDA graph; counted on the host too,
         # for the wrap.
-        self.epoch = torch.zeros((num_layers, 1), dtype=torch.int32, device=device)
+        self.epoch = torch.zeros(tensors["epoch"][0], dtype=tensors["epoch"][1], device=device)
         self.epochs = [0] * num_layers
 
     @property

@@ -194,8 +194,8 @@ def _use_section(kind: str, repo_id: str, serving: CardServing | None) -> list[s
         lines = [f"flashnext is not on PyPI: install it from {where}, editable.", "", "```bash"]
     else:
         lines = [f"flashnext is not on PyPI: install it from {where}, editable, so that `flashnext serve` can "
-                 f"build its serving image `{serving.image}` (vLLM 0.33.0 with flashnext's patch series, "
-                 "`serving/Dockerfile`) from the clone on first use.", "", "```bash"]
+                 f"build its serving image `{serving.image}` (the vLLM release its tag names, with flashnext's "
+                 "patch series, `serving/Dockerfile`) from the clone on first use.", "", "```bash"]
     if url:
         lines.append(f"git clone {url} flashnext")
     lines += ["pip install -e ./flashnext",

@@ -1,4 +1,4 @@
-"""``flashnext ple build --format nvfp4|fp8``: the PLE table as an overlay that vLLM 0.33.0's own
+"""``flashnext ple build --format nvfp4|fp8``: the PLE table as an overlay that vLLM 0.34.0's own
 PLE methods read, small enough for host memory.
 
 The BF16 table (95.4 GiB for Qwen3.8-Flash-Next) becomes NVFP4 (26.8 GiB: 90 B a row) or FP8
@@ -287,7 +287,7 @@ class PleQuantize(OverlayBuilder):
     @classmethod
     def card_section(cls, report: dict) -> list[str]:
         lines = [f"## The PLE table as {report.get('format', '?').upper()}", "",
-                 f"`ple_embedding_dtype: {report.get('ple_embedding_dtype')}`: vLLM 0.33.0's own PLE method reads it; "
+                 f"`ple_embedding_dtype: {report.get('ple_embedding_dtype')}`: vLLM 0.34.0's own PLE method reads it; "
                  "with engram's `cpu_offload` the table sits in pinned host memory.", ""]
         for t in report.get("tables", []):
             error = t.get("relative_mse")

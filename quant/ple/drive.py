@@ -26,6 +26,8 @@ BLOCK = 4096
 # A drive whose tail is above these stalls decode (a decode step is ~10 ms on the reference rig).
 P99_LIMIT_MS = 5.0
 MAX_LIMIT_MS = 50.0
+# The smallest file drive_check measures: 1024 blocks to read at random.
+MIN_FILE_BYTES = 1024 * BLOCK
 
 
 def _open_direct(path: Path) -> int:
@@ -72,8 +74,9 @@ def drive_check(path: Path, seconds: float = 10.0, depth: int = 32) -> dict:
     try:
         size = os.fstat(fd).st_size
         blocks = size // BLOCK
-        if blocks < 1024:
-            raise FlashnextError(f"{path} is {size} bytes: use a file of at least 4 MiB (ideally the PLE table)")
+        if size < MIN_FILE_BYTES:
+            raise FlashnextError(f"{path} is {size} bytes: use a file of at least {MIN_FILE_BYTES >> 20} MiB "
+                                 "(ideally the PLE table)")
         try:
             os.preadv(fd, [mmap.mmap(-1, BLOCK)], 0)
         except OSError as e:

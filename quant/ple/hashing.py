@@ -1,4 +1,4 @@
-"""PLE n-gram row ids in numpy, bit-identical to vLLM 0.33.0's ``_ple_ngram_ids_kernel``.
+"""PLE n-gram row ids in numpy, bit-identical to vLLM 0.34.0's ``_ple_ngram_ids_kernel``.
 
 For token ``t`` of a batch (flat ``tokens``, ``query_start_loc`` of ``R+1`` entries, and
 ``ngram_size-1`` context tokens per request, oldest first), head ``g`` of order

@@ -1,6 +1,6 @@
 """The PLE n-gram table layout of vLLM's ``qwen4_exp``: multipliers, per-head sizes, offsets, shards.
 
-Every number here is computed exactly as vLLM 0.33.0 computes it (``Qwen4ExpNGramEmbedding``'s
+Every number here is computed exactly as vLLM 0.34.0 computes it (``Qwen4ExpNGramEmbedding``'s
 ``_make_layer_multipliers`` and ``_make_vocab_layout``), from config.json's ``text_config``.
 """
 

@@ -327,7 +327,7 @@ def verify_table(table: Path, full: bool = False, samples: int = 16, seed: int |
     with _open_table(table) as f:
         size = os.fstat(f.fileno()).st_size
     if size != sidecar.file_size:
-        raise VerificationMismatch(f"{table} is {size} bytes; its layout needs exactly {sidecar.file_size}",
+        raise VerificationMismatch(f"{table}: the file is {size} bytes; its layout needs exactly {sidecar.file_size}",
                                    printed=False)
     blocks = [(i, b) for i, s in enumerate(sidecar.shards) for b in range(len(s.block_sha256))]
     rng = random.Random(seed)

@@ -17,7 +17,7 @@ CUDA events around it, per rank (:mod:`flashnext.serving.runtime.step_time`). A 
 each rank's steps in it (the buckets' increase), shown beside the client's ITL; a server without it
 is noted.
 
-The names are vLLM 0.33.0's (``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger.__init__``).
+The names are vLLM 0.34.0's (``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger.__init__``).
 A counter ``vllm:X`` is exposed as the sample ``vllm:X_total`` (prometheus_client adds the
 suffix). Every sample of a name is summed over its labels (``engine``, one per data-parallel
 engine; ``model_name``), except KV-cache usage, where the fullest engine is what preempts, so its
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-# vLLM 0.33.0's names, by what the report calls them.
+# vLLM 0.34.0's names, by what the report calls them.
 GAUGES = {
     "running": "vllm:num_requests_running",
     "waiting": "vllm:num_requests_waiting",

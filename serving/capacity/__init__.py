@@ -1,11 +1,12 @@
 """Capacity planning: what a serving profile will get (KV cache blocks, token capacity, pinned host
-memory, VRAM) before anything starts, computed with vLLM 0.33.0's own rules.
+memory, VRAM) before anything starts, computed with vLLM 0.34.0's own rules.
 
 The package is split by concern, each module importing only those before it: ``model`` (the text
 and vision configs), ``vision`` (the tower's memory and vit-stream's slot rule), ``shape`` (the one
 reader of a profile's vLLM arguments), ``rules`` (host headroom and pinned-allocation rounding),
-``kv`` (the KV cache specs, vLLM's grouping and the block-size rule the engine shares) and
-``qwen4_exp`` (that family's plan).
+``kv`` (the KV cache specs, vLLM's grouping and the block-size rule the engine shares),
+``qwen4_exp`` (that family's plan) and ``ledger`` (every byte the patches hold per rank, and the
+pinned host terms the preflight counts; imported where it is used).
 
 :data:`FAMILIES` is the one table of the model families that can be planned. ``flashnext plan``,
 ``serve``'s plan line and the preflight's host-RAM check all look a profile's family up in it, so a
@@ -25,15 +26,15 @@ from flashnext.serving.capacity.model import (MANIFEST, TextConfig, VisionConfig
                                               load_vision_config)
 from flashnext.serving.capacity.qwen4_exp import GroupPlan, Plan, plan
 from flashnext.serving.capacity.rules import HOST_HEADROOM, next_power_of_two, pinned_bytes
-from flashnext.serving.capacity.shape import ServingShape, gpu_memory_utilization
+from flashnext.serving.capacity.shape import ServingShape, extensible_kv_cache, gpu_memory_utilization
 from flashnext.serving.capacity.vision import VisionPlan, slot_bytes, slot_layout, streamed_host_bytes
 
 __all__ = [
     "FAMILIES", "GroupPlan", "HOST_HEADROOM", "KVCacheLayout", "MANIFEST", "Plan", "Planner", "ServingShape",
-    "TextConfig", "VisionConfig", "VisionPlan", "base_manifest", "gpu_memory_utilization", "kv_cache_layout",
-    "load_text_config", "load_vision_config", "next_power_of_two", "offload_block_size", "pinned_bytes", "plan",
-    "plan_profile", "planner_for", "qsa_arena_blocks", "qsa_layers_per_rank", "rank_layers", "slot_bytes",
-    "slot_layout", "streamed_host_bytes",
+    "TextConfig", "VisionConfig", "VisionPlan", "base_manifest", "extensible_kv_cache", "gpu_memory_utilization",
+    "kv_cache_layout", "load_text_config", "load_vision_config", "next_power_of_two", "offload_block_size",
+    "pinned_bytes", "plan", "plan_profile", "planner_for", "qsa_arena_blocks", "qsa_layers_per_rank", "rank_layers",
+    "slot_bytes", "slot_layout", "streamed_host_bytes",
 ]
 
 

@@ -1,13 +1,13 @@
-"""The KV cache of a ``qwen4_exp`` model with the QSA K/V offloaded, as vLLM 0.33.0 lays it out.
+"""The KV cache of a ``qwen4_exp`` model with the QSA K/V offloaded, as vLLM 0.34.0 lays it out.
 
 Per layer, the KV cache specs are vLLM's own classes, with state shapes from vLLM's own calculators:
 
 - each gated delta-net layer: a ``MambaSpec`` (conv state + fp32 SSM state);
 - the PLE short conv (on the decoder layer before ``ple_layer_ids``): a ``MambaSpec``;
-- each QSA layer, in VRAM: the indexer's compressed keys, one state of ``indexer_head_dim`` bf16
-  plus an 8-byte position per ``indexer_compress_ratio`` tokens (the seed's offload layout:
-  66 B/token at 128/4; vLLM 0.33.0's own compressed cache has no position and would be 64), and
-  the raw-key ring (``CircularBufferSpec``, one block per request);
+- each QSA layer, in VRAM: the indexer's compressed keys (one ``indexer_head_dim`` bf16 key per
+  ``indexer_compress_ratio`` tokens, 64 B/token at 128/4) and the raw-key ring (one block per
+  request), each the spec vLLM's own cache module states (``QSACompressedKeyCache`` and
+  ``QSARawKeyCache.get_kv_cache_spec``), not a copy of it;
 - in host memory, the QSA main K and V: ``2 x num_key_value_heads x head_dim`` bf16 per token.
 
 The grouping is vLLM's ``get_kv_cache_groups`` over all ranks' layers with the block-outermost
@@ -29,7 +29,12 @@ from flashnext.serving.capacity.model import TextConfig, is_qsa
 from flashnext.serving.capacity.shape import PP_LAYER_PARTITION, ServingShape, import_vllm
 
 ATTENTION_BLOCK_ALIGNMENT = 16
-QSA_STATE_POSITION_BYTES = 8
+# The block-size rule budgets each compressed key with the 8-byte position the seed's offload
+# stored beside it (66 B/token at 128/4). vLLM 0.34.0's compressed key has none (64 B/token, the
+# spec the plan lays out); the rule keeps the seed's budget, so the block size, the arena and every
+# capacity number stay the ones seed 000 served and measured (9,776 and 12,144 tokens), and the QSA
+# page (5 x 64 x 9,776 = 3,128,320 B) sits within the state page (3,227,648 B) as the rule intends.
+BLOCK_RULE_POSITION_BYTES = 8
 KV_DTYPE_BYTES = 2  # bf16 K/V and keys
 
 
@@ -60,13 +65,10 @@ def ring_capacity(text: TextConfig, num_speculative_tokens: int) -> int:
     return -(-(ratio + num_speculative_tokens) // ratio) * ratio
 
 
-def qsa_state_bytes(text: TextConfig) -> int:
-    """One compressed QSA key as the seed's offload keeps it in VRAM: the key and its position."""
-    return text.indexer_head_dim * KV_DTYPE_BYTES + QSA_STATE_POSITION_BYTES
-
-
-def qsa_vram_bytes_per_token(text: TextConfig) -> int:
-    state_bytes = qsa_state_bytes(text)
+def block_rule_bytes_per_token(text: TextConfig) -> int:
+    """The VRAM a QSA layer's compressed keys take per token by the block-size rule: the seed's
+    state, the key and its position (:data:`BLOCK_RULE_POSITION_BYTES`), over the compression ratio."""
+    state_bytes = text.indexer_head_dim * KV_DTYPE_BYTES + BLOCK_RULE_POSITION_BYTES
     if state_bytes % text.indexer_compress_ratio:
         raise FlashnextError(f"a {state_bytes}-byte QSA state does not split over {text.indexer_compress_ratio} tokens")
     return state_bytes // text.indexer_compress_ratio
@@ -89,9 +91,10 @@ def offload_block_size(text: TextConfig, pp: int, partition: tuple[int, ...] | N
                        state_page_bytes: int) -> int:
     """The attention block size with the QSA K/V offloaded (seed 000 §2, §7): the largest multiple
     of 16 (and of the raw-key ring and the compression ratio) at which the busiest rank's QSA layers
-    fit one state page at the seed's 66 B/token. The block size is common to all ranks, so the
-    busiest one decides; the served engine (patch qsa-offload) takes its block size from here."""
-    per_token = qsa_vram_bytes_per_token(text)
+    fit one state page at the seed's 66 B/token (:func:`block_rule_bytes_per_token`). The block size
+    is common to all ranks, so the busiest one decides; the served engine (patch qsa-offload) takes
+    its block size from here."""
+    per_token = block_rule_bytes_per_token(text)
     alignment = math.lcm(ATTENTION_BLOCK_ALIGNMENT, ring_capacity(text, num_speculative_tokens),
                          text.indexer_compress_ratio)
     busiest = max(qsa_layers_per_rank(text, pp, partition, num_speculative_tokens))
@@ -103,26 +106,29 @@ def offload_block_size(text: TextConfig, pp: int, partition: tuple[int, ...] | N
     return block_size
 
 
-# The decode-07 row cache's bookkeeping per set of a layer: an int64 tag, an int32 hitmark and
-# an int64 bid; and one int32 epoch per layer (flashnext.quant.kernels.qsa_row_cache.RowCache).
-ROW_CACHE_SET_BYTES = 8 + 4 + 8
-ROW_CACHE_EPOCH_BYTES = 4
-
-
 def qsa_arena_blocks(qsa_per_rank: list[int]) -> int:
     """Blocks of rows in each rank's staging arena: one per QSA layer of the busiest rank (seed 000
     §7: 5 x 9,776 rows with MTP on every rank, so that a prefill stages as many blocks anywhere)."""
     return max(qsa_per_rank, default=0)
 
 
+def row_cache_bytes(text: TextConfig, layers: int, arena_blocks: int, block_size: int) -> tuple[int, int]:
+    """A rank's arena rows and its decode-07 row-cache state (tags, hitmarks, bids, epochs), in
+    bytes, as :class:`~flashnext.quant.kernels.qsa_row_cache.RowCache` allocates them."""
+    from flashnext.quant.kernels.qsa_row_cache import row_cache_tensors, tensor_bytes
+
+    tensors = row_cache_tensors(layers, arena_blocks, block_size, text.num_key_value_heads, text.head_dim)
+    arena = tensor_bytes(*tensors.pop("arena"))
+    return arena, sum(tensor_bytes(*t) for t in tensors.values())
+
+
 def qsa_arena(text: TextConfig, qsa_per_rank: list[int], block_size: int) -> tuple[int, list[int], list[int]]:
     """The arena's rows, the row-cache rows each layer of each rank gets, and each rank's arena
     bytes (the rows and the row-cache state); a rank without QSA layers holds none."""
-    rows = qsa_arena_blocks(qsa_per_rank) * block_size
-    row_bytes = qsa_host_bytes_per_token(text)  # one token's K and V of every KV head, as on the host
+    blocks = qsa_arena_blocks(qsa_per_rank)
+    rows = blocks * block_size
     shares = [rows // n if n else 0 for n in qsa_per_rank]
-    arena_bytes = [rows * row_bytes + n * (share * ROW_CACHE_SET_BYTES + ROW_CACHE_EPOCH_BYTES) if n else 0
-                   for n, share in zip(qsa_per_rank, shares)]
+    arena_bytes = [sum(row_cache_bytes(text, n, blocks, block_size)) if n else 0 for n in qsa_per_rank]
     return rows, shares, arena_bytes
 
 
@@ -135,52 +141,76 @@ def _vllm_config(prefix_caching: bool):
     return config
 
 
-def _state_specs(text: TextConfig, shape: ServingShape):
-    """vLLM's MambaSpecs for a gated delta-net layer and for the PLE short conv."""
+def mamba_block_size(shape: ServingShape, block_size: int) -> int:
+    """The state specs' block size as vLLM sets it: the attention block in mamba align mode (the
+    offload's ``align_block_size``), else the whole context (``HybridAttentionMambaModelConfig``)."""
+    return block_size if shape.prefix_caching else shape.max_model_len
+
+
+def _state_specs(text: TextConfig, shape: ServingShape, block_size: int = 1):
+    """vLLM's MambaSpecs for a gated delta-net layer and for the PLE short conv, as each layer's
+    ``MambaBase.get_kv_cache_spec`` states them (its state shapes and dtypes from vLLM's own
+    calculators, its backend, an alignment of 1) at a state block of ``block_size``."""
     import torch
     from vllm.model_executor.layers.mamba.mamba_utils import (
         MambaStateDtypeCalculator,
         MambaStateShapeCalculator,
     )
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
     mode = "align" if shape.prefix_caching else "none"
     spec = shape.num_speculative_tokens
+    common = dict(block_size=block_size, mamba_cache_mode=mode, num_speculative_blocks=spec, state_alignment=1,
+                  block_stride_alignment=1)
     gdn = MambaSpec(
         shapes=MambaStateShapeCalculator.gated_delta_net_state_shape(
             1, text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim,
             text.linear_value_head_dim, text.linear_conv_kernel_dim, spec),
         dtypes=MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto", "float32"),
-        block_size=1, mamba_cache_mode=mode, num_speculative_blocks=spec)
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN, **common)
     conv_state_len = (text.ple_conv_kernel_size - 1) * text.ngram_size
     ple = MambaSpec(
         shapes=MambaStateShapeCalculator.short_conv_state_shape(
             1, text.hidden_size * text.hc_count, conv_state_len + 1, spec),
         dtypes=MambaStateDtypeCalculator.short_conv_state_dtype(torch.bfloat16, "auto"),
-        block_size=1, mamba_cache_mode=mode, num_speculative_blocks=spec, tp_replicated=True)
+        mamba_type=MambaAttentionBackendEnum.SHORT_CONV, tp_replicated=True, **common)
     return gdn, ple
 
 
 def _qsa_specs(text: TextConfig, shape: ServingShape, block_size: int, is_draft: bool):
-    """The VRAM-resident caches of one offloaded QSA layer: compressed keys and the raw-key ring."""
-    import torch
-    from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec
+    """The VRAM-resident caches of one offloaded QSA layer, compressed keys and the raw-key ring,
+    as vLLM's own cache modules state them: built as ``Qwen4ExpQSAIndexer`` builds them (bf16
+    indexer keys, the default ``indexer_kv_dtype``), asked with ``get_kv_cache_spec`` and
+    customised for their backend as the engine's ``get_kv_cache_spec`` does, a draft layer's marked
+    as the drafter's (``is_draft``). The configs they read are stood in for: the plan has no model
+    to build a ``VllmConfig`` of, and they read the block size, the draft tokens and a registry of
+    layer names only."""
+    import dataclasses
+    import types
 
-    ratio = text.indexer_compress_ratio
-    compressed = MLAAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=qsa_state_bytes(text) // KV_DTYPE_BYTES,
-        dtype=torch.bfloat16, tokens_per_state=ratio, is_draft=is_draft)
-    # The ring holds an open compression group plus the draft rows, in whole groups (QSAKeyStateCache).
-    ring_head = -(-text.indexer_head_dim // 4) * 4 + (12 if text.uses_mrope else 0)
-    ring = CircularBufferSpec(
-        block_size=ring_capacity(text, shape.num_speculative_tokens), num_kv_heads=1, head_size=ring_head, head_size_v=0,
-        dtype=torch.bfloat16, is_draft=is_draft)
-    return compressed, ring
+    import torch
+    from vllm.config import CacheConfig
+    from vllm.models.qwen4_exp.common.qsa_indexer import (QSAIndexerBackend, QSACompressedKeyCache,
+                                                          QSARawKeyCache)
+    from vllm.v1.worker.gpu.attn_utils import customize_attention_spec
+
+    cache_config = CacheConfig(block_size=block_size)
+    config = types.SimpleNamespace(compilation_config=types.SimpleNamespace(static_forward_context={}),
+                                   num_speculative_tokens=shape.num_speculative_tokens)
+    common = dict(dtype=torch.bfloat16, compress_ratio=text.indexer_compress_ratio, cache_config=cache_config,
+                  vllm_config=config)
+    compressed = QSACompressedKeyCache(head_size=text.indexer_head_dim, prefix="compressed_key_cache", **common)
+    ring = QSARawKeyCache(head_size=text.indexer_head_dim, cache_rope_positions=text.uses_mrope,
+                          prefix="raw_key_cache", **common)
+    specs = [customize_attention_spec(QSAIndexerBackend, cache.get_kv_cache_spec(config))
+             for cache in (compressed, ring)]
+    return tuple(dataclasses.replace(spec, is_draft=True) if is_draft else spec for spec in specs)
 
 
 @dataclass
 class KVCacheLayout:
-    """What vLLM 0.33.0 makes of the model's KV cache specs: the whole-model groups and each
+    """What vLLM 0.34.0 makes of the model's KV cache specs: the whole-model groups and each
     rank's projection of them, with the inputs that produced them."""
 
     block_size: int
@@ -195,7 +225,7 @@ class KVCacheLayout:
 
 
 def kv_cache_layout(text: TextConfig, shape: ServingShape) -> KVCacheLayout:
-    """Build every rank's layer specs and group them with vLLM 0.33.0's ``get_kv_cache_groups``."""
+    """Build every rank's layer specs and group them with vLLM 0.34.0's ``get_kv_cache_groups``."""
     if not shape.qsa_kv_offload:
         raise FlashnextError(
             "the plan models the QSA K/V offload of seed 000 (VLLM_QSA_KV_OFFLOAD=1); this profile does not set it")
@@ -211,6 +241,7 @@ def kv_cache_layout(text: TextConfig, shape: ServingShape) -> KVCacheLayout:
     gdn, ple = _state_specs(text, shape)
     state_page = max(gdn.page_size_bytes, ple.page_size_bytes if ple_layers else 0)
     block_size = offload_block_size(text, pp, shape.layer_partition, shape.num_speculative_tokens, state_page)
+    gdn, ple = _state_specs(text, shape, mamba_block_size(shape, block_size))
 
     rank_specs: list[dict] = []
     for rank, layers in enumerate(ranks):

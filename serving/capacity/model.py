@@ -18,7 +18,7 @@ from flashnext.quant.records.jsonfile import get_dict, get_int, read_json
 MANIFEST = manifest_path("qwen3.8-flash-next.json")
 
 # Transformers 5.18 renamed `qwen_sparse_attention` to `indexed_attention`; some releases say
-# `full_attention` (vLLM 0.33.0 accepts all three).
+# `full_attention` (vLLM 0.34.0 accepts all three).
 QSA_LAYER_TYPES = ("full_attention", "qwen_sparse_attention", "indexed_attention")
 GDN_LAYER_TYPE = "linear_attention"
 # transformers' Qwen3-VL vision config default (a 48 x 48 grid of learned positions)
@@ -73,6 +73,12 @@ class TextConfig:
     hc_count: int
     mtp_num_hidden_layers: int
     uses_mrope: bool
+    # What sizes the memory ledger besides the KV cache (0 where a config does not say)
+    num_attention_heads: int = 0
+    num_experts: int = 0
+    vocab_size: int = 0
+    ple_embed_dim: int = 0
+    heads_per_ngram: int = 0
 
     @classmethod
     def from_dict(cls, config: dict, where: str) -> "TextConfig":
@@ -99,7 +105,18 @@ class TextConfig:
             mtp_num_hidden_layers=get_int(text, "mtp_num_hidden_layers", where, minimum=0, default=0),
             uses_mrope="mrope_section" in rope,
             **sizes,
+            **{key: get_int(text, key, where, minimum=0, default=0) for key in (
+                "num_attention_heads", "num_experts", "vocab_size", "ple_embed_dim", "heads_per_ngram")},
         )
+
+    @property
+    def ple_ngram_heads(self) -> int:
+        """The n-gram heads of a PLE layer: a row per head and token (vLLM's ``Qwen4ExpNGramEmbedding``)."""
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def ple_head_dim(self) -> int:
+        return self.ple_embed_dim // self.ple_ngram_heads if self.ple_ngram_heads else 0
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_hidden_layers:
@@ -143,6 +160,15 @@ class VisionConfig:
 
     def block_bytes(self) -> int:
         return sum(self.block_parameter_bytes())
+
+    def linear_parameter_bytes(self) -> list[int]:
+        """Each parameter of the tower's linear layers, the ones vLLM gives a quantization method:
+        every block's qkv, proj, fc1 and fc2 (weights and biases), then each merger's fc1 and fc2.
+        (The LayerNorms, the patch convolution and the position embedding have none.)"""
+        per_block = self.block_parameter_bytes()
+        merged = self.hidden_size * self.spatial_merge_size ** 2
+        merger = [2 * c for c in (merged * merged, merged, merged * self.out_hidden_size, self.out_hidden_size)]
+        return (per_block[2:6] + per_block[8:12]) * self.depth + merger * (1 + self.deepstack_mergers)
 
     def other_bytes(self) -> int:
         """Patch embedding, position embedding and the merger(s): resident either way."""

@@ -1,7 +1,7 @@
 """The ``qwen4_exp`` family's capacity plan: the numbers ``flashnext plan`` prints for a profile.
 
 What is modelled is the system the profiles run (seed 000 §2 and §7): pipeline parallelism with the
-QSA main K/V offloaded to pinned host memory (``VLLM_QSA_KV_OFFLOAD=1``), laid out by vLLM 0.33.0
+QSA main K/V offloaded to pinned host memory (``VLLM_QSA_KV_OFFLOAD=1``), laid out by vLLM 0.34.0
 (:mod:`~flashnext.serving.capacity.kv`). A block's bytes on a rank come from vLLM's
 ``_pool_bytes_per_block``; a request's blocks are each group's ``cdiv(max memory, page)``, summed, as
 ``get_max_concurrency_for_kv_cache_config`` does.
@@ -80,7 +80,7 @@ class Plan:
 
 
 def plan(text: TextConfig, shape: ServingShape) -> Plan:
-    """Lay out the KV cache for ``text`` served as ``shape``, with vLLM 0.33.0's grouping."""
+    """Lay out the KV cache for ``text`` served as ``shape``, with vLLM 0.34.0's grouping."""
     import_vllm()
     from vllm.utils.math_utils import cdiv
     from vllm.v1.core.kv_cache_planning import _pool_bytes_per_block

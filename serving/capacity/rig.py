@@ -37,7 +37,8 @@ from flashnext.serving.capacity.vision import vision_plan
 GIB = 1 << 30
 MIB = 1 << 20
 
-# Seed 000 §6 (after patch mem-01, weights as vLLM loaded them on 16/16/16): rank 1 holds 16 decoder
+# Seed 000 §6 (after patch mem-01, which vLLM 0.34.0 does itself: embed_tokens on the first rank
+# only, lm_head on the last; weights as vLLM loaded them on 16/16/16): rank 1 holds 16 decoder
 # layers and nothing else, 20.44 GiB; rank 0 holds 20.98 (its extra: embed_tokens and the PLE
 # projections), rank 2 21.05 (its extra: lm_head).
 LAYER_WEIGHT_BYTES = round(20.44 * GIB / 16)
@@ -184,7 +185,7 @@ def _memory(rig: Rig, plan: Plan, partition: list[int], loads: list[int]) -> lis
 
 def _host(profile, plan: Plan, rig: Rig) -> dict:
     from flashnext.serving import capacity
-    from flashnext.serving.preflight import host_fit, pinned_host_terms
+    from flashnext.serving.capacity.ledger import host_fit, pinned_host_terms
 
     shape = ServingShape.from_profile(profile)
     terms = pinned_host_terms(shape, plan, None, None, ple_format=rig.ple_format)

@@ -1,6 +1,6 @@
 """What a serving profile asks of vLLM, read the way vLLM reads it.
 
-This module is the only reader of a profile's vLLM arguments, and it reads them with vLLM 0.33.0's
+This module is the only reader of a profile's vLLM arguments, and it reads them with vLLM 0.34.0's
 own ``EngineArgs`` parser: a hand parse would miss the short forms (``-pp 3``), the ``=`` forms and
 the defaults vLLM applies, and then the plan, the preflight and the served engine would each see a
 different profile.
@@ -19,6 +19,10 @@ from flashnext.serving.capacity.vision import DEFAULT_MAX_PIXELS
 
 # vLLM's own knob for an uneven pipeline split; a profile sets it in its environment.
 PP_LAYER_PARTITION = "VLLM_PP_LAYER_PARTITION"
+# What vLLM's OpenAI server takes where a profile leaves the batch unset, on a GPU below 70 GiB
+# (EngineArgs.get_batch_defaults): the tokens and sequences a step may hold.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 def import_vllm() -> None:
@@ -50,9 +54,43 @@ def engine_args(profile):
     return args
 
 
+def extensible_kv_cache(profile) -> bool:
+    """Whether vLLM serves the profile (on CUDA) with its extensible KV cache, sized from the memory
+    measured free after warm-up, as ``VllmConfig._resolve_extensible_kv_cache`` settles it: as
+    ``--enable-extensible-kv-cache`` says when given, else on unless the profile sizes the cache
+    itself (``--kv-cache-memory-bytes``, ``--num-gpu-blocks-override``), runs elastic EP, or has a
+    KV connector that reaches the cache through legacy CUDA IPC, its own memory pool, or FABRIC
+    handles without an IMEX channel here. Computed rather than asked of vLLM, whose method asks the
+    platform of this process (the CPU's, for planning), not the one the profile is served on
+    (``tests/serving/test_preflight.py`` holds this to vLLM's method). One reading stays this
+    process's: a connector that leaves ``kv_buffer_device`` out gets the planning platform's
+    default, which only NIXL's answer depends on."""
+    args = engine_args(profile)
+    if args.enable_extensible_kv_cache is not None:
+        return bool(args.enable_extensible_kv_cache)
+    if args.kv_cache_memory_bytes is not None or args.num_gpu_blocks_override is not None or args.enable_elastic_ep:
+        return False
+    transfer = args.kv_transfer_config
+    if transfer is None:
+        return True
+    from vllm.config.kv_transfer import KVCacheAccess
+    from vllm.utils.vmm_driver import imex_channel_available
+
+    access = transfer.kv_cache_access()
+    if KVCacheAccess.LEGACY_IPC in access or transfer.uses_custom_mem_pool():
+        return False
+    return KVCacheAccess.EXPORTS_FD in access or KVCacheAccess.EXPORTS_FABRIC not in access or imex_channel_available()
+
+
 def gpu_memory_utilization(profile) -> float:
-    """The share of each GPU's memory the profile's engine takes (``--gpu-memory-utilization``)."""
-    return float(engine_args(profile).gpu_memory_utilization)
+    """The share of each GPU's memory the profile's engine takes, as vLLM resolves it
+    (``CacheConfig.resolved_gpu_memory_utilization``): ``--gpu-memory-utilization`` when given,
+    else a default that vLLM 0.34.0 picks by how the KV cache is sized (:func:`extensible_kv_cache`)."""
+    given = engine_args(profile).gpu_memory_utilization  # first: without vLLM, the error that says so
+    from vllm.config import CacheConfig
+
+    cache = CacheConfig(gpu_memory_utilization=given, enable_extensible_kv_cache=extensible_kv_cache(profile))
+    return float(cache.resolved_gpu_memory_utilization)
 
 
 def layer_partition(profile) -> tuple[int, ...] | None:
@@ -65,6 +103,16 @@ def layer_partition(profile) -> tuple[int, ...] | None:
     except ValueError:
         raise FlashnextError(f"profile {profile.name}: {PP_LAYER_PARTITION} {text!r} is not a comma-separated "
                              "list of layer counts") from None
+
+
+def capture_sizes(compilation_config) -> tuple[int, ...]:
+    """The step sizes the profile's engine captures CUDA graphs of: none with ``cudagraph_mode``
+    NONE; the profile's list, else vLLM's default (up to 512 tokens; the ledger's decode rows are
+    capped by the batch anyway)."""
+    mode = compilation_config.cudagraph_mode
+    if mode is not None and mode.name == "NONE":
+        return ()
+    return tuple(compilation_config.cudagraph_capture_sizes or (512,))
 
 
 @dataclass(frozen=True)
@@ -86,6 +134,11 @@ class ServingShape:
     engram_cpu_offload: bool = True  # --engram-config's cpu_offload: vLLM pins the PLE table on the host
     mtp_slim_draft: bool = True  # patch mtp-02 (VLLM_MTP_SLIM_DRAFT)
     ple_table_file: bool = False  # the profile's environment names a PLE table file (VLLM_PLE_MMAP_PATH)
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # a step's tokens: a prefill chunk's query rows
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    cudagraph_capture_sizes: tuple[int, ...] = ()  # none: every step eager
+    moe_fused_decode: bool = True  # patch decode-05 (VLLM_MOE_FUSED_DECODE)
+    qsa_row_cache: bool = True  # decode-07 (VLLM_QSA_ROW_CACHE)
 
     @classmethod
     def from_profile(cls, profile, kv_cache_memory_bytes: int | None = None,
@@ -115,7 +168,14 @@ class ServingShape:
             vit_stream=envs.VLLM_VIT_STREAM.enabled_in(profile.env),
             max_pixels=int(mm_kwargs.get("max_pixels", DEFAULT_MAX_PIXELS)),
             speculative_method=spec.get("method"),
-            engram_cpu_offload=True if engram is None else bool(engram.cpu_offload),
+            # vLLM 0.34.0's disk_offload (the table read from the checkpoint's shards each step)
+            # takes precedence over cpu_offload and pins no table (Qwen4ExpNGramEmbedding.__init__)
+            engram_cpu_offload=True if engram is None else bool(engram.cpu_offload and not engram.disk_offload),
             mtp_slim_draft=envs.VLLM_MTP_SLIM_DRAFT.enabled_in(profile.env),
             ple_table_file=bool(profile.env.get(envs.VLLM_PLE_MMAP_PATH.name, "").strip()),
+            max_num_batched_tokens=int(args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS),
+            max_num_seqs=int(args.max_num_seqs or DEFAULT_MAX_NUM_SEQS),
+            cudagraph_capture_sizes=capture_sizes(args.compilation_config),
+            moe_fused_decode=envs.VLLM_MOE_FUSED_DECODE.enabled_in(profile.env),
+            qsa_row_cache=envs.VLLM_QSA_ROW_CACHE.enabled_in(profile.env),
         )

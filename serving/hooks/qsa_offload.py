@@ -66,9 +66,12 @@ def _offload_inputs(vllm_config):
     config = TextConfig.from_dict(text.to_dict(), "the served model's config")
     from vllm.model_executor.models import ModelRegistry
 
-    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
-    state_page = max(spec.page_size_bytes for spec in model_cls.get_mamba_specs_from_config(vllm_config))
     spec = vllm_config.speculative_config
+    # the draft head's config names its own class (Qwen4ExpMTP), which has no state specs: the
+    # state pages, like the block size they set, are the target model's
+    served = spec.target_model_config if spec is not None and spec.target_model_config is not None else model_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(served.architecture, model_config=served)
+    state_page = max(spec.page_size_bytes for spec in model_cls.get_mamba_specs_from_config(vllm_config))
     import vllm.envs as vllm_envs
 
     partition = vllm_envs.VLLM_PP_LAYER_PARTITION  # vLLM's own knob, read as get_pp_indices reads it

@@ -1,4 +1,4 @@
-"""vLLM quantization methods for the weight formats flashnext serves and vLLM 0.33.0 does not.
+"""vLLM quantization methods for the weight formats flashnext serves and vLLM 0.34.0 does not.
 
 Split the way vLLM splits ``layers/quantization/`` from its model files: a method here knows a
 weight format (its parameters, how it loads, which kernel multiplies by it) and nothing about

@@ -1,6 +1,6 @@
 """INT6 bit-plane weights (:mod:`flashnext.quant.formats.bitplane`) as a vLLM linear method.
 
-vLLM 0.33.0's compressed-tensors INT6 scheme refuses the planes on shape (``uint8 [N, 3K/4]``
+vLLM 0.34.0's compressed-tensors INT6 scheme refuses the planes on shape (``uint8 [N, 3K/4]``
 where it expects dense 6-bit words), so a layer that holds them needs its own method. The
 compressed-tensors scheme vLLM chose stays on ``layer.scheme``: it says the group size, and with
 the planes not kept it does the work (the planes turned back into its dense words after loading),

@@ -1,7 +1,7 @@
 """compressed-tensors INT8 group weights (``pack-quantized``, 8 bits) as vLLM quantization methods.
 
 The release stores ``embed_tokens``, ``lm_head`` and the hyper-connection mixers' projections this
-way (seed 000 §3.3, §6), and vLLM 0.33.0 builds those layers with a bf16 ``weight``. The methods
+way (seed 000 §3.3, §6), and vLLM 0.34.0 builds those layers with a bf16 ``weight``. The methods
 here keep the checkpoint's bytes as loaded (``weight_packed`` int32 words, ``weight_scale``,
 ``weight_shape``: 1 byte a weight plus a bf16 scale a group) and multiply through
 :func:`flashnext.quant.kernels.decode_mma.int8_matmul`. Which layers get them is patch

@@ -38,6 +38,13 @@ def hasher_of(owner) -> NgramHasher:
     return NgramHasher(layout)
 
 
+def staged_rows_shape(max_total_tokens: int, num_ngram_heads: int, embedding_dim: int) -> tuple[int, int, int]:
+    """The device buffer a step's PLE rows are staged into (one per PLE layer, built with the
+    model); the pinned host staging buffer holds the same rows' bytes. ``flashnext plan``'s ledger
+    counts both from here."""
+    return max(max_total_tokens, 1), num_ngram_heads, embedding_dim
+
+
 _EMBEDDING_CLASS = None
 
 
@@ -70,7 +77,7 @@ def file_backed_embedding_class(table_path: Callable[[], Path | None]):
             # the checkpoint's shards are already in the file: spot-check them instead of copying
             self.weight.weight_loader = self._check_shard
             # a fixed address, so CUDA graphs captured over the forward read each step's rows
-            self.staged_rows = torch.zeros(max(max_total_tokens, 1), num_ngram_heads, embedding_dim,
+            self.staged_rows = torch.zeros(staged_rows_shape(max_total_tokens, num_ngram_heads, embedding_dim),
                                            dtype=self.weight.dtype)
             self.staged_tokens = -1
             self._staging = None
@@ -140,12 +147,14 @@ class PleFileServing:
             self._prefetchers = [PromptPrefetcher(o.ngram_embedding.table.mapping, hasher_of(o)) for o in self.owners]
         return self._prefetchers
 
-    def admitted(self, request_id: str, prompt_token_ids) -> None:
-        """ttft-01: advise the prompt's pages while the request waits for its prefill."""
-        if not prompt_token_ids or not envs.VLLM_PLE_PREFETCH.enabled():
+    def admitted(self, request_id: str, token_ids) -> None:
+        """ttft-01: advise the pages of the tokens a request will prefill (vLLM 0.34.0's
+        ``NewRequestData.prefill_token_ids``: the prompt, and on a resume the tokens generated
+        before it) while it waits for its prefill."""
+        if not token_ids or not envs.VLLM_PLE_PREFETCH.enabled():
             return
         for prefetcher in self._prompt_prefetchers():
-            prefetcher.submit(request_id, np.asarray(prompt_token_ids, dtype=np.int64))
+            prefetcher.submit(request_id, np.asarray(token_ids, dtype=np.int64))
 
     def finished(self, request_id: str) -> None:
         if self._prefetchers is not None:

@@ -116,7 +116,10 @@ class Launcher:
                 return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                         start_new_session=True)
             except FileNotFoundError:
-                raise FlashnextError(f"{argv[0]} is not on PATH: pip install 'flashnext[serve]'") from None
+                from flashnext.serving import vllm_release
+
+                raise FlashnextError(f"{argv[0]} is not on PATH: run from the environment vLLM is installed in, "
+                                     f"or install it there: {vllm_release.INSTALL}") from None
 
     def stop(self, proc: subprocess.Popen, grace_s: float = 60.0) -> None:
         if proc.poll() is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from flashnext.serving.selftest.report import SelftestReport
+from flashnext.serving.selftest.report import SelftestReport, headline
 
 _MARK = {"passed": "passed", "agree": "agree", "failed": "FAILED", "disagree": "DISAGREES",
          "could_not_run": "could not run"}
@@ -72,7 +72,7 @@ def _ple_format_ab(r: SelftestReport) -> str:
 def write_html(r: SelftestReport, path: Path) -> None:
     m = r.machine
     parts = [
-        f"<h1>flashnext selftest: {'OK' if r.summary.ok else 'FAILED'}</h1>",
+        f"<h1>flashnext selftest: {html.escape(headline(r.summary))}</h1>",
         f"<p>flashnext {html.escape(r.flashnext_version)}, profile {html.escape(r.profile)}, "
         f"{html.escape(r.started_at)} to {html.escape(r.finished_at)}<br>vLLM {_cell(m.vllm_version)}"
         f" (patched: {_cell(m.vllm_patched)}), {m.cuda_gpus} CUDA GPU(s) {html.escape(', '.join(m.gpu_names))}</p>",

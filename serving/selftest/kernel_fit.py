@@ -1,6 +1,6 @@
 """Kernel fit: do the demo checkpoint's quantized layers fit the GPU kernels vLLM picks for them?
 
-vLLM 0.33.0's own ``qwen4_exp`` model is built on the CPU from a config.json (no weights needed),
+vLLM 0.34.0's own ``qwen4_exp`` model is built on the CPU from a config.json (no weights needed),
 once per compute capability, with vLLM's own ``CompressedTensorsConfig``: every quantized linear
 layer runs ``CompressedTensorsWNA16.create_weights`` and so ``choose_mp_linear_kernel``, every MoE
 block ``CompressedTensorsWNA16MoEMethod`` and so ``select_wna16_moe_backend``. Each layer is then

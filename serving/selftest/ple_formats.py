@@ -1,5 +1,5 @@
 """The selftest's "PLE formats" check: the demo checkpoint's PLE table built as NVFP4 and FP8 overlays
-(``flashnext ple build --format``), each read back through vLLM 0.33.0's own ``Qwen4ExpNGramEmbedding``.
+(``flashnext ple build --format``), each read back through vLLM 0.34.0's own ``Qwen4ExpNGramEmbedding``.
 
 In the selftest's process (:func:`build_views`, :func:`judge`): the overlays and their views are
 built in the work directory; vLLM's rows are then held to flashnext's decoder (bit for bit) and to

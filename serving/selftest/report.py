@@ -89,7 +89,7 @@ class KernelChoices(_Model):
 
 class PleFormatCheck(_Model):
     """The demo's PLE table built as one format (``flashnext ple build --format``) and read back
-    through vLLM 0.33.0's own ``Qwen4ExpNGramEmbedding``."""
+    through vLLM 0.34.0's own ``Qwen4ExpNGramEmbedding``."""
 
     format: Literal["nvfp4", "fp8"]
     ple_embedding_dtype: str = Field(description="what the overlay's config.json says, which picks vLLM's method")
@@ -174,6 +174,19 @@ class Summary(_Model):
     failed: int
     could_not_run: int
     lines: list[str] = Field(description="one line per failure and per part that could not run")
+
+
+def headline(s: Summary) -> str:
+    """The verdict in a few words: OK only when every check ran and passed; PARTIAL when all that
+    ran passed but some could not run here (the exit status is still 0: a machine without GPUs
+    runs what it can), FAILED when any failed."""
+    ran = s.passed + s.failed
+    total = ran + s.could_not_run
+    if s.failed:
+        return f"FAILED: {s.failed} of the {ran} checks that ran failed, {s.could_not_run} could not run here"
+    if s.could_not_run:
+        return f"PARTIAL: {ran} of {total} checks ran, all passed; {s.could_not_run} could not run here"
+    return f"OK: all {total} checks passed"
 
 
 class SelftestReport(_Model):

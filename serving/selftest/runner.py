@@ -21,6 +21,7 @@ from typing import Callable
 
 from flashnext import __version__
 from flashnext.errors import FlashnextError
+from flashnext.serving import vllm_release
 from flashnext.serving.selftest.report import (
     KernelChoice, KernelChoices, KernelFit, KernelLayer, Machine, PatchResult, PleFormatAB, PleFormats, RunResult,
     SelftestReport, SeriesCheck, Summary,
@@ -173,13 +174,18 @@ def _failing_patch(detail: str) -> str | None:
 
 
 def gpu_count(gpus: str) -> tuple[int, list[str]]:
-    from flashnext.serving.preflight import nvml_devices
+    """How many GPUs the selftest uses, and their names: all that are visible (``auto``) or the
+    ``gpus`` asked for, refused when fewer are visible (before minutes of CPU checks, not after)."""
+    from flashnext.serving.preflight import visible_gpus
 
-    devices = nvml_devices()
+    devices = visible_gpus()
     names = [d.name for d in devices]
     if gpus == "auto":
         return len(devices), names
-    return min(int(gpus), len(devices)), names[: int(gpus)]
+    if int(gpus) > len(devices):
+        raise FlashnextError(f"--gpus {gpus}: {len(devices)} GPU(s) visible here (NVML, nvidia-smi); "
+                             "pass --gpus auto, or --gpus 0 for the CPU part only")
+    return int(gpus), names[: int(gpus)]
 
 
 def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "auto",

@@ -181,10 +181,14 @@ def test_hostile_profile_values_reach_the_container_as_written(compose, edit, tm
 
 @pytest.mark.parametrize("name", available())
 def test_every_profile_is_read_by_a_real_compose(compose, name, tmp_path):
-    result = CliRunner().invoke(cli, ["serve", "--profile", name, "--model", "/srv/snap", "--overlay", "/srv/ov1",
-                                      "--ple-table", "/srv/ple.bin", "--dry-run"])
+    snap, overlay, table = tmp_path / "snap", tmp_path / "ov1", tmp_path / "ple.bin"  # --dry-run mounts what is here
+    for folder in (snap, overlay):
+        folder.mkdir()
+    table.write_bytes(b"")
+    result = CliRunner().invoke(cli, ["serve", "--profile", name, "--model", str(snap), "--overlay", str(overlay),
+                                      "--ple-table", str(table), "--dry-run"])
     assert result.exit_code == 0, result.output
-    req = ServeRequest(load_profile(name), Path("/srv/snap"), (Path("/srv/ov1"),), Path("/srv/ple.bin"))
+    req = ServeRequest(load_profile(name), snap, (overlay,), table)
     assert_compose_reads_what_flashnext_meant(compose, req, result.stdout, tmp_path / "compose")
 
 

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def patched_tree(tmp_path_factory) -> Path:
     """The installed vLLM with the whole series applied, as a shadow tree to put on PYTHONPATH."""
-    pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+    pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
     from flashnext.serving.patch_series import patched_tree as build
 
     return build(tmp_path_factory.mktemp("patched") / "tree")

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from flashnext.serving import preflight as pf
-from flashnext.serving.profiles import load_profile
+from flashnext.serving.profiles import available, load_profile
 from flashnext.tools.cli import main as cli
 
 GIB = 2**30
@@ -26,28 +26,101 @@ def test_gpu_findings():
     assert not finding.ok and "GPU 1" in finding.detail and "nvidia-smi" in finding.fix
 
 
+def pf_share(profile) -> float:
+    from flashnext.serving.capacity import gpu_memory_utilization
+
+    return gpu_memory_utilization(profile)
+
+
+def with_args(name: str, *args: str):
+    profile = load_profile(name)
+    return dataclasses.replace(profile, vllm_args=[*profile.vllm_args, *args])
+
+
+def vllms_cache_config(profile, monkeypatch):
+    """The profile's ``CacheConfig`` as vLLM settles it served on CUDA: built from what vLLM's
+    ``EngineArgs`` parser makes of the arguments, its extensible KV cache decided by vLLM's own
+    ``VllmConfig._resolve_extensible_kv_cache`` with a stand-in for the CUDA platform (the one
+    stand-in: vllm/platforms/cuda.py needs libcuda to import)."""
+    import types
+
+    import vllm.platforms
+    from vllm.config import CacheConfig, VllmConfig
+
+    from flashnext.serving.capacity.shape import engine_args
+
+    parsed = engine_args(profile)
+    cache = CacheConfig(gpu_memory_utilization=parsed.gpu_memory_utilization,
+                        kv_cache_memory_bytes=parsed.kv_cache_memory_bytes,
+                        num_gpu_blocks_override=parsed.num_gpu_blocks_override,
+                        enable_extensible_kv_cache=parsed.enable_extensible_kv_cache)
+    if parsed.kv_transfer_config is not None:  # its connectors' modules imported on the real platform
+        parsed.kv_transfer_config.kv_cache_access()
+    monkeypatch.setattr(vllm.platforms, "_current_platform",
+                        types.SimpleNamespace(is_cuda_alike=lambda: True, is_rocm=lambda: False, device_type="cuda"))
+    VllmConfig._resolve_extensible_kv_cache(types.SimpleNamespace(
+        cache_config=cache, kv_transfer_config=parsed.kv_transfer_config,
+        parallel_config=types.SimpleNamespace(enable_elastic_ep=parsed.enable_elastic_ep)))
+    monkeypatch.undo()
+    return cache
+
+
 @pytest.mark.parametrize("args, share", [
-    ([], 0.92),  # vLLM 0.33.0's default (the preflight's own parse assumed 0.9 before issue 27)
+    # vLLM 0.34.0's default where the profile sizes the KV cache itself (--kv-cache-memory-bytes: no
+    # extensible KV cache); the preflight's own parse assumed 0.9 before issue 27
+    ([], 0.92),
     (["--gpu-memory-utilization=0.95"], 0.95),  # the `=` form vLLM's parser reads
     (["--gpu-memory-utilization", "0.5"], 0.5),
 ])
-def test_the_gpu_check_takes_the_share_vllm_reads(args, share):
-    """What the preflight requires free on each GPU is what vLLM's EngineArgs makes of the profile."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
+def test_the_gpu_check_takes_the_share_vllm_reads(args, share, monkeypatch):
+    """What the preflight requires free on each GPU is the share vLLM resolves for the profile
+    (vLLM 0.34.0's parser leaves an absent --gpu-memory-utilization None, and CacheConfig picks the
+    default by how the KV cache is sized: resolved_gpu_memory_utilization)."""
     profile = load_profile("3x3090")
     rest = list(profile.vllm_args)
     at = rest.index("--gpu-memory-utilization")
     del rest[at:at + 2]
     profile = dataclasses.replace(profile, vllm_args=rest + args)
-    parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_known_args(profile.vllm_args)[0]
-    assert parsed.gpu_memory_utilization == share
+    cache = vllms_cache_config(profile, monkeypatch)
+    assert cache.enable_extensible_kv_cache is False
+    assert cache.resolved_gpu_memory_utilization == share == pf_share(profile)
     just_under = [pf.GpuInfo(i, "NVIDIA GeForce RTX 3090", 24 * GIB, int(share * 24 * GIB) - 1) for i in range(3)]
     refused = pf.check_gpus(profile, just_under)
     assert not refused.ok and f"takes {share:.0%}" in refused.detail
     just_free = [pf.GpuInfo(i, "NVIDIA GeForce RTX 3090", 24 * GIB, int(share * 24 * GIB) + 1) for i in range(3)]
     assert pf.check_gpus(profile, just_free).ok
+
+
+@pytest.mark.parametrize("profile", [
+    *(load_profile(name) for name in available()),
+    with_args("8xh200-glm53-offload", "--no-enable-extensible-kv-cache"),
+    with_args("8xh200-glm53-offload", "--num-gpu-blocks-override", "1000"),
+    with_args("8xh200-glm53-offload", "--enable-elastic-ep", "--enable-expert-parallel"),
+    with_args("8xh200-glm53-offload", "--kv-transfer-config",
+              '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":'
+              '{"spec_name":"TieringOffloadingSpec","cpu_bytes_to_use":1073741824,"custom_mem_pool":true}}'),
+], ids=lambda p: " ".join(p.vllm_args[len(load_profile(p.name).vllm_args):]) or p.name)
+def test_the_extensible_kv_cache_is_vllms_own_decision(profile, monkeypatch):
+    """flashnext's reading of whether a profile gets vLLM 0.34.0's extensible KV cache is vLLM's
+    own method's, and so is the share the preflight takes from it."""
+    from flashnext.serving.capacity import extensible_kv_cache
+
+    cache = vllms_cache_config(profile, monkeypatch)
+    assert extensible_kv_cache(profile) == cache.enable_extensible_kv_cache
+    assert pf_share(profile) == cache.resolved_gpu_memory_utilization
+
+
+def test_with_the_extensible_kv_cache_a_busy_gpu_is_a_smaller_cache_not_a_refusal():
+    """The GLM profiles leave the KV cache's size to vLLM: vLLM 0.34.0 then takes up to all of each
+    GPU and sizes the cache from what is free after warm-up, and refuses no GPU for what is in use
+    at the start (vllm/v1/worker/utils.py request_memory), so neither does the preflight."""
+    profile = load_profile("8xh200-glm53-hisparse")
+    assert pf_share(profile) == 1.0
+    h200 = [pf.GpuInfo(i, "NVIDIA H200", 141 * GIB, 140 * GIB) for i in range(8)]
+    h200[3] = dataclasses.replace(h200[3], free_bytes=100 * GIB)
+    finding = pf.check_gpus(profile, h200)
+    assert finding.ok and "extensible KV cache" in finding.detail and "GPU 3" in finding.detail
+    assert not pf.check_gpus(profile, h200[:7]).ok
 
 
 def test_the_host_ram_check_reads_the_pipeline_size_as_vllm_does(tmp_path):
@@ -122,6 +195,9 @@ def test_host_ram_counts_a_pinned_ple_table(tmp_path):
     # the engram table kept on the GPU instead pins nothing on the host
     on_gpu = dataclasses.replace(profile, vllm_args=[*profile.vllm_args, "--engram-config", '{"cpu_offload": false}'])
     assert "PLE table" not in pf.check_host_ram(on_gpu, meminfo_file(tmp_path, 125, 118), tmp_path / "absent").terms
+    # nor does vLLM 0.34.0's disk_offload, which reads the rows from the shards and wins over cpu_offload
+    on_disk = with_args("3x3090", "--engram-config", '{"cpu_offload": true, "disk_offload": true}')
+    assert "PLE table" not in pf.check_host_ram(on_disk, meminfo_file(tmp_path, 125, 118), tmp_path / "absent").terms
 
 
 def test_host_ram_counts_the_mtp_draft_embedding(tmp_path):
@@ -264,7 +340,7 @@ def test_verdict_and_exit_codes(demo_snapshot, demo_overlay, demo_table, monkeyp
                                       "--overlay", str(demo_overlay), "--engine", "native", "--json"])
     report = json.loads(result.stdout)
     assert [f["check"] for f in report["findings"]] == ["gpus", "host-ram", "memlock", "shm", "cgroup", "ptrace",
-                                                            "overlay"]
+                                                            "overlay", "vllm"]
     assert report["findings"][0]["ok"]
     blocking = [f for f in report["findings"] if not f["ok"] and f["blocking"]]
     assert result.exit_code == (blocking[0]["exit"] if blocking else 0) == report["exit_code"]
@@ -318,7 +394,9 @@ def test_ple_table_sidecar_and_sampling(demo_snapshot, tmp_path):
         sidecar.write_text(broken)
         finding = pf.check_ple_table(table, demo_snapshot)
         assert not finding.ok and finding.blocking and finding.exit == pf.NoGoCode.PLE
-        assert finding.fix == f"flashnext ple build --src {demo_snapshot} --out {table} --force"
+        # without a valid sidecar the table is not ple build's, which --force would refuse to replace
+        assert finding.fix.startswith(f"flashnext ple build --src {demo_snapshot} --out NEW.bin, then pass "
+                                      "--ple-table NEW.bin")
     result = CliRunner().invoke(cli, ["doctor", "--profile", "3x3090", "--model", str(demo_snapshot),
                                       "--ple-table", str(table), "--engine", "native"])
     assert result.exception is None or isinstance(result.exception, SystemExit)

@@ -1,6 +1,6 @@
 """Issue 30: `flashnext plan --gpus N` fits the seed's system to a rig, the shipped rig profiles are
-what it writes, every profile goes through vLLM 0.33.0's parser and grouping, and the GLM profiles
-hold to vLLM 0.33.0's own config classes."""
+what it writes, every profile goes through vLLM 0.34.0's parser and grouping, and the GLM profiles
+hold to vLLM 0.34.0's own config classes."""
 
 import dataclasses
 import json
@@ -19,7 +19,7 @@ from flashnext.tools.cli import main as cli
 
 from support import ROOT
 
-pytest.importorskip("vllm.v1.core.kv_cache_planning", reason="vLLM 0.33.0 is installed by .ci/run")
+pytest.importorskip("vllm.v1.core.kv_cache_planning", reason="vLLM 0.34.0 is installed by .ci/run")
 
 GIB = 2**30
 SCHEMA = json.loads((ROOT / "manifests" / "compose-spec.schema.json").read_text())
@@ -90,14 +90,23 @@ def test_two_3090s_cannot_hold_the_weights_and_plan_says_so_in_numbers(tmp_path)
     out = tmp_path / "2x3090.json"
     r = CliRunner().invoke(cli, ["plan", "--gpus", "2", "--gpu-memory", "24", "--host-ram", "128", "--ple-format",
                                  "nvfp4", "--json"])
-    assert r.exit_code == 0, r.output
+    # the plan is printed, and the exit status says it does not fit (issue 41: it was 0)
+    assert r.exit_code == 1, r.output
     planned = json.loads(r.stdout)
+    assert r.stderr.strip() == (f"Error: the rig does not fit: {planned['reasons'][0]} "
+                                "(and 1 more reason(s) in the plan)")
     assert not planned["fits"] and planned["max_num_seqs"] == 0 and planned["fewest_gpus_that_fit"] == 3
     assert planned["host"]["fits"]  # the host is not the problem: nvfp4 PLE + QSA K/V fit 128 GiB
     assert all(m["weights"] > planned["usable_vram_bytes"] for m in planned["ranks"])
     assert re.match(r"rank 0 needs 33\.\d\d GiB: weights 31\.\d\d GiB \(24 layers x 1\.28 GiB", planned["reasons"][0])
     text = CliRunner().invoke(cli, ["plan", "--gpus", "2", "--gpu-memory", "24", "--host-ram", "128"])
     assert "does NOT fit" in text.stdout and "the fewest GPUs of 24 GiB that fit: 3" in text.stdout
+    assert text.exit_code == 1 and len(text.stderr.strip().splitlines()) == 1
+    # no "--max-num-seqs 0" beside "1 x 108 blocks": not one request fits, and the numbers are one request's
+    seqs = next(line for line in text.stdout.splitlines() if "--max-num-seqs" in line)
+    assert "none: not one request fits" in seqs and " 0 " not in seqs, seqs
+    kv = next(line for line in text.stdout.splitlines() if line.strip().startswith("--kv-cache-memory-bytes"))
+    assert kv.endswith("(one request)"), kv
     refused = CliRunner().invoke(cli, ["plan", "--gpus", "2", "--gpu-memory", "24", "--host-ram", "128",
                                        "--write-profile", str(out)])
     assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
@@ -142,8 +151,10 @@ def test_a_written_profile_passes_every_check_a_shipped_one_does(tmp_path):
     mount = next(v for v in service["volumes"] if v["target"] == "/models/profile/five-rig.json")
     assert mount["source"] == str(out) and mount["read_only"]
     assert service["command"][service["command"].index("--profile") + 1] == "/models/profile/five-rig.json"
-    dry = CliRunner().invoke(cli, ["serve", "--profile", str(out), "--model", "/srv/snap", "--ple-table",
-                                   "/srv/ple.bin", "--dry-run"])
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "ple.bin").write_bytes(b"")
+    dry = CliRunner().invoke(cli, ["serve", "--profile", str(out), "--model", str(tmp_path / "snap"), "--ple-table",
+                                   str(tmp_path / "ple.bin"), "--dry-run"])
     assert dry.exit_code == 0, dry.output
     planned = CliRunner().invoke(cli, ["plan", "--profile", str(out), "--json"])
     assert json.loads(planned.stdout)["profile"] == "five-rig"
@@ -200,8 +211,8 @@ def test_every_qwen_profile_holds_its_sequences_and_sets_engram_offload(name):
 def test_the_hisparse_connector_alone_turns_hisparse_on():
     """vllm/config/vllm.py VllmConfig.__post_init__: with a HiSparseConnector and no
     attention_config.hisparse_config it sets HiSparseConfig(), so the profile leaves
-    --attention-config out; the checks that follow then run (here: no CUDA). The baseline, without
-    the connector, is left alone."""
+    --attention-config out; the checks that follow then run (here: the CPU platform has no HiSparse
+    backend). The baseline, without the connector, is left alone."""
     from vllm.config import VllmConfig
     from vllm.config.kv_transfer import hisparse_host_pool_gib
 
@@ -210,7 +221,9 @@ def test_the_hisparse_connector_alone_turns_hisparse_on():
     hisparse = engine_args(load_profile("8xh200-glm53-hisparse"))
     assert hisparse.attention_config.hisparse_config is None  # nothing from the command line
     assert hisparse_host_pool_gib(hisparse.kv_transfer_config) == 384
-    with pytest.raises(Exception, match="HiSparse currently requires NVIDIA CUDA"):
+    # vLLM 0.34.0 asks the platform for a HiSparse backend (Platform.get_hisparse_backend_cls)
+    # where 0.33.0 required CUDA by name ("HiSparse currently requires NVIDIA CUDA").
+    with pytest.raises(Exception, match="The current platform does not support HiSparse"):
         VllmConfig(kv_transfer_config=hisparse.kv_transfer_config)
     baseline = engine_args(load_profile("8xh200-glm53-offload"))
     assert hisparse_host_pool_gib(baseline.kv_transfer_config) is None
@@ -244,12 +257,16 @@ def test_the_hisparse_host_pool_is_one_per_engine_shared_by_its_tp_ranks(monkeyp
     import types
 
     from vllm.config import ParallelConfig
-    from vllm.v1.hisparse import runtime
+    from vllm.v1.hisparse import backend, runtime
 
     from flashnext.serving.capacity.shape import engine_args
 
     args = engine_args(load_profile("8xh200-glm53-hisparse"))
-    monkeypatch.setattr(runtime, "current_platform", types.SimpleNamespace(is_cuda_alike=lambda: True))
+    # vLLM 0.34.0 asks the platform's HiSparse backend whether TP ranks can share a host pool
+    # (CUDAHiSparseBackend.supports_shared_host_pool); 0.33.0 asked is_cuda_alike(). The CUDA
+    # platform (vllm/platforms/cuda.py, which needs libcuda to import) names this backend.
+    monkeypatch.setattr(backend, "current_platform", types.SimpleNamespace(
+        get_hisparse_backend_cls=lambda: "vllm.v1.hisparse.backend.CUDAHiSparseBackend"))
 
     def shared(**kw) -> bool:
         return runtime.use_shared_hisparse_host_pool(types.SimpleNamespace(parallel_config=ParallelConfig(**kw)))

@@ -1,5 +1,5 @@
 """Serving profiles: the rendered compose against the Compose schema, every vLLM argument against
-vLLM 0.33.0's own parser, every environment variable against what is read, and `serve` itself."""
+vLLM 0.34.0's own parser, every environment variable against what is read, and `serve` itself."""
 
 import dataclasses
 import json
@@ -25,6 +25,17 @@ PROFILES = available()
 SCHEMA = json.loads((ROOT / "manifests" / "compose-spec.schema.json").read_text())
 
 
+@pytest.fixture
+def inputs(tmp_path) -> tuple[Path, Path, Path]:
+    """A snapshot folder, an overlay folder and a PLE table file that exist (`serve --dry-run` renders
+    only what exists here): their content is not read."""
+    snap, overlay, table = tmp_path / "snap", tmp_path / "ov1", tmp_path / "ple.bin"
+    snap.mkdir()
+    overlay.mkdir()
+    table.write_bytes(b"")
+    return snap, overlay, table
+
+
 def test_the_profiles_of_the_issue_exist():
     assert {"3x3090", "3x3090-mtp", "8xh200-glm53-hisparse"} <= set(PROFILES)
 
@@ -35,12 +46,13 @@ def render(name, **kw):
 
 
 @pytest.mark.parametrize("name", PROFILES)
-def test_compose_validates_against_the_compose_schema(name):
+def test_compose_validates_against_the_compose_schema(name, inputs):
     document = render(name)
     jsonschema.validate(document, SCHEMA)
     # and survives the YAML round trip that `serve --dry-run` prints
-    result = CliRunner().invoke(cli, ["serve", "--profile", name, "--model", "/srv/snapshot", "--overlay", "/srv/ov1",
-                                      "--ple-table", "/srv/ple.bin", "--dry-run"])
+    snap, overlay, table = inputs
+    result = CliRunner().invoke(cli, ["serve", "--profile", name, "--model", str(snap), "--overlay", str(overlay),
+                                      "--ple-table", str(table), "--dry-run"])
     assert result.exit_code == 0, result.output
     jsonschema.validate(yaml.safe_load(result.stdout), SCHEMA)
 
@@ -109,7 +121,7 @@ def test_3x3090_matches_the_seed():
     assert mtp.env["VLLM_PP_LAYER_PARTITION"] == "16,17,15"
 
 
-cli_args = pytest.importorskip("vllm.entrypoints.common.cli_args", reason="vLLM 0.33.0 is installed by .ci/run")
+cli_args = pytest.importorskip("vllm.entrypoints.common.cli_args", reason="vLLM 0.34.0 is installed by .ci/run")
 
 
 @pytest.mark.parametrize("name", PROFILES)
@@ -122,8 +134,8 @@ def test_vllm_accepts_every_argument(name):
     assert args.model_tag == "/models/view" or args.model == "/models/view"
 
 
-def test_the_seed_004_hisparse_key_is_refused_by_vllm_0_33():
-    """Why the GLM profile does not copy seed 004's flags: vLLM 0.33.0's parser rejects them."""
+def test_the_seed_004_hisparse_key_is_refused_by_vllm_0_34():
+    """Why the GLM profile does not copy seed 004's flags: vLLM 0.34.0's parser rejects them."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = cli_args.make_arg_parser(FlexibleArgumentParser())
@@ -150,13 +162,14 @@ def test_a_typo_is_caught():
     assert not known_variable("VLLM_PLE_MMAP_PAHT")
 
 
-def test_native_dry_run_and_errors(tmp_path):
-    result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", "/srv/snap", "--engine", "native",
-                                      "--ple-table", "/srv/ple.bin", "--dry-run"])
+def test_native_dry_run_and_errors(tmp_path, inputs):
+    snap, _, table = inputs
+    result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(snap), "--engine", "native",
+                                      "--ple-table", str(table), "--dry-run"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert out["command"][:3] == ["vllm", "serve", "/srv/snap"] and out["env"]["VLLM_PLE_MMAP_PATH"] == "/srv/ple.bin"
-    bad = CliRunner().invoke(cli, ["serve", "--profile", "5x3090", "--model", "/srv/snap", "--dry-run"])
+    assert out["command"][:3] == ["vllm", "serve", str(snap)] and out["env"]["VLLM_PLE_MMAP_PATH"] == str(table)
+    bad = CliRunner().invoke(cli, ["serve", "--profile", "5x3090", "--model", str(snap), "--dry-run"])
     assert bad.exit_code == 1 and "choose one of" in bad.output
     missing = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", tmp_path / "nope", "--engine", "docker"])
     assert missing.exit_code == 1 and len(missing.output.strip().splitlines()) == 1
@@ -268,21 +281,77 @@ def test_serve_starts_after_a_go(serve_state, demo_snapshot, demo_table, monkeyp
     assert "GO" in result.stderr and len(started) == 1
 
 
-def test_dry_run_needs_no_gpu_and_the_container_does_not_check_again(serve_state, monkeypatch):
+def test_dry_run_needs_no_gpu_and_the_container_does_not_check_again(serve_state, monkeypatch, inputs):
     from flashnext.serving import preflight as pf
 
     def no_nvml():
         raise AssertionError("--dry-run must not run the preflight")
 
     monkeypatch.setattr(pf, "nvml_devices", no_nvml)
-    result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", "/srv/snap",
-                                      "--ple-table", "/srv/ple.bin", "--dry-run"])
+    monkeypatch.setattr(pf, "nvidia_smi_devices", no_nvml)
+    snap, _, table = inputs
+    result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(snap),
+                                      "--ple-table", str(table), "--dry-run"])
     assert result.exit_code == 0, result.output
     command = yaml.safe_load(result.stdout)["services"]["vllm"]["command"]
     assert "--no-check" in command  # the host's serve ran the preflight before it started the container
     both = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", "/srv/snap", "--ple-table",
                                     "/srv/ple.bin", "--check", "--no-check"])
     assert both.exit_code == 2 and "contradict" in both.output  # a usage error
+
+
+# --- issue 41: --dry-run renders only what can start ---------------------------------------------
+
+@pytest.mark.parametrize("engine", ["docker", "native"])
+@pytest.mark.parametrize("missing", ["--model", "--overlay", "--ple-table"])
+def test_dry_run_refuses_a_path_that_is_not_here(serve_state, inputs, tmp_path, engine, missing):
+    """Before issue 41 a missing --model became a bind mount (Compose then mounts nothing, or fails)
+    and the native command named it for vLLM, with exit 0."""
+    snap, overlay, table = inputs
+    given = {"--model": snap, "--overlay": overlay, "--ple-table": table, missing: tmp_path / "not-here"}
+    argv = ["serve", "--profile", "3x3090", *(x for kv in given.items() for x in map(str, kv)), "--dry-run",
+            "--engine", engine]
+    result = CliRunner().invoke(cli, argv)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1 and result.stdout == "", result.output
+    assert lines[0] == f"Error: {missing} {tmp_path / 'not-here'} does not exist on this host"
+
+
+def test_native_dry_run_names_absolute_paths_and_the_view_it_will_serve(serve_state, demo_snapshot, demo_overlay,
+                                                                       tmp_path, monkeypatch):
+    """Before issue 41: a placeholder model ("<view of the snapshot with the overlays>") and the
+    VLLM_PLE_MMAP_PATH as given (relative), which vLLM reads from its own working directory."""
+    cache, started = serve_state
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "table.bin").write_bytes(b"")
+    monkeypatch.chdir(tmp_path / "work")
+    argv = ["serve", "--profile", "3x3090-mtp", "--model", str(demo_snapshot), "--overlay", str(demo_overlay),
+            "--ple-table", "table.bin", "--engine", "native"]
+    dry = CliRunner().invoke(cli, [*argv, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    shown = json.loads(dry.stdout)
+    model = shown["command"][2]
+    assert Path(model).is_absolute() and not Path(model).exists() and "<" not in model
+    assert shown["env"]["VLLM_PLE_MMAP_PATH"] == str(tmp_path / "work" / "table.bin")
+    assert shown["view"] == {"path": model, "base": str(demo_snapshot), "overlays": [str(demo_overlay)]}
+    assert started == []
+    ran = CliRunner().invoke(cli, [*argv, "--no-check"])
+    assert ran.exit_code == 0, ran.output
+    [(cmd, env)] = started
+    assert cmd == shown["command"] and env == shown["env"]  # what --dry-run said is what starts
+    assert (Path(model) / "config.json").is_file()  # the view, made where it said
+    again = CliRunner().invoke(cli, [*argv, "--no-check"])  # a second start replaces the view it made
+    assert again.exit_code == 0, again.output
+    assert started[1][0] == cmd
+
+
+def test_serve_says_only_which_of_profile_and_model_is_missing(inputs):
+    snap, _, _ = inputs
+    for argv, words in ((["--profile", "3x3090"], "serve needs --model (see"),
+                        (["--model", str(snap)], "serve needs --profile (see"),
+                        ([], "serve needs --profile and --model (see")):
+        result = CliRunner().invoke(cli, ["serve", *argv])
+        assert result.exit_code == 2 and words in result.output, result.output
 
 
 # --- serve finds its Compose up front, and records a start only once it succeeded ----------------

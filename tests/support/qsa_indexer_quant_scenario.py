@@ -1,4 +1,4 @@
-"""Build vLLM 0.33.0's own ``qwen4_exp`` model for the demo checkpoint on the CPU with the
+"""Build vLLM 0.34.0's own ``qwen4_exp`` model for the demo checkpoint on the CPU with the
 checkpoint's whole quantization config, load one QSA layer's tensors with vLLM's own loader and
 compare what the layer holds with independent dequantizations of the checkpoint; print JSON.
 

@@ -1,4 +1,4 @@
-"""Build vLLM 0.33.0's own ``qwen4_exp`` vision tower for the demo checkpoint on the CPU (5 blocks
+"""Build vLLM 0.34.0's own ``qwen4_exp`` vision tower for the demo checkpoint on the CPU (5 blocks
 instead of the demo's 1, weights drawn from a seed), run an image through it resident, then let the
 model's post-load hook (patch vit-stream) stream its blocks, and run the image again; print JSON.
 

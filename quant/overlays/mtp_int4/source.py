@@ -178,7 +178,7 @@ def load_batch(snap: Snapshot, layer: DraftLayerExperts, start: int, stop: int,
         down = read_rows(*snap.entry(f"{layer.prefix}.down_proj"), start, stop)
         gate_up = gate_up.to(device=device, dtype=torch.float32)
         I = layer.intermediate
-        # vLLM 0.33.0 splits the fused tensor with chunk(2, dim=1): rows [0, I) are gate (w1),
+        # vLLM 0.34.0 splits the fused tensor with chunk(2, dim=1): rows [0, I) are gate (w1),
         # rows [I, 2I) are up (w3).
         return {"gate": gate_up[:, :I], "up": gate_up[:, I:],
                 "down": down.to(device=device, dtype=torch.float32)}

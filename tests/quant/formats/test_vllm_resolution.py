@@ -1,4 +1,4 @@
-"""vLLM 0.33.0 itself, imported on the CPU, resolves every module of the overlay's config."""
+"""vLLM 0.34.0 itself, imported on the CPU, resolves every module of the overlay's config."""
 
 import copy
 import json
@@ -11,7 +11,7 @@ from flashnext.quant.demo import DEMO_TEXT_CONFIG, demo_quantization_config
 
 vllm_ct = pytest.importorskip(
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
-    reason="vLLM 0.33.0 is installed by .ci/run")
+    reason="vLLM 0.34.0 is installed by .ci/run")
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16 import (  # noqa: E402
     WNA16_SUPPORTED_BITS)
 

@@ -475,7 +475,7 @@ SPECULATIVE_FORMS = [
 
 def test_the_cards_reading_of_the_speculative_method_is_vllms():
     """The card reads a profile's speculative method without vLLM (upload runs on a base install);
-    the parser of vLLM 0.33.0's ``vllm serve``, given the command the profile runs, reads the same
+    the parser of vLLM 0.34.0's ``vllm serve``, given the command the profile runs, reads the same
     from every shipped profile and from each form of the flag."""
     import dataclasses
 

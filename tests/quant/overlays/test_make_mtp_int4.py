@@ -119,7 +119,7 @@ def test_tensors_match_our_quantizer_and_compressed_tensors_decompression(demo_s
     group = qc["config_groups"]["flashnext_mtp_routed_experts"]
     scheme = QuantizationScheme(**group)
     gate_up, down = src[f"{EXPERTS}.gate_up_proj"], src[f"{EXPERTS}.down_proj"]
-    gate_w, up_w = gate_up.chunk(2, dim=1)  # how vLLM 0.33.0 splits w13
+    gate_w, up_w = gate_up.chunk(2, dim=1)  # how vLLM 0.34.0 splits w13
     for e in range(E):
         for proj, w in (("gate", gate_w[e]), ("up", up_w[e]), ("down", down[e])):
             base = f"{EXPERTS}.{e}.{proj}_proj"

@@ -79,7 +79,7 @@ def test_apply_one_overlay_and_vllm_reads_the_view(demo_snapshot, demo_overlay, 
     assert run("overlay", "verify", view).exit_code == 0
 
     weight_utils = pytest.importorskip("vllm.model_executor.model_loader.weight_utils",
-                                       reason="vLLM 0.33.0 is installed by .ci/run")
+                                       reason="vLLM 0.34.0 is installed by .ci/run")
     files = sorted(str(p) for p in view.glob("*.safetensors"))
     files = weight_utils.filter_duplicate_safetensors_files(files, str(view), "model.safetensors.index.json")
     names = {name: t for name, t in weight_utils.safetensors_weights_iterator(files, False)}

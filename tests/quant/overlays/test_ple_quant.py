@@ -1,4 +1,4 @@
-"""``flashnext ple build --format nvfp4|fp8``: the PLE table as an overlay that vLLM 0.33.0's own PLE
+"""``flashnext ple build --format nvfp4|fp8``: the PLE table as an overlay that vLLM 0.34.0's own PLE
 methods read. vLLM's ``Qwen4ExpNGramEmbedding`` for the demo, built from the view's config on the
 CPU, loads the overlay through its own ``load_weights`` and returns, for random ids, exactly the rows
 flashnext's decoder gives, within the format's error of the BF16 rows. (vLLM's pinned-host backend

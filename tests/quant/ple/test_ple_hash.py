@@ -1,4 +1,4 @@
-"""n-gram ids in numpy against vLLM 0.33.0's own Triton kernel, run by Triton's CPU interpreter."""
+"""n-gram ids in numpy against vLLM 0.34.0's own Triton kernel, run by Triton's CPU interpreter."""
 
 import numpy as np
 import pytest
@@ -49,7 +49,7 @@ def test_single_token_path_agrees():
         assert HASHER.token_ids(tok, (p1, p2)) == HASHER.ids([tok], [0, 1], [[p2, p1]])[0].tolist()
 
 
-ops = pytest.importorskip("vllm.models.qwen4_exp.common.ops.ple", reason="vLLM 0.33.0 is installed by .ci/run")
+ops = pytest.importorskip("vllm.models.qwen4_exp.common.ops.ple", reason="vLLM 0.34.0 is installed by .ci/run")
 
 
 def upstream(hasher, tokens, qsl, ctx, token_dtype=torch.int32):

@@ -1,4 +1,4 @@
-"""The PLE layout equals vLLM 0.33.0's own computation, and the reference's real-model numbers."""
+"""The PLE layout equals vLLM 0.34.0's own computation, and the reference's real-model numbers."""
 
 import pytest
 
@@ -24,7 +24,7 @@ def test_real_model_numbers():
 @pytest.mark.parametrize("layer", [0, 1, 3])
 def test_equals_vllm(config, layer):
     ngram = pytest.importorskip("vllm.models.qwen4_exp.nvidia.ngram_embedding",
-                                reason="vLLM 0.33.0 is installed by .ci/run")
+                                reason="vLLM 0.34.0 is installed by .ci/run")
     cls = ngram.Qwen4ExpNGramEmbedding
     layout = ple_layout(config, layer)
     mult = cls._make_layer_multipliers(ngram_size=config["ngram_size"], unigram_vocab_size=config["vocab_size"],

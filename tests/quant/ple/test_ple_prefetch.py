@@ -174,7 +174,23 @@ def test_drive_check_command(table):
 
     info = json.loads(result.stdout)
     assert info["qd1"]["reads"] > 0 and info["deep"]["iops"] > 0
-    assert result.exit_code == (0 if info["ok"] else 2)
+    assert result.exit_code == (0 if info["ok"] else 4)
+
+
+def test_a_slow_drive_has_an_exit_code_of_its_own(table, monkeypatch):
+    """Issue 41: a drive too slow for the table exited 2, the code of a usage error."""
+    from click.testing import CliRunner
+
+    from flashnext.errors import EXIT_CODES, SlowDrive, UsageError
+    from flashnext.quant.ple import drive
+    from flashnext.tools.cli import main as cli
+
+    monkeypatch.setattr(drive, "P99_LIMIT_MS", -1.0)  # every drive's tail is over it
+    result = CliRunner().invoke(cli, ["ple", "drive-check", str(table), "--seconds", "1"])
+    if "O_DIRECT" in result.output:
+        pytest.skip("this filesystem does not support O_DIRECT")
+    assert result.exit_code == EXIT_CODES[SlowDrive] == 4 != EXIT_CODES[UsageError], result.output
+    assert result.stdout.splitlines()[-1].startswith("tail latency would stall decode")
 
 
 def test_residency_of_an_empty_file_is_one_line(tmp_path):

@@ -224,10 +224,10 @@ def test_force_never_replaces_an_overlay_that_holds_the_calibration_file(demo_sn
 
 
 def test_capture_recipe_on_vllms_draft_model_makes_a_calibration_file(demo_snapshot, tmp_path):
-    """docs/make-mtp-int4.md's recipe on vLLM 0.33.0's own draft model (``Qwen4ExpMTP``, loaded from
+    """docs/make-mtp-int4.md's recipe on vLLM 0.34.0's own draft model (``Qwen4ExpMTP``, loaded from
     the demo snapshot by vLLM's loader) on the CPU: the hook sits on the MTP MoE block, records what
     its router multiplies, and make-mtp-int4 routes the recording to the experts vLLM chose."""
-    pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+    pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
     from support import SUPPORT_DIR, run_scenario
     from support.chat_server import free_port
 
@@ -247,10 +247,10 @@ def test_capture_recipe_on_vllms_draft_model_makes_a_calibration_file(demo_snaps
 def test_the_capture_scripts_path_to_the_draft_block_is_vllms():
     """docs/make-mtp-int4.md's capture script reaches the MTP MoE block as
     ``worker.model_runner.speculator.model.model.layers[0].mlp`` through ``LLM.collective_rpc``:
-    each step is read off vLLM 0.33.0's own classes here (the script itself needs the release on
+    each step is read off vLLM 0.34.0's own classes here (the script itself needs the release on
     GPUs); the last step, ``.model.layers[0].mlp`` of vLLM's ``Qwen4ExpMTP``, is the block that
     ``test_capture_recipe_on_vllms_draft_model_makes_a_calibration_file`` hooks."""
-    pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+    pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
     import inspect
     import re
     from pathlib import Path

@@ -1,7 +1,7 @@
 """The server's state during a run, read from vLLM's Prometheus ``/metrics``, and the two phases that
 need it most: multiturn (sessions that grow, their running requests) and images.
 
-The ``/metrics`` text is written by vLLM 0.33.0's own ``PrometheusStatLogger`` (its gauges and
+The ``/metrics`` text is written by vLLM 0.34.0's own ``PrometheusStatLogger`` (its gauges and
 counters, exposed by prometheus_client as vLLM's API server exposes them), fed with the number of
 requests the stand-in server (tests/support/fault_server.py) has in flight: a vLLM server cannot
 run on this machine, its metric classes can. The phases' requests go to that stand-in, which also

@@ -1,4 +1,4 @@
-"""``flashnext bench`` speaks vLLM 0.33.0's own chat protocol: every request it sends validates as
+"""``flashnext bench`` speaks vLLM 0.34.0's own chat protocol: every request it sends validates as
 vLLM's ``ChatCompletionRequest``, and it reads streams serialized by vLLM's own response classes
 (the way vLLM's chat server writes them). The bytes come through httpx's transport hook: a vLLM
 server cannot run on this machine, its protocol classes can.

@@ -1,5 +1,5 @@
 """``flashnext selftest``'s CPU part through the CLI on this machine (no GPU): the series check, the
-kernel fit and the PLE formats' read-back run vLLM 0.33.0's real code; the GPU part says it could
+kernel fit and the PLE formats' read-back run vLLM 0.34.0's real code; the GPU part says it could
 not run, per patch and for the PLE table as NVFP4.
 
 The kernel fit's one stand-in is the CUDA platform as vLLM's kernel chooser sees it (a Platform with
@@ -42,7 +42,7 @@ def test_a_taken_out_is_refused_before_anything_runs(tmp_path):
 
 @pytest.mark.slow
 def test_the_cpu_part_end_to_end_through_the_cli(tmp_path):
-    pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+    pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
     out = tmp_path / "selftest"
     done = CliRunner().invoke(main, ["selftest", "--out", str(out), "--json"])  # stdout: the JSON; stderr: progress
     assert done.exit_code == 0, done.output
@@ -85,6 +85,7 @@ def test_the_cpu_part_end_to_end_through_the_cli(tmp_path):
     assert "Qwen4ExpPLENvFp4EmbeddingMethod" in page and "not the real model" in page
     summary = json.loads(done.stdout)
     assert summary["ok"] is True and summary["patches"]["decode-03"] == "could_not_run"
+    assert summary["headline"].startswith("PARTIAL: ") and "<h1>flashnext selftest: PARTIAL: " in page
     assert summary["ple_formats"]["nvfp4"] == {"status": "passed", "rows_differing": 0,
                                                "relative_mse": by["nvfp4"].relative_mse}
     assert summary["ple_format_ab"]["status"] == "could_not_run"
@@ -94,7 +95,7 @@ def test_the_cpu_part_end_to_end_through_the_cli(tmp_path):
 def test_the_kernel_fit_catches_k_that_is_not_a_multiple_of_the_group_size(tmp_path):
     """A demo whose PLE key/value projection has K = 192 under INT8 group 128: vLLM refuses to build
     the layer at either capability, and the check says which layer and why."""
-    pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+    pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
     from flashnext.serving.selftest.runner import check_kernel_fit
 
     config = demo_config()
@@ -128,3 +129,46 @@ def test_without_vllm_it_says_what_to_install_and_leaves_nothing(tmp_path, monke
     done = CliRunner().invoke(main, ["selftest", "--out", str(tmp_path / "out")])
     assert done.exit_code == 1 and "pip install 'flashnext[serve]'" in done.output, done.output
     assert len(done.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+# --- issue 41: a request for GPUs that are not here is refused up front; the headline is honest ------
+
+def test_more_gpus_than_are_here_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """`--gpus 3` on a machine without GPUs ran the CPU part (minutes) and then said it could not run
+    the GPU part; now it is refused at once, in one line, with nothing written."""
+    import flashnext.serving.selftest as selftest_package
+    from flashnext.serving import preflight
+
+    monkeypatch.setattr(preflight, "visible_gpus", lambda: [])
+    monkeypatch.setattr(selftest_package, "selftest", lambda *a, **k: pytest.fail("the selftest ran"))
+    done = CliRunner().invoke(main, ["selftest", "--out", str(tmp_path / "out"), "--gpus", "3"])
+    lines = done.output.strip().splitlines()
+    assert done.exit_code == 1 and len(lines) == 1, done.output
+    assert lines[0] == "Error: --gpus 3: 0 GPU(s) visible here (NVML, nvidia-smi); pass --gpus auto, or --gpus 0 " \
+                       "for the CPU part only"
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_headline_says_how_many_checks_ran():
+    """Before issue 41: "OK" and exit 0 when 20 of 23 checks could not run."""
+    from flashnext.serving.selftest.report import Summary, headline
+
+    assert headline(Summary(ok=True, passed=3, failed=0, could_not_run=20, lines=[])) == \
+        "PARTIAL: 3 of 23 checks ran, all passed; 20 could not run here"
+    assert headline(Summary(ok=True, passed=23, failed=0, could_not_run=0, lines=[])) == "OK: all 23 checks passed"
+    assert headline(Summary(ok=False, passed=2, failed=1, could_not_run=20, lines=[])) == \
+        "FAILED: 1 of the 3 checks that ran failed, 20 could not run here"
+
+
+def test_a_partial_run_prints_partial_and_exits_0(tmp_path, monkeypatch):
+    import types
+
+    import flashnext.serving.selftest as selftest_package
+    from flashnext.serving.selftest.report import Summary
+
+    summary = Summary(ok=True, passed=3, failed=0, could_not_run=20, lines=["could not run GPU part: no CUDA GPU here"])
+    monkeypatch.setattr(selftest_package, "selftest", lambda *a, **k: (types.SimpleNamespace(summary=summary), None))
+    done = CliRunner().invoke(main, ["selftest", "--out", str(tmp_path / "out"), "--gpus", "0"])
+    assert done.exit_code == 0, done.output
+    assert done.stdout.splitlines()[-1].startswith("PARTIAL: 3 of 23 checks ran, all passed; 20 could not run here; "
+                                                   "wrote "), done.stdout

@@ -92,7 +92,7 @@ def test_a_failed_ple_formats_check_fails_the_selftest():
 
     report = SelftestReport(
         flashnext_version="t", started_at="t", finished_at="t", profile="3x3090",
-        machine={"cuda_gpus": 0, "gpu_names": [], "vllm_version": "0.33.0", "vllm_patched": None,
+        machine={"cuda_gpus": 0, "gpu_names": [], "vllm_version": "0.34.0", "vllm_patched": None,
                  "unpatched_probe": None},
         series=SeriesCheck(status="passed", detail="-", patches=[]),
         kernel_fit=KernelFit(status="passed", detail="-", capabilities=[86, 90], layers=[], stand_in="-"),

@@ -1,0 +1,440 @@
+"""The memory ledger: every byte flashnext's patches, hooks and kernels (and vLLM's KV pool and
+vision tower beside them) hold on each pipeline rank's GPU and in pinned host memory, for a profile.
+
+Each entry gives its device bytes once start-up is over (the model built and profiled, the KV cache
+allocated and bound, the CUDA graphs captured), its device bytes at their peak while serving, its
+pinned host bytes as allocated (rounded where PyTorch's caching host allocator takes them), and
+which of vLLM's numbers it sits inside:
+
+- ``weights``: allocated while vLLM builds and loads the model (``GPUModelRunner.load_model``,
+  under its ``DeviceMemoryProfiler``), before anything is profiled;
+- ``profiled peak``: a step's transients that vLLM's profile run (a ``max_num_batched_tokens``
+  dummy step, the encoder's largest dummy image) makes too, whose blocks PyTorch's allocator keeps;
+- ``KV memory``: the pool vLLM allocates from ``--kv-cache-memory-bytes``;
+- ``none``: outside all three: allocated after the KV cache (at CUDA-graph capture, or mid-service),
+  or host memory. Seed 000 ran the fullest 3090 with 24-34 MiB free (§5, §7): on the GPU, the
+  entries here have that and nothing more.
+
+One number has one home: every entry is computed by the sizing function its allocation site calls
+(named in ``source``), from the model's text config and the serving shape ``plan`` reads. An entry
+that lies inside another's bytes (``within``) is listed and not added again. ``flashnext plan``
+prints the ledger; the preflight's host-RAM check, ``plan --host-ram`` and the rig planner count
+the pinned terms of :func:`pinned_host_terms`, which sums the ledger's host entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flashnext.serving.capacity.kv import qsa_arena_blocks, qsa_host_bytes_per_token, rank_layers, row_cache_bytes
+from flashnext.serving.capacity.model import TextConfig, VisionConfig, load_text_config, load_vision_config
+from flashnext.serving.capacity.rules import HOST_HEADROOM, next_power_of_two, pinned_bytes
+from flashnext.serving.capacity.shape import ServingShape
+from flashnext.serving.capacity.vision import VIT_STREAM_SLOTS, slot_bytes, streamed_host_bytes
+
+WEIGHTS, PROFILED_PEAK, KV_MEMORY, NONE = "weights", "profiled peak", "KV memory", "none"
+BF16_BYTES = 2  # the release's K/V, router, PLE rows and its INT8 embedding's group scales
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelEmbedding pads its rows to it
+PLE_FORMATS = ("file", "bf16", "nvfp4", "fp8")  # how the table is served: a mapped file, or pinned in a format
+# What the draft loads as its embed_tokens (vLLM's _remap_mtp_weight_name), and how the release
+# stores it (manifests/qwen3.8-flash-next.json "releases": embed_tokens INT8 g128, bf16 scales).
+DRAFT_EMBED = "model.language_model.embed_tokens"
+RELEASE_EMBED_GROUP = 128
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """What one allocation holds on one rank, in bytes."""
+
+    name: str
+    owner: str  # the patch, hook or kernel; "vLLM" for its own pool and tower
+    gpu_startup: int
+    gpu_peak: int
+    pinned_host: int
+    inside: str  # WEIGHTS, PROFILED_PEAK, KV_MEMORY or NONE
+    source: str  # the sizing function, shared with the allocation site
+    within: str | None = None  # the entry whose bytes these are: listed, not added again
+    term: str | None = None  # the preflight's host-RAM term that counts these pinned bytes
+    note: str = ""
+
+
+@dataclass
+class RankLedger:
+    rank: int
+    entries: list[LedgerEntry] = field(default_factory=list)
+
+    def _sum(self, attr: str, inside: str | None = None) -> int:
+        return sum(getattr(e, attr) for e in self.entries
+                   if e.within is None and (inside is None or e.inside == inside))
+
+    @property
+    def gpu_startup(self) -> int:
+        return self._sum("gpu_startup")
+
+    @property
+    def gpu_peak(self) -> int:
+        return self._sum("gpu_peak")
+
+    @property
+    def pinned_host(self) -> int:
+        return self._sum("pinned_host")
+
+    @property
+    def gpu_outside_vllm(self) -> int:
+        """Device bytes at their peak that none of vLLM's numbers holds: what the headroom must."""
+        return self._sum("gpu_peak", NONE)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "entries": [dataclasses.asdict(e) for e in self.entries],
+                "gpu_startup_bytes": self.gpu_startup, "gpu_peak_bytes": self.gpu_peak,
+                "pinned_host_bytes": self.pinned_host, "gpu_outside_vllm_bytes": self.gpu_outside_vllm}
+
+
+@dataclass
+class Ledger:
+    ranks: list[RankLedger]
+
+    def to_json(self) -> dict:
+        return {"ranks": [r.to_json() for r in self.ranks]}
+
+
+@dataclass(frozen=True)
+class PinnedTerm:
+    """One allocation that stays pinned in host memory for the server's life."""
+
+    name: str
+    bytes: int  # as allocated: power-of-two rounded when PyTorch's allocator takes it
+    why: str
+
+
+# --- the model facts the host terms read -----------------------------------------------------------
+
+def _text_config(model: Path | None) -> tuple[dict, str]:
+    from flashnext.serving.capacity.model import MANIFEST, base_manifest
+
+    if model is None:
+        return base_manifest()["text_config"], MANIFEST.name
+    from flashnext.quant.checkpoint.snapshot import Snapshot
+
+    return Snapshot.open(model).text_config, str(model)
+
+
+def manifest_table_allocations(fmt: str) -> list[int]:
+    """The pinned base checkpoint's PLE table as vLLM allocates it in ``fmt`` (bf16, nvfp4, fp8)."""
+    from flashnext.quant.formats import float_rows
+    from flashnext.serving.capacity.model import base_manifest
+
+    table = base_manifest()["ple_table"]
+    rows, d = int(table["padded_rows"]), int(table["row_elements"])
+    return {"bf16": [rows * d * BF16_BYTES], "fp8": [rows * d],
+            "nvfp4": [rows * d // 2, rows * d // float_rows.NVFP4_BLOCK]}[fmt]
+
+
+def ple_table_allocations(model: Path | None, overlays=()) -> list[int]:
+    """The pinned allocations of the PLE tables, in bytes: one a table (its BF16 rows, from the
+    snapshot's shards and config, else the pinned manifest); for a table that ``flashnext ple build
+    --format`` quantized (config.json's ``ple_embedding_dtype``), vLLM's method allocates its
+    ``weight`` (NVFP4 codes or FP8 rows) and, for NVFP4, its ``weight_scale`` blocks, each whole."""
+    from flashnext.serving.capacity.model import base_manifest
+
+    if model is None:
+        table = base_manifest()["ple_table"]
+        return [int(table["padded_rows"]) * int(table["row_elements"]) * BF16_BYTES]
+    from flashnext.quant.checkpoint.snapshot import Snapshot
+    from flashnext.quant.overlays.ple_quant import quantized_table_allocations, served_ple_format
+    from flashnext.quant.ple.table import find_ple_source
+
+    if served_ple_format(model, overlays) is not None:
+        return quantized_table_allocations(model, overlays)
+    snap = Snapshot.open(model)
+    layers = sorted(set(snap.text_config.get("ple_layer_ids") or ()))
+    return [find_ple_source(snap, i).file_size for i in range(len(layers))]
+
+
+def ple_table_bytes(model: Path | None) -> int:
+    """The PLE tables' bytes as vLLM holds them (:func:`ple_table_allocations`)."""
+    return sum(ple_table_allocations(model))
+
+
+def draft_embedding_bytes(model: Path | None) -> int:
+    """The MTP draft's ``embed_tokens`` as patch mtp-02 pins it at PP > 1: for the pinned base
+    checkpoint the release's INT8 g128 rows (``hooks/mtp.py``'s :func:`draft_embedding_pinned_bytes`,
+    what ``finish_draft_embedding`` pins); for a snapshot its tensors of that embedding (INT8 words
+    and scales, or bf16 rows), per row as stored, over the vocabulary padded to 64 rows as vLLM's
+    ``VocabParallelEmbedding`` allocates it."""
+    from flashnext.serving.hooks.mtp import draft_embedding_pinned_bytes
+
+    text, _ = _text_config(model)
+    vocab, hidden = int(text["vocab_size"]), int(text["hidden_size"])
+    if model is None:
+        return draft_embedding_pinned_bytes(vocab, hidden, RELEASE_EMBED_GROUP, BF16_BYTES)
+    from flashnext.errors import FlashnextError
+    from flashnext.quant.checkpoint.snapshot import Snapshot
+
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    snap = Snapshot.open(model)
+    quantized = [f"{DRAFT_EMBED}.weight_packed", f"{DRAFT_EMBED}.weight_scale"]
+    names = quantized if all(n in snap.weight_map for n in quantized) else [f"{DRAFT_EMBED}.weight"]
+    total = 0
+    for name in names:
+        _, entry = snap.entry(name)
+        if not entry.shape or entry.shape[0] != vocab:
+            raise FlashnextError(f"{model}: {name} has shape {list(entry.shape)}; config.json's vocab_size is {vocab}")
+        total += entry.nbytes // vocab * padded
+    return total
+
+
+# --- the entries ------------------------------------------------------------------------------------
+
+def _ple_ranks(text: TextConfig, ranks: list[range]) -> list[int]:
+    """The rank of each PLE layer: the decoder layer before each of ``ple_layer_ids`` holds it."""
+    return [next(r for r, layers in enumerate(ranks) if i - 1 in layers) for i in sorted(set(text.ple_layer_ids))]
+
+
+def _file_backed(shape: ServingShape, ple_table: Path | None, ple_format: str | None) -> bool:
+    return ple_table is not None or shape.ple_table_file or ple_format == "file"
+
+
+def _decode_rows(shape: ServingShape) -> int:
+    """The query rows of the largest decode step a CUDA graph holds (every step, if none is captured)."""
+    rows = shape.max_num_seqs * (1 + shape.num_speculative_tokens)
+    captured = [s for s in shape.cudagraph_capture_sizes if s >= rows] or list(shape.cudagraph_capture_sizes)
+    return min(captured) if captured else rows
+
+
+def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range], model: Path | None,
+                  ple_table: Path | None, overlays, ple_format: str | None) -> list[list[LedgerEntry]]:
+    """Each rank's pinned host entries: the preflight's terms and what it does not count yet."""
+    exact = shape.exact_host_pool
+    pp = len(ranks)
+    out: list[list[LedgerEntry]] = [[] for _ in range(pp)]
+    per_layer = plan.blocks * plan.block_size * qsa_host_bytes_per_token(text)
+    for r, n in enumerate(plan.qsa_layers_per_rank):
+        if n:
+            out[r].append(LedgerEntry(
+                "QSA K/V host rows", "qsa-offload, host-pool", 0, 0, n * pinned_bytes(per_layer, exact), NONE,
+                "kv.qsa_host_bytes_per_token x plan blocks x block size, a pool a layer", term="QSA K/V",
+                note=f"{n} layer(s) x {plan.blocks} blocks x {plan.block_size:,} tokens x "
+                     f"{qsa_host_bytes_per_token(text):,} B, bound at KV cache allocation"))
+    ple_ranks = _ple_ranks(text, ranks) if text.ple_layer_ids else []
+    if ple_ranks and not _file_backed(shape, ple_table, ple_format) and shape.engram_cpu_offload:
+        allocations = (manifest_table_allocations(ple_format) if ple_format and model is None
+                       else ple_table_allocations(model, overlays))
+        why = (f"the table pinned as {ple_format}" if ple_format else "no --ple-table") + \
+            ": vLLM's engram cpu_offload pins it whole"
+        out[ple_ranks[0]].append(LedgerEntry(
+            "PLE table (pinned)", "vLLM engram cpu_offload, host-pool", 0, 0,
+            sum(pinned_bytes(n, exact) for n in allocations), NONE, "ple_table_allocations", term="PLE table",
+            note=why))
+    if ple_ranks and _file_backed(shape, ple_table, ple_format) and text.ple_ngram_heads:
+        from flashnext.serving.runtime.ple_file import staged_rows_shape
+
+        rows, heads, dim = staged_rows_shape(shape.max_num_batched_tokens, text.ple_ngram_heads, text.ple_head_dim)
+        for r in ple_ranks:
+            out[r].append(LedgerEntry(
+                "ple-mmap host staging", "ple-mmap", 0, 0, next_power_of_two(rows * heads * dim * BF16_BYTES), NONE,
+                "runtime/ple_file.staged_rows_shape",
+                note="torch.empty(pin_memory=True) at the first stage (the profile run): PyTorch's caching "
+                     "host allocator rounds it; not in the preflight's terms"))
+    if shape.speculative_method == "mtp" and pp > 1 and shape.mtp_slim_draft:
+        out[-1].append(LedgerEntry(
+            "MTP draft embedding", "mtp-02, host-pool", 0, 0, pinned_bytes(draft_embedding_bytes(model), exact), NONE,
+            "hooks/mtp.draft_embedding_pinned_bytes", term="MTP draft embedding",
+            note="patch mtp-02 (VLLM_MTP_SLIM_DRAFT): read through UVA views, no device copy"))
+    vision = plan.vision
+    if vision is not None and vision.streamed and vision.streamed_weight_bytes < vision.resident_weight_bytes:
+        tower = load_vision_config(model)
+        out[0].append(LedgerEntry(
+            "vit-stream host rows", "vit-stream, host-pool", 0, 0, pinned_bytes(streamed_host_bytes(tower), exact),
+            NONE, "vision.streamed_host_bytes", term="ViT blocks",
+            note=f"patch vit-stream: {tower.depth} blocks in one pinned row each"))
+        out[0].append(LedgerEntry(
+            "ViT linears pinned by vLLM's post-load step", "vLLM device_loading_context (vit-stream)", 0, 0,
+            sum(next_power_of_two(n) for n in tower.linear_parameter_bytes()), NONE,
+            "VisionConfig.linear_parameter_bytes, each rounded as PyTorch pins it",
+            note="issue 40 item 4: the CPU-built tower's linears go to the GPU and back into "
+                 "torch.empty_like(pin_memory=True); freed into PyTorch's host cache at vit-stream's "
+                 "install, never returned; not in the preflight's terms"))
+    return out
+
+
+def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range], model: Path | None,
+                 ple_table: Path | None,
+                 ple_format: str | None) -> list[list[LedgerEntry]]:
+    from flashnext.quant.kernels import configs
+    from flashnext.quant.kernels.qsa_row_cache import partials_bytes, staged_scratch
+
+    pp = len(ranks)
+    out: list[list[LedgerEntry]] = [[] for _ in range(pp)]
+    for r in range(pp):
+        out[r].append(LedgerEntry(
+            "KV cache pool", "vLLM (qsa-offload's block size)", plan.vram_bytes[r], plan.vram_bytes[r], 0, KV_MEMORY,
+            "plan: blocks x vLLM's _pool_bytes_per_block",
+            note=f"{plan.blocks} blocks x {plan.bytes_per_block[r]:,} B"))
+    arena_blocks = qsa_arena_blocks(plan.qsa_layers_per_rank)
+    block_bytes = plan.block_size * qsa_host_bytes_per_token(text)
+    compressed = next((g for g in plan.groups if g.kind == "qsa_compressed_key"), None)
+    table_width = compressed.blocks_per_request if compressed else 1
+    scratch = staged_scratch(shape.max_num_batched_tokens, text.num_attention_heads, text.head_dim, arena_blocks,
+                             block_bytes, plan.blocks, shape.max_num_seqs * table_width) if arena_blocks else None
+    decode_rows = _decode_rows(shape)
+    splits = configs.default_config("qsa_attention").splits
+    captured = bool(shape.cudagraph_capture_sizes)
+    for r, n in enumerate(plan.qsa_layers_per_rank):
+        if not n:
+            continue
+        arena, state = row_cache_bytes(text, n, arena_blocks, plan.block_size)
+        out[r].append(LedgerEntry(
+            "QSA staging arena", "qsa-offload", arena, arena, 0, WEIGHTS, "qsa_row_cache.row_cache_tensors",
+            note=f"{arena_blocks} blocks x {plan.block_size:,} rows of {qsa_host_bytes_per_token(text):,} B, "
+                 "built with the first QSA layer"))
+        out[r].append(LedgerEntry(
+            "decode-07 row-cache state", "qsa-offload (decode-07)", state, state, 0, WEIGHTS,
+            "qsa_row_cache.row_cache_tensors",
+            note=f"{n} layer(s) x {arena_blocks * plan.block_size // n:,} sets: tag, hitmark, bid; an epoch each"))
+        if scratch.in_arena:
+            out[r].append(LedgerEntry(
+                "staged-prefill scratch", "qsa-offload (qsa_row_cache.staged_attention)", 0, scratch.nbytes, 0,
+                WEIGHTS, "qsa_row_cache.staged_scratch", within="QSA staging arena",
+                note=f"the arena's last {arena_blocks - scratch.window_blocks} block(s): fp32 state of "
+                     f"{scratch.rows} rows, {scratch.chunk_rows}-row partials, block tables; windows of "
+                     f"{scratch.window_blocks} blocks"))
+        else:
+            out[r].append(LedgerEntry(
+                "staged-prefill scratch", "qsa-offload (qsa_row_cache.staged_attention)", 0, scratch.nbytes, 0,
+                NONE, "qsa_row_cache.staged_scratch",
+                note="the arena cannot hold it beside one staged block: allocated by each prefill step"))
+        graph_partials = partials_bytes(splits, decode_rows, text.num_attention_heads, text.head_dim)
+        out[r].append(LedgerEntry(
+            "decode-07 partials", "qsa-offload (decode-07)", graph_partials if captured else 0, graph_partials, 0,
+            NONE, "qsa_row_cache.partials_bytes",
+            note=f"{splits} splits x {decode_rows} rows, fp32: " + (
+                "in the CUDA graphs' pool (captured after the KV cache)" if captured else "each eager decode step")))
+    if shape.moe_fused_decode and text.num_experts:
+        from flashnext.serving.hooks.moe_decode import MAX_FUSED_TOKENS, router_rows_shape
+
+        experts, hidden = router_rows_shape(text.num_experts, text.hidden_size)
+        per_block = experts * hidden * BF16_BYTES
+        at_capture = any(s <= MAX_FUSED_TOKENS for s in shape.cudagraph_capture_sizes)
+        mtp = text.mtp_num_hidden_layers if shape.num_speculative_tokens else 0
+        for r, layers in enumerate(ranks):
+            blocks = len(layers) + (mtp if r == pp - 1 else 0)
+            out[r].append(LedgerEntry(
+                "decode-05 router rows", "decode-05 (hooks/moe_decode._router_rows)",
+                blocks * per_block if at_capture else 0, blocks * per_block, 0, NONE,
+                "hooks/moe_decode.router_rows_shape",
+                note=f"{blocks} MoE blocks x [{experts}, {hidden}] bf16, made at the first step of <= "
+                     f"{MAX_FUSED_TOKENS} tokens ({'CUDA-graph capture' if at_capture else 'mid-service'}); "
+                     "the router and shared-gate weights they replace go back to PyTorch's cache"))
+    vision = plan.vision
+    if vision is not None:
+        tower = None
+        if vision.streamed and vision.streamed_weight_bytes < vision.resident_weight_bytes:
+            tower = load_vision_config(model)
+        slots = VIT_STREAM_SLOTS * slot_bytes(tower.block_parameter_bytes()) if tower else 0
+        resident = vision.weight_bytes - slots
+        out[0].append(LedgerEntry(
+            "vision tower (resident)", "vLLM (vit-first-rank)", resident, resident, 0, WEIGHTS,
+            "VisionConfig.other_bytes" + (" (vit-stream)" if tower else " + its blocks")))
+        if tower:
+            out[0].append(LedgerEntry(
+                "vit-stream block slots", "vit-stream", slots, slots, 0, WEIGHTS, "vision.slot_bytes",
+                note=f"{VIT_STREAM_SLOTS} slots of one block, at the model's post-load step"))
+        out[0].append(LedgerEntry(
+            "vision encoder activations", "vLLM", 0, vision.activation_bytes, 0, PROFILED_PEAK,
+            "VisionConfig.activation_bytes (an estimate)",
+            note=f"one {vision.max_pixels:,}-pixel image; vLLM profiles the encoder with it"))
+    if text.ple_layer_ids and _file_backed(shape, ple_table, ple_format) and text.ple_ngram_heads:
+        from flashnext.serving.runtime.ple_file import staged_rows_shape
+
+        rows, heads, dim = staged_rows_shape(shape.max_num_batched_tokens, text.ple_ngram_heads, text.ple_head_dim)
+        for r in _ple_ranks(text, ranks):
+            out[r].append(LedgerEntry(
+                "ple-mmap staged rows", "ple-mmap", rows * heads * dim * BF16_BYTES, rows * heads * dim * BF16_BYTES,
+                0, WEIGHTS, "runtime/ple_file.staged_rows_shape",
+                note=f"[{rows}, {heads}, {dim}] bf16, built with the model"))
+    return out
+
+
+def ledger(text: TextConfig, shape: ServingShape, plan, *, model: Path | None = None, ple_table: Path | None = None,
+           overlays=(), ple_format: str | None = None) -> Ledger:
+    """The ledger of ``text`` served as ``shape`` with ``plan`` (its :func:`~.qwen4_exp.plan`, the
+    vision tower in it where the profile serves images); ``model``, ``ple_table``, ``overlays`` and
+    ``ple_format`` say where the host terms' facts come from, as for :func:`pinned_host_terms`."""
+    ranks = rank_layers(text.num_hidden_layers, shape.pipeline_parallel_size, shape.layer_partition)
+    gpu = _gpu_entries(text, shape, plan, ranks, model, ple_table, ple_format)
+    host = _host_entries(text, shape, plan, ranks, model, ple_table, overlays, ple_format)
+    return Ledger([RankLedger(r, gpu[r] + host[r]) for r in range(len(ranks))])
+
+
+def profile_ledger(profile, plan, *, model: Path | None = None, ple_format: str | None = None) -> Ledger:
+    """The ledger of ``profile`` with its ``plan``: a profile that serves the PLE table from a file
+    (``uses_ple_table``: ``serve`` refuses it without ``--ple-table``) is counted with the file unless
+    ``ple_format`` says otherwise."""
+    shape = ServingShape.from_profile(profile, plan.kv_cache_memory_bytes, plan.prefix_caching)
+    if ple_format is None and profile.uses_ple_table:
+        ple_format = "file"
+    return ledger(load_text_config(model), shape, plan, model=model, ple_format=ple_format)
+
+
+# --- the preflight's host terms, from the ledger ---------------------------------------------------
+
+TERMS = ("QSA K/V", "PLE table", "MTP draft embedding", "ViT blocks")
+
+
+def pinned_host_terms(shape, plan, model: Path | None, ple_table: Path | None, overlays=(),
+                      ple_format: str | None = None) -> list[PinnedTerm]:
+    """Every host allocation the preflight counts for a profile served as ``shape`` (a
+    :class:`~flashnext.serving.capacity.ServingShape`) with ``plan``, each as it is allocated: the
+    ledger's host entries with a term, summed over ranks. The model facts are ``model``'s, as
+    ``plan`` is (None: the pinned base checkpoint). ``ple_format`` (for the base checkpoint, as
+    ``flashnext plan`` asks): the table served from a file, or pinned in that format; None: as the
+    profile and ``model`` say."""
+    text = load_text_config(model)
+    ranks = rank_layers(text.num_hidden_layers, shape.pipeline_parallel_size, shape.layer_partition)
+    entries = [e for rank in _host_entries(text, shape, plan, ranks, model, ple_table, overlays, ple_format)
+               for e in rank if e.term]
+    whys = {"QSA K/V": f"{sum(plan.qsa_layers_per_rank)} layers x {plan.blocks} blocks (flashnext plan)"}
+    terms = []
+    for name in TERMS:
+        counted = [e for e in entries if e.term == name]
+        if counted or name == "QSA K/V":  # the plan's pools are a term even where they are empty
+            terms.append(PinnedTerm(name, sum(e.pinned_host for e in counted), whys.get(name, counted[0].note)))
+    return terms
+
+
+def host_fit(shape, plan, terms: list[PinnedTerm], available: int) -> tuple[bool, int | None]:
+    """Whether ``terms`` and the pool's headroom fit ``available`` host bytes, and the largest
+    ``--kv-cache-memory-bytes`` whose QSA K/V would fit beside the rest (None without the
+    exact-size pool, whose pools PyTorch rounds, or when no block fits)."""
+    need = sum(t.bytes for t in terms)
+    others = need - plan.pinned_host_bytes_needed
+    per_block = plan.pinned_host_bytes_needed / plan.blocks
+    fits = max(int((available - HOST_HEADROOM - others) // per_block), 0) if shape.exact_host_pool else 0
+    return need + HOST_HEADROOM <= available, (fits * max(plan.bytes_per_block) if fits else None)
+
+
+# --- as text ------------------------------------------------------------------------------------------
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}" if n else "-"
+
+
+def markdown(result: Ledger) -> str:
+    """The ledger as one Markdown table a rank (MiB), with each rank's totals: what ``flashnext plan``
+    prints and docs/serving.md shows."""
+    lines = []
+    for rank in result.ranks:
+        lines += [f"rank {rank.rank}:", "",
+                  "| entry | owner | GPU at start-up (MiB) | GPU serving peak (MiB) | pinned host (MiB) | inside |",
+                  "|---|---|--:|--:|--:|---|"]
+        for e in rank.entries:
+            inside = f"{e.inside} (within the {e.within})" if e.within else e.inside
+            lines.append(f"| {e.name} | {e.owner} | {_mib(e.gpu_startup)} | {_mib(e.gpu_peak)} | "
+                         f"{_mib(e.pinned_host)} | {inside} |")
+        lines.append(f"| **total** | | **{_mib(rank.gpu_startup)}** | **{_mib(rank.gpu_peak)}** | "
+                     f"**{_mib(rank.pinned_host)}** | outside vLLM's numbers: {_mib(rank.gpu_outside_vllm)} MiB |")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
