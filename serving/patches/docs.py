@@ -97,7 +97,7 @@ def readme_sections(patches: Sequence[Patch]) -> str:
                                                 else " (off by default)"),
                  f"- hooks: {', '.join(f'`{h}`' for h in p.hooks)}",
                  (f"- registered by flashnext's vLLM plugin: `{p.registers}`" if p.verdict == "plugin"
-                  else f"- touches: {', '.join(f'`{t}`' for t in p.touches)}"),
+                  else f"- touches: {', '.join(f'`{t}`' for t in p.touches)}\n- a diff, not a plugin: {p.why_diff}"),
                  f"- seed item: {p.seed or 'none (not a seed 000 item of its own)'}",
                  f"- upstream: {p.upstream}"]
         parts.append(f"### {p.order}. `{p.id}`: {text.title}\n\n{text.summary}\n\n" + "\n".join(facts))
