@@ -94,3 +94,75 @@ def test_a_check_of_seconds_has_no_bar(argv: list[str], inputs: Inputs):
     values = {"overlay": inputs.overlay, "snap": inputs.snap, "table": inputs.table}
     result = invoke([a.format(**{k: str(v) for k, v in values.items()}) for a in argv] + ["--progress"])
     assert result.stderr == ""
+
+
+# --- the first line, before the seconds of imports (issue 41, item 6) --------------------------------
+
+# Runs a command as a terminal runs it, and says on stderr when torch or vLLM starts to import: the
+# seconds a user would otherwise watch an empty screen.
+_WATCHED = r'''
+import importlib.abc, sys
+
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name in ("torch", "vllm"):
+            sys.stderr.write(f"<importing {name}>\n")
+            sys.stderr.flush()
+        return None
+
+sys.meta_path.insert(0, Watch())
+from flashnext.tools.cli import main
+main(sys.argv[1:], prog_name="flashnext")
+'''
+
+
+def _before_heavy_imports(args: list[str], cwd: Path) -> str:
+    """What a command wrote to its terminal before torch or vLLM began to import in its process (it is
+    stopped then), or all it wrote where they never did (plan asks vLLM in a child process)."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", _WATCHED, *args], stdin=follower, stdout=follower,
+                            stderr=follower, cwd=cwd, close_fds=True)
+    os.close(follower)
+    seen = b""
+    try:
+        while b"<importing " not in seen:
+            ready, _, _ = select.select([leader], [], [], 120)
+            try:
+                chunk = os.read(leader, 4096) if ready else b""
+            except OSError:  # EIO: the command ended and closed the terminal
+                chunk = b""
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(leader)
+    text = seen.decode(errors="replace").replace("\r\n", "\n")
+    return text.partition("<importing ")[0]
+
+
+@pytest.mark.parametrize("args, first", [
+    (["plan", "--profile", "3x3090"], "planning 3x3090 with vLLM's own config classes"),
+    (["plan", "--gpus", "3", "--gpu-memory", "24", "--host-ram", "125"], "planning a rig of 3 GPU(s)"),
+    (["demo-checkpoint", "--out", "fresh-demo"], "writing the demo checkpoint to fresh-demo"),
+    (["make-mtp-int4", "--src", "{snap}", "--out", "mtp-out"], "quantizing the MTP experts of"),
+    (["repack-int6", "--src", "{snap}", "--out", "int6-out"], "repacking the INT6 modules of"),
+    (["doctor", "--profile", "3x3090", "--model", "{snap}"], "preflight of 3x3090"),
+    (["selftest", "--out", "selftest-out"], "selftest of 3x3090 into selftest-out"),
+], ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_a_slow_command_says_what_it_does_before_its_imports(args, first, demo_snapshot, tmp_path):
+    shown = _before_heavy_imports([a.format(snap=demo_snapshot) for a in args], tmp_path)
+    assert shown.startswith(first) and shown.splitlines()[0].endswith(" ..."), shown
+
+
+def test_the_first_line_stays_off_a_pipe(demo_snapshot, tmp_path):
+    """Where no one watches (a pipe, a log), stderr gets nothing more than before."""
+    result = CliRunner().invoke(cli, ["demo-checkpoint", "--out", str(tmp_path / "d")])
+    assert result.exit_code == 0 and "writing the demo checkpoint" not in result.output

@@ -22,6 +22,14 @@ from flashnext.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, F
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
 
+def begin(line: str) -> None:
+    """A command's first line, at once: what it does while its imports and first work take seconds
+    (torch, vLLM). On stderr, and only where a person watches it (a terminal), so that stdout stays
+    the command's output and logs and pipes get no more than before."""
+    if sys.stderr.isatty():
+        click.echo(f"{line} ...", err=True)
+
+
 class InternalError(click.ClickException):
     exit_code = EXIT_INTERNAL
 
@@ -156,6 +164,7 @@ def preflight_report(profile_name: str, model, overlays, ple_table, engine: str,
     from flashnext.serving.profiles import load_profile
 
     profile = load_profile(profile_name)
+    begin(f"preflight of {profile_name}: GPUs, host memory, limits, the PLE table, overlays, the {engine} engine")
     with held_back_output():
         findings = preflight(profile, model, list(overlays), ple_table, engine)
     code = verdict(findings)

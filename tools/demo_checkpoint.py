@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.tools._common import emit_json, json_option, user_errors
+from flashnext.tools._common import begin, emit_json, json_option, user_errors
 
 
 @click.command("demo-checkpoint")
@@ -22,7 +22,7 @@ def main(out: Path, force: bool, as_json: bool) -> None:
     from flashnext.quant.demo import MADE_BY, write_demo_checkpoint
 
     refuse_existing_output(out, force, made_by=MADE_BY)  # before the config's compressed-tensors import brings in torch
-
+    begin(f"writing the demo checkpoint to {out} (about 10 MB; torch loads first)")
     summary = write_demo_checkpoint(out, force=force)
     if as_json:
         emit_json(summary)

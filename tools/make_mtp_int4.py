@@ -10,7 +10,7 @@ import click
 from flashnext.errors import FlashnextError
 from flashnext.quant.quantizers.base import SUPPORTED_GROUP_SIZES, available_quantizers
 from flashnext.sizes import format_size
-from flashnext.tools._common import CONTEXT_SETTINGS, emit_json, json_option, user_errors
+from flashnext.tools._common import CONTEXT_SETTINGS, begin, emit_json, json_option, user_errors
 
 
 class RegisteredQuantizer(click.Choice):
@@ -88,6 +88,7 @@ def main(src: Path, out: Path, group_size: str, quantizer: str | None, positive_
                            made_by=MtpInt4Builder.tool)
     if report is not None:
         _check_report_path(report, src, out)
+    begin(f"quantizing the MTP experts of {src} to INT4 into {out} (torch loads first)")
     try:
         result = make_mtp_int4(src, out, options, force=force, progress=progress)
     except DeviceError as e:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.tools._common import emit_json, json_option, user_errors
+from flashnext.tools._common import begin, emit_json, json_option, user_errors
 
 
 @click.group("patches")
@@ -75,6 +75,7 @@ def check(vllm: Path | None, progress: bool, as_json: bool) -> None:
     from flashnext.errors import FlashnextError
     from flashnext.serving.patch_series import drift_table
 
+    begin(f"checking the patch series against {vllm or 'the installed vllm'}")
     rows = drift_table(vllm, progress=(lambda line: click.echo(line, err=True)) if progress else lambda line: None)
     if as_json:
         emit_json([r.as_json() for r in rows])

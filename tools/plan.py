@@ -10,7 +10,7 @@ import click
 
 from flashnext.errors import FlashnextError, UsageError
 from flashnext.sizes import format_size
-from flashnext.tools._common import emit_json, held_back_output, json_option, user_errors
+from flashnext.tools._common import begin, emit_json, held_back_output, json_option, user_errors
 
 REFERENCE_HOST_GIB = 125  # the reference rig's host RAM (seed 000)
 GIB = 1 << 30
@@ -126,6 +126,7 @@ def main(profile: str | None, kv_cache_memory_bytes: int | None, prefix_caching:
     from flashnext.serving.profiles import load_profile
 
     loaded = load_profile(profile)
+    begin(f"planning {profile} with vLLM's own config classes and KV planner (vLLM loads first)")
     if ple_format is not None and model is not None:
         raise UsageError("--ple-format is for the pinned base checkpoint; with --model the snapshot's config says "
                          "how its table is stored")
@@ -148,6 +149,7 @@ def main(profile: str | None, kv_cache_memory_bytes: int | None, prefix_caching:
 
 def _rig(gpus: int, gpu_memory: float, host_ram: float, mtp: bool, context: int | None, ple_format: str | None,
          write_profile: Path | None, as_json: bool) -> None:
+    begin(f"planning a rig of {gpus} GPU(s) with vLLM's own config classes and KV planner (vLLM loads first)")
     from flashnext.serving.capacity.rig import Rig, plan_rig, rig_profile
     from flashnext.serving.profiles import PROFILE_NAME, write_profile as write
 

@@ -9,7 +9,7 @@ import click
 
 from flashnext.errors import FlashnextError, SlowDrive, UsageError, VerificationMismatch
 from flashnext.sizes import format_size
-from flashnext.tools._common import emit_json, json_option, user_errors
+from flashnext.tools._common import begin, emit_json, json_option, user_errors
 
 
 # One PLE layer's table: vLLM hashes each PLE layer (0, 1, ... in ple_layer_ids order) with its own
@@ -113,6 +113,7 @@ def build(src: Path, out: Path, fmt: str, device: str, dense_layer_id: int, forc
 
     An interrupted build, of either kind, resumes where it stopped when run again with the same
     arguments."""
+    begin(f"building the PLE table of {src} as {fmt} into {out}")
     if fmt != "bf16":
         from flashnext.quant.overlays.ple_quant import quantize_ple_table
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from flashnext.quant.formats.ct_config import DEFAULT_INT6_TARGETS
-from flashnext.tools._common import emit_json, json_option, user_errors
+from flashnext.tools._common import begin, emit_json, json_option, user_errors
 
 
 @click.command("repack-int6")
@@ -34,6 +34,7 @@ def main(src: Path, out: Path, targets: str, reverse: bool, to: str | None, forc
     from flashnext.quant.checkpoint.fsutil import refuse_existing_output
 
     refuse_existing_output(out, force, {"the source snapshot": src})  # before the repack imports torch
+    begin(f"repacking the INT6 modules of {src} into {out} (torch loads first)")
     from flashnext.quant.overlays.int6_repack import repack_int6
 
     mode = "reverse" if reverse else ("int8" if to == "int8" else "bitplane")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.tools._common import emit_json, json_option, user_errors
+from flashnext.tools._common import begin, emit_json, json_option, user_errors
 
 
 def _gpus(value: str) -> str:
@@ -45,6 +45,7 @@ def main(profile_name: str, out: Path, force: bool, gpus: str, keep: bool, as_js
 
     refuse_existing_output(out, force, made_by=MADE_BY)  # before minutes of checks, not after
     gpu_count(gpus)  # more GPUs asked for than are here: refused now, not after the CPU part
+    begin(f"selftest of {profile_name} into {out}: the patch series, the demo's layers against vLLM's kernels")
     report, kept = selftest(profile_name, out, gpus=gpus, keep=keep, force=force,
                             progress=lambda line: click.echo(line, err=True))
     s = report.summary

@@ -97,6 +97,14 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     if not no_check:  # a NO-GO raises here, before anything is written or started
         preflight_report(profile, model, overlays, ple_table, compose_engine(compose) if compose else "native",
                          False, err=True)
+    elif engine == "native":  # --no-check skips the rig's checks, not whether this vLLM can serve at all
+        from flashnext.errors import NoGo
+        from flashnext.serving.preflight import check_vllm
+
+        found = check_vllm("native")
+        if not found.ok:
+            click.echo(f"Error: {found.detail}: {found.fix}", err=True)
+            raise NoGo(found.detail, found.exit)
     if engine == "native":
         return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
     url = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{req.host_port}"

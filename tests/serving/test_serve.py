@@ -219,15 +219,41 @@ def test_wait_ready_against_a_server_on_loopback():
 # --- serve is safe by default: the PLE table file is required, the preflight runs first ----------
 
 @pytest.fixture
-def serve_state(tmp_path, monkeypatch):
-    """Where serve writes its compose file, and a record of what it would have executed."""
+def stock_vllm_check(monkeypatch):
+    """The vLLM check as this machine answers it: stock vLLM 0.34.0, the series not applied."""
+    from flashnext.serving import preflight as pf
+
+    return pf.check_vllm
+
+
+@pytest.fixture
+def serve_state(tmp_path, monkeypatch, stock_vllm_check):
+    """Where serve writes its compose file, and a record of what it would have executed. The native
+    engine's vLLM stands in as patched (``check_vllm`` GO): the one installed here is stock."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     started = []
     import flashnext.tools.serve as serve_tool
+    from flashnext.serving import preflight as pf
 
     monkeypatch.setattr(serve_tool, "exec_native", lambda cmd, env: started.append((cmd, env)))
     monkeypatch.setattr(serve_tool, "run_command", lambda cmd: started.append((cmd, None)))
+    monkeypatch.setattr(pf, "check_vllm", lambda engine: pf.Finding("vllm", True, "patched (stand-in)"))
     return tmp_path / "cache", started
+
+
+def test_no_check_still_refuses_a_native_vllm_that_cannot_serve(serve_state, stock_vllm_check, demo_snapshot,
+                                                                 demo_table, monkeypatch):
+    """--no-check skips the rig's checks, not the one that makes a native start fail a minute in with
+    vLLM's traceback (issue 41): the stock vLLM installed here is refused in one line naming the fix."""
+    from flashnext.serving import preflight as pf
+
+    cache, started = serve_state
+    monkeypatch.setattr(pf, "check_vllm", stock_vllm_check)
+    result = CliRunner().invoke(cli, ["serve", "--profile", "3x3090", "--model", str(demo_snapshot),
+                                      "--ple-table", str(demo_table), "--engine", "native", "--no-check"])
+    assert result.exit_code == pf.NoGoCode.IMAGE, result.output
+    assert result.stderr.count("\n") == 1 and "without flashnext's patch series" in result.stderr
+    assert "flashnext patches apply --target " in result.stderr and started == []
 
 
 @pytest.mark.parametrize("extra", [[], ["--dry-run"], ["--engine", "native"], ["--no-check"], ["--check"]])
