@@ -122,9 +122,14 @@ class RigPlan:
     fewest_gpus_that_fit: int | None = None  # when these GPUs cannot hold the weights
     profile: object = field(default=None, repr=False)  # the Profile of this plan
 
+    @property
+    def plan_num_seqs(self) -> int:
+        """The requests ``plan`` is for: ``max_num_seqs``, or one where none fits."""
+        return max(self.max_num_seqs, 1)
+
     def to_json(self) -> dict:
         data = {k: v for k, v in asdict(self).items() if k not in ("profile", "plan")}
-        data["plan"] = self.plan.to_json()
+        data["plan"] = {**self.plan.to_json(), "num_seqs": self.plan_num_seqs}  # not max_num_seqs' 0
         return data
 
 

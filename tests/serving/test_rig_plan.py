@@ -96,6 +96,8 @@ def test_two_3090s_cannot_hold_the_weights_and_plan_says_so_in_numbers(tmp_path)
     assert r.stderr.strip() == (f"Error: the rig does not fit: {planned['reasons'][0]} "
                                 "(and 1 more reason(s) in the plan)")
     assert not planned["fits"] and planned["max_num_seqs"] == 0 and planned["fewest_gpus_that_fit"] == 3
+    # the plan beside it is one request's, and says so (issue 41: it was paired with max_num_seqs 0 silently)
+    assert planned["plan"]["num_seqs"] == 1 and planned["plan"]["blocks"] == planned["plan"]["blocks_per_request"]
     assert planned["host"]["fits"]  # the host is not the problem: nvfp4 PLE + QSA K/V fit 128 GiB
     assert all(m["weights"] > planned["usable_vram_bytes"] for m in planned["ranks"])
     assert re.match(r"rank 0 needs 33\.\d\d GiB: weights 31\.\d\d GiB \(24 layers x 1\.28 GiB", planned["reasons"][0])
