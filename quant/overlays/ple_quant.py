@@ -36,6 +36,7 @@ from flashnext.quant.formats import float_rows
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
 from flashnext.quant.overlays.builder import OverlayBuilder
 from flashnext.quant.ple.source import PleSource, find_ple_source
+from flashnext.quant.quantizers.base import require_finite
 from flashnext.quant.records.strict import Count, StrictRecord
 
 KINDS = {"nvfp4": "ple-nvfp4", "fp8": "ple-fp8"}
@@ -219,6 +220,7 @@ class PleQuantize(OverlayBuilder):
                     if n < state.amax_chunks:
                         continue
                     rows = read_rows(shard.path, shard.entry, start, stop).to(self.device)
+                    require_finite(rows, f"{table.prefix} ({shard.path.name})", (start,))
                     state.amax = max(state.amax, float(rows.float().abs().max())) if rows.numel() else state.amax
                     state.amax_chunks = n + 1
                     bar.update(rows.numel() * 2)

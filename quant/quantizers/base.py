@@ -139,3 +139,17 @@ def quantizer_class(name: str) -> type[Quantizer]:
 def get_quantizer(name: str, **options) -> Quantizer:
     """The registered quantizer ``name``, built with ``options``."""
     return quantizer_class(name)(**options)
+
+
+def require_finite(t: "torch.Tensor", what: str, origin: tuple[int, ...] = ()) -> None:
+    """Refuse a source tensor holding NaN or Inf, naming ``what`` and the first bad index (counted
+    from ``origin``, where ``t`` is a slice of a larger tensor): a scale or an error computed over it
+    would be silently wrong (Python's ``max(0.0, nan)`` drops the NaN; an Inf makes every scale inf)."""
+    import torch
+
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        at = [i + o for i, o in zip(first, origin)] + first[len(origin):]
+        value = t[tuple(first)].item()
+        raise FlashnextError(f"{what} holds {value} at index {at}: refusing to quantize non-finite weights")

@@ -73,7 +73,9 @@ def parse(text: str) -> dict[str, float]:
             key = wanted.get(sample.name)
             if key is not None and math.isfinite(sample.value):
                 found.setdefault(key, []).append(float(sample.value))
-    return {k: (max(v) if k == "kv_cache_usage" else sum(v)) for k, v in found.items()}
+    totals = {k: (max(v) if k == "kv_cache_usage" else sum(v)) for k, v in found.items()}
+    # finite values may sum past the largest float (a page of 1e308s): such a total is no number
+    return {k: v for k, v in totals.items() if math.isfinite(v)}
 
 
 @dataclass(frozen=True, order=True)
@@ -132,6 +134,8 @@ def parse_gpu_steps(text: str) -> dict[StepKey, StepHistogram]:
             try:
                 key = (StepKey(int(sample.labels["dp_rank"]), int(sample.labels["pp_rank"]),
                                int(sample.labels["tp_rank"]), sample.labels["graph"]), sample.labels.get("tokens"))
+                if not math.isfinite(sample.value):
+                    continue
                 if sample.name == f"{GPU_STEP}_bucket":
                     buckets.setdefault(key, {})[float(sample.labels["le"])] = float(sample.value)
                 elif sample.name == f"{GPU_STEP}_sum":
@@ -258,12 +262,16 @@ class Monitor:
         for name in GAUGES:
             values = [s.values[name] for s in inside if name in s.values]
             if values:
-                gauges[name] = (sum(values) / len(values), max(values))
+                mean = sum(v / len(values) for v in values)  # each term first: a sum of 1e308s overflows
+                gauges[name] = (mean, max(values))
         counters, notes = {}, []
         first, last = inside[0].values, inside[-1].values
         for name in COUNTERS:
             if name in first and name in last:
-                if last[name] >= first[name]:
+                if not math.isfinite(last[name] - first[name]):
+                    notes.append(f"{COUNTERS[name]} went from {first[name]:g} to {last[name]:g}: an increase "
+                                 "past the largest number, left out")
+                elif last[name] >= first[name]:
                     counters[name] = last[name] - first[name]
                 else:  # a counter only goes down when the server restarted in between
                     notes.append(f"{COUNTERS[name]} went down from {first[name]:g} to {last[name]:g}: "
@@ -274,7 +282,9 @@ class Monitor:
             if start_h is not None and start_h.bounds != end_h.bounds:
                 continue
             steps = end_h if start_h is None else end_h - start_h   # None: the rank's first steps came in the window
-            if steps.count < 0:
+            if not all(math.isfinite(v) for v in (*steps.cumulative, steps.sum_s)):
+                notes.append(f"{GPU_STEP} of {key.label} is past the largest number: left out")
+            elif steps.count < 0:
                 notes.append(f"{GPU_STEP} of {key.label} went down: the server restarted during the phase")
             elif steps.count > 0:
                 gpu_steps[key] = steps

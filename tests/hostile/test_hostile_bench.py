@@ -290,3 +290,34 @@ def test_a_query_value_that_is_also_a_word_of_the_report_leaves_its_fields_valid
     assert report["ab"]["agreement"]["by"] == "tokens"
     assert report["settings"]["structured_format"] == "json_schema"
     assert_no_secret(done, out)
+
+
+def _huge_metrics(n: int) -> str:
+    """A /metrics page of values each a float, whose sums are not: two engines at 1e308 for every
+    gauge and counter vLLM names, and a GPU-step histogram of 1e308 steps on two graphs."""
+    from flashnext.serving.bench.server_state import COUNTERS, GAUGES, GPU_STEP
+
+    lines = [f'{name}{{engine="{e}"}} 1e308' for name in GAUGES.values() for e in (0, 1)]
+    lines += [f'{name}_total{{engine="{e}"}} 1e308' for name in COUNTERS.values() for e in (0, 1)]
+    for graph in ("FULL", "PIECEWISE"):
+        labels = f'dp_rank="0",pp_rank="0",tp_rank="0",graph="{graph}",tokens="1"'
+        lines += [f'{GPU_STEP}_bucket{{{labels},le="0.01"}} 1e308', f'{GPU_STEP}_bucket{{{labels},le="+Inf"}} 1e308',
+                  f'{GPU_STEP}_count{{{labels}}} 1e308', f'{GPU_STEP}_sum{{{labels}}} 1e308']
+    return "\n".join(lines) + "\n"
+
+
+def test_metrics_past_the_largest_float_leave_the_report_whole(tmp_path):
+    """Issue 42, item 5: a server whose /metrics sums past the largest float (1e308 + 1e308) cost bench
+    its whole run (exit 70, a ValidationError in ServerWindow). Now those numbers are left out and the
+    report is written, strict JSON."""
+    out = tmp_path / "run"
+    with FaultServer(schedule=("ok",), interval_s=0.01, metrics=_huge_metrics) as server:
+        done = CliRunner().invoke(cli, ["bench", server.url, "--out", str(out), "--phases", "decode",
+                                        "--decode-concurrency", "1", "--repeats", "1", "--warmup", "0",
+                                        "--metrics-interval", "0.05", "--no-progress"])
+    assert done.exit_code == 0, done.output
+    [e] = strict_report(out)["endpoints"]
+    for phase in e["server_state"]["phases"]:
+        assert phase["running_mean"] is None  # two engines' 1e308 sum to no number
+        assert phase["kv_cache_usage_mean"] == phase["kv_cache_usage_max"] == 1e308  # the fullest engine's
+        assert phase["preemptions"] is None and phase["prefix_cache_hit_rate"] is None

@@ -139,7 +139,36 @@ def fp8_table_sidecar(literal: str) -> Callable[[Work], list[str]]:
     return setup
 
 
+def non_finite(value: float, tensor: str, shard: Callable[[Work], str], command, index=(1, 2)):
+    """One element of a source tensor made ``value`` (issue 42: a NaN dropped from a running
+    maximum gave NVFP4 a global scale of 1.0, exit 0; an Inf gave every scale inf)."""
+    def setup(w: Work) -> list[str]:
+        def edit(tensors):
+            t = tensors[tensor].clone()
+            t[index] = value
+            tensors[tensor] = t
+
+        rewrite_shard(w.snap / shard(w), edit)
+        return command(w)
+    return setup
+
+
+PLE_ROWS = f"{PLE_PREFIX}.ngram_embedding.shard_0.weight"
+MTP_EXPERTS = "mtp.layers.0.mlp.experts.gate_up_proj"
+
 CASES = [
+    # Non-finite weights in a source every builder that computes from them reads: refused, naming the
+    # tensor and the first bad index. (repack-int6 moves integer words only; its scales are not read.)
+    Case("ple-nvfp4-nan", non_finite(float("nan"), PLE_ROWS, ple_shard_file, lambda w: ple_build(w, "--format", "nvfp4")),
+         f"{PLE_PREFIX} (model-00003-of-00005.safetensors) holds nan at index [1, 2]"),
+    Case("ple-fp8-inf", non_finite(float("inf"), PLE_ROWS, ple_shard_file, lambda w: ple_build(w, "--format", "fp8")),
+         "holds inf at index [1, 2]: refusing to quantize non-finite weights"),
+    Case("ple-nvfp4-minus-inf", non_finite(float("-inf"), PLE_ROWS, ple_shard_file,
+                                           lambda w: ple_build(w, "--format", "nvfp4")), "holds -inf at index [1, 2]"),
+    Case("mtp-nan", non_finite(float("nan"), MTP_EXPERTS, lambda w: MTP_SHARD, mtp, index=(3, 1, 2)),
+         "mtp.layers.0.mlp.experts gate_proj of experts 0..3 holds nan at index [3, 1, 2]"),
+    Case("mtp-inf-calibrated", non_finite(float("inf"), MTP_EXPERTS, lambda w: MTP_SHARD,
+                                          lambda w: with_calib(2)(w), index=(5, 0, 0)), "holds inf at index [5, 0, 0]"),
     # Numbers that only read as numbers: 1e400 is inf to Python, and json.dumps would write it back
     # as Infinity, which no JSON reader (flashnext's included) accepts.
     Case("config-1e400-mtp", literal_case(config_file, placeholder_at("rms_norm_eps"), "1e400", mtp),

@@ -29,7 +29,7 @@ from flashnext.quant.overlays.mtp_int4.source import (
     BITS, PROJECTIONS, DraftLayerExperts, expert_specs, expert_tensor_names, find_draft_experts, load_batch,
     scale_dtype_for, updated_weight_map,
 )
-from flashnext.quant.quantizers.base import available_quantizers, check_group_size
+from flashnext.quant.quantizers.base import available_quantizers, check_group_size, require_finite
 from flashnext.quant.records.jsonfile import get_int
 
 # torch and the quantizers (which import it) are imported where tensors are touched: options and
@@ -90,14 +90,6 @@ class MtpInt4Options:
         if self.calib is not None and not self.scale_search:
             raise UsageError("--calib weights the scale search: it cannot go with --no-scale-search "
                              "(--quantizer rtn)")
-
-
-def _check_finite(t: torch.Tensor, what: str) -> None:
-    import torch
-
-    if not torch.isfinite(t).all():
-        bad = (~torch.isfinite(t)).nonzero()[0].tolist()
-        raise FlashnextError(f"{what} contains NaN or Inf (first at index {bad}); refusing to quantize")
 
 
 class MtpInt4Builder(OverlayBuilder):
@@ -182,7 +174,7 @@ class MtpInt4Builder(OverlayBuilder):
         scale_dtype = torch_dtypes()[scale_dtype_for(layer.dtype)]
         batch = load_batch(self.snap, layer, start, stop, self.device)
         for proj in PROJECTIONS:
-            _check_finite(batch[proj], f"{layer.prefix} {proj}_proj of experts {start}..{stop - 1}")
+            require_finite(batch[proj], f"{layer.prefix} {proj}_proj of experts {start}..{stop - 1}", (start,))
         routed = self.routed.get(layer.prefix)
         calib = None if routed is None else RoutedBatch(routed, batch, start, self.device)
         results = {}
