@@ -16,6 +16,7 @@ import argparse
 import importlib.util
 import json
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def kernel_at(rev: str, scratch: Path, earlier: Path | None = None):
         path.write_bytes(subprocess.run(["git", "show", f"{rev}:{KERNEL}"], check=True, capture_output=True).stdout)
     spec = importlib.util.spec_from_file_location("qsa_row_cache_at_rev", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while they are made
     spec.loader.exec_module(module)
     return module
 

@@ -8,7 +8,8 @@ installed ``vllm`` is symlinked except along the touched paths, where directorie
 and the touched files copied. It applies the series there with ``patch --fuzz=0`` (the first
 refused hunk is named), byte-compiles every touched file, and runs every probe in one fresh
 interpreter that imports the patched tree (it first makes sure ``vllm`` comes from the shadow
-tree; each probe is a function of ``serving/patches/probes.py`` and is reported by its patch's id).
+tree; a diff's probe is derived from the diff, every other a function of ``serving/patches/probes.py``;
+each is reported by its entry's id).
 ``--vllm`` may also name another vllm directory or a vllm wheel.
 
 ``apply`` changes the serving image's vllm in place, all or nothing: the touched files are patched
@@ -42,27 +43,27 @@ from flashnext.quant.checkpoint.fsutil import (confined, fsync_dir, output_lock,
 from flashnext.quant.records.inputs import open_regular, read_regular_bytes
 from flashnext.quant.records.jsonfile import parse_json, validate
 from flashnext.quant.records.strict import Sha256, StrictRecord
+from flashnext.serving.patches import probes
 from flashnext.serving.patches.series import ABSORBED, PATCH_DIR, SERIES, VLLM_VERSION, Absorbed, Patch
 
 
 def load_series(patches: Sequence[Patch] = SERIES) -> list[Patch]:
-    """``patches`` in order, each checked against its diff: the file is in the series' folder and
-    the files the diff touches are the ones its entry names."""
+    """``patches`` in order, each checked: its probe is found by its module and name, a diff is a
+    regular file in the series' folder that changes at least one file, a plugin entry has none."""
     patches = sorted(patches, key=lambda p: p.order)
     for p in patches:
+        probe = p.probe or probes.lines_in_tree
         # the probe interpreter finds a probe by its module and name, so it must be found there
-        if getattr(importlib.import_module(p.probe.__module__), p.probe.__name__, None) is not p.probe:
-            raise FlashnextError(f"{p.id}: its probe {p.probe.__qualname__} is not a function of a module")
+        if getattr(importlib.import_module(probe.__module__), probe.__name__, None) is not probe:
+            raise FlashnextError(f"{p.id}: its probe {probe.__qualname__} is not a function of a module")
         if p.verdict == "plugin":
-            if p.file is not None or p.touches:
+            if p.file is not None:
                 raise FlashnextError(f"{p.id}: a plugin entry has no diff and touches no file of vllm")
             continue
         confined(PATCH_DIR, p.file, "the patch series")
         diff = read_regular_bytes(p.path, "a patch of the series").decode("utf-8", "replace")
-        touched = {line.split()[1][2:] for line in diff.splitlines()
-                   if line.startswith("+++ ") and len(line.split()) > 1}
-        if touched != set(p.touches):
-            raise FlashnextError(f"{p.id}: the series says it touches {sorted(p.touches)}, the diff touches {sorted(touched)}")
+        if not probes.diff_hunks(diff):
+            raise FlashnextError(f"{p.id}: {p.file} has no hunk of a unified diff")
     return patches
 
 
@@ -70,6 +71,24 @@ def diffs(patches: Sequence[Patch]) -> list[Patch]:
     """The entries kept as diffs (applied to vLLM's files), in order; plugin entries register
     through vLLM's own extension points instead (``serving/plugin.py``)."""
     return [p for p in patches if p.verdict == "diff"]
+
+
+def probe_calls(entries: Sequence[Patch | Absorbed]) -> dict[str, tuple[Callable[..., None], tuple]]:
+    """Each entry's probe and the arguments it is called with. A diff's is derived from its hunks:
+    the lines each adds that no later diff of ``entries`` removes (a later patch may rewrite what an
+    earlier one added, as mtp-02 does mtp-01's draft embedding)."""
+    hunks = {p.id: probes.diff_hunks(p.path.read_text(encoding="utf-8")) for p in entries
+             if isinstance(p, Patch) and p.verdict == "diff" and p.probe is None}
+    calls = {}
+    for n, p in enumerate(entries):
+        if p.id not in hunks:
+            calls[p.id] = (p.probe, ())
+            continue
+        later = [(rel, set(removed)) for q in entries[n + 1:] for rel, _, removed in hunks.get(q.id, ())]
+        kept = [(rel, [line for line in added if not any(r == rel and line in gone for r, gone in later)])
+                for rel, added, _ in hunks[p.id]]
+        calls[p.id] = (probes.lines_in_tree, (p.file, kept))
+    return calls
 
 
 def installed_vllm_root() -> Path:
@@ -582,7 +601,7 @@ def probe_tree(root: Path | None = None, series: Sequence[Patch] = SERIES) -> di
 
 
 # Runs in the interpreter that imports the shadow tree: argv is the tree, a JSON file of
-# [[id, probe module, probe function, touched files]], and the file it appends one JSON line to per
+# [[id, probe module, probe function, its arguments, touched files]], and the file it appends one JSON line to per
 # event. Probes share the interpreter (one vLLM import instead of one per patch), each in its own
 # function's namespace.
 _PROBE_RUNNER = r'''
@@ -608,13 +627,13 @@ try:
 except BaseException as exc:
     event(fatal=last_error_line(exc))
     sys.exit(1)
-for patch_id, module_name, function_name, touched in json.load(open(probes_file)):
+for patch_id, module_name, function_name, args, touched in json.load(open(probes_file)):
     event(start=patch_id)
     probe_file = None
     try:
         module = importlib.import_module(module_name)
         probe_file = module.__file__
-        getattr(module, function_name)()
+        getattr(module, function_name)(*args)
         for rel in touched:  # a touched module the probe imported must be the tree's patched copy
             imported = sys.modules.get(rel[:-len(".py")].replace("/", ".").removesuffix(".__init__"))
             if imported is not None and os.path.abspath(imported.__file__) != os.path.join(root, rel):
@@ -652,7 +671,9 @@ def _run_probes(patches: list[Patch], root: Path, tmp: Path,
     """Every patch's probe in one interpreter that imports ``root``; the failed ones, by id, with
     their last error line (in series order). ``progress`` hears of each probe as it finishes."""
     probes_file, events_file = tmp / "probes.json", tmp / "probe-events.jsonl"
-    probes_file.write_text(json.dumps([[p.id, p.probe.__module__, p.probe.__name__, list(p.touches)] for p in patches]))
+    calls = probe_calls(patches)
+    probes_file.write_text(json.dumps([[p.id, calls[p.id][0].__module__, calls[p.id][0].__name__, list(calls[p.id][1]),
+                                        list(p.touches)] for p in patches]))
     events_file.write_text("")
     seen = 0
     # stderr to a file, not a pipe: nothing reads a pipe while the events are followed

@@ -31,6 +31,7 @@ def _resolve(dotted: str):
 
 
 def register() -> None:
-    """Run every plugin entry's registration (vLLM's ``load_general_plugins`` calls this)."""
-    for _, dotted in registrations():
+    """Run every plugin entry's registration once (vLLM's ``load_general_plugins`` calls this);
+    entries served by one registration (decode-06 and ttft-01: one model class) name the same."""
+    for dotted in dict.fromkeys(dotted for _, dotted in registrations()):
         _resolve(dotted)()

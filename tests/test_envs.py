@@ -11,13 +11,17 @@ from support import ROOT
 from flashnext import envs
 
 
-def test_every_variable_of_the_module_is_declared_once():
-    instances = [v for v in vars(envs).values() if isinstance(v, envs.EnvVar)]
+def test_every_variable_of_the_module_and_every_patch_switch_is_declared_once():
+    from flashnext.serving.patches.series import SERIES
+
+    instances = [v for v in vars(envs).values() if isinstance(v, envs.EnvVar)] + [p.switch for p in SERIES]
     assert sorted(instances, key=lambda v: v.name) == sorted(envs.DECLARED, key=lambda v: v.name)
     assert len({v.name for v in envs.DECLARED}) == len(envs.DECLARED)
     with pytest.raises(ValueError, match="declared twice"):
         envs.EnvVar(envs.VLLM_PP_DEFER_RECV.name, "1", "again")
     assert len(envs.DECLARED) == len(instances)
+    with pytest.raises(AttributeError, match="no attribute 'VLLM_NO_SUCH_SWITCH'"):
+        envs.VLLM_NO_SUCH_SWITCH
 
 
 def test_all_is_what_the_patched_vllm_reads_and_nothing_of_flashnexts_or_others():

@@ -199,32 +199,77 @@ def test_a_patch_entry_is_checked_as_the_page_says():
 
     with pytest.raises(FlashnextError, match="is not a function of a module"):
         load_series(patches=(dataclasses.replace(SERIES[0], probe=not_found_by_name),))
-    with pytest.raises(FlashnextError, match="the diff touches"):
-        load_series(patches=(dataclasses.replace(SERIES[0], touches=("vllm/elsewhere.py",)),))
+    with pytest.raises(FlashnextError, match="has no hunk of a unified diff"):
+        load_series(patches=(dataclasses.replace(SERIES[0], file="README.md"),))
+
+
+TOY_TARGET = "vllm/v1/worker/worker_base.py"  # a file no patch of the series touches
+
+
+def test_a_new_patch_is_three_files(tmp_path, monkeypatch):
+    """Issue 39 item 5: the page's three files, written as a developer would (a diff with its prose,
+    an entry with its switch, a hook), and nothing else: `patches check` applies it with the series,
+    derives its probe from its hunks and passes it; the generated documents carry its prose; its
+    switch is read through flashnext.envs by name."""
+    pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
+    import difflib
+
+    from flashnext.serving import patch_series
+    from flashnext.serving.patches import docs, series
+
+    monkeypatch.setattr(envs, "_declared", list(envs._declared))  # the toy's switch is declared for this test only
+    toy_switch = envs.EnvVar("VLLM_TOY_PATCH", "1", "Patch toy-01: 0 turns the toy patch off.")
+    hook = tmp_path / "toy_hook.py"  # file 3: the hook (a module of its own; not imported by the check)
+    hook.write_text("def called():\n    return 1\n")
+    original = (patch_series.installed_vllm_root() / TOY_TARGET).read_text().splitlines(keepends=True)
+    patched = [*original[:3], "import toy_hook  # flashnext toy-01\n", *original[3:]]
+    diff = "".join(difflib.unified_diff(original, patched, f"a/{TOY_TARGET}", f"b/{TOY_TARGET}"))
+    folder = tmp_path / "patches"
+    folder.mkdir()
+    for p in patch_series.diffs(series.SERIES):  # the series' diffs beside it, where the entries look
+        (folder / p.file).write_bytes(p.path.read_bytes())
+    (folder / "toy-01.patch").write_text(  # file 1: the prose, then the diff
+        "# A toy patch\n\nIt imports a hook at the top of the input batch's module, which is all a toy needs "
+        "to show the three files of a new patch.\n\n" + diff)
+    monkeypatch.setattr(series, "PATCH_DIR", folder)
+    monkeypatch.setattr(patch_series, "PATCH_DIR", folder)
+    last = max(series.SERIES, key=lambda p: p.order)
+    toy = dataclasses.replace(  # file 2: the entry
+        last, id="toy-01", order=last.order + 1, file="toy-01.patch", seed=None, switch=toy_switch, switch_off="0",
+        hooks=("flashnext.serving.hooks.pipeline.deferred_intermediate_tensors",), registers=None,
+        why_diff="a toy: it shows the files of a new diff, not an extension point")
+    rows = patch_series.check_series(series=(*series.SERIES, toy))
+    assert rows[-1] == {"id": "toy-01", "verdict": "diff", "applied": True, "compiled": [TOY_TARGET], "probe": "passed"}
+    assert toy.touches == (TOY_TARGET,) and envs.VLLM_TOY_PATCH is toy_switch and toy_switch in envs.ALL
+    assert docs.prose(toy).title == "A toy patch" and "### 16. `toy-01`: A toy patch" in docs.readme_sections((toy,))
 
 
 def test_a_declared_switch_needs_no_edit_of_envs_all():
-    """Step 2's claim: every serving variable declared in flashnext/envs.py is in ``envs.ALL``."""
+    """Step 3's claim: a switch declared in its series entry is read through ``flashnext.envs`` by
+    name and is in ``envs.ALL``, as is every serving variable declared in flashnext/envs.py."""
     declared = [v for v in vars(envs).values() if isinstance(v, envs.EnvVar) and v.kind == envs.SERVING]
-    assert set(declared) == set(envs.ALL)
     from flashnext.serving.patches.series import SERIES
 
-    assert {p.switch for p in SERIES} <= set(envs.ALL)
+    switches = {p.switch for p in SERIES}
+    assert set(declared) | switches == set(envs.ALL) and not switches & set(declared)
+    assert all(getattr(envs, s.name) is s for s in switches)
 
 
 def test_every_patch_has_the_files_the_page_lists():
-    """Step 3's two routes: a diff, or (where vLLM 0.34.0 offers an extension point) a registration
-    that flashnext's vLLM plugin runs; step 6's prose either way."""
-    from flashnext.serving.patches.series import SERIES
+    """Step 2's two routes: a diff with its prose before the first file header, or (where vLLM 0.34.0
+    offers an extension point) a registration that flashnext's vLLM plugin runs, its prose in
+    ``<id>.md``; step 3's entry either way. Nothing else of a patch's is in its folder."""
+    from flashnext.serving.patches.series import PATCH_DIR, SERIES
 
     for p in SERIES:
         if p.verdict == "diff":
-            assert p.path.is_file(), p.id
+            assert p.path.is_file() and p.prose_path == p.path, p.id
         else:
             module, _, name = p.registers.rpartition(".")
             assert p.file is None and callable(getattr(importlib.import_module(module), name)), p.id
-        assert p.prose_path.is_file(), p.id
         assert p.prose_path.read_text().startswith("# "), p.prose_path
+    written = {p.prose_path.name for p in SERIES}
+    assert {f.name for f in PATCH_DIR.iterdir() if f.suffix in (".patch", ".md")} == written | {"README.md"}
 
 
 # ---- a model family for plan -----------------------------------------------------------------------

@@ -88,7 +88,7 @@ def test_wheel_contents(wheel):
     stray = sorted(n for n in names if n.startswith(("tests/", "benchmarks/", "docs/")))
     assert not stray, stray
     for required in ("flashnext/serving/hooks/ple_file.py", "flashnext/quant/kernels/bitplane_gemv.py",
-                     "flashnext/serving/patches/series.py", "flashnext/serving/patches/qsa-offload.md",
+                     "flashnext/serving/patches/series.py", "flashnext/serving/patches/qsa-offload.patch", "flashnext/serving/patches/int6-bitplane.md",
                      "flashnext/serving/profiles/3x3090.json",
                      "flashnext/manifests/overlay.schema.json", "flashnext/manifests/qwen3.8-flash-next.json",
                      f"flashnext/manifests/vllm-{VLLM_VERSION}.json",

@@ -54,12 +54,13 @@ def _key_logit(key):
 
 
 @triton.jit
-def _align_blocks(expert, flat, valid, sentinel, sorted_ptr, blocks_ptr, total_ptr, ALIGN: tl.constexpr,
-                  A: tl.constexpr):
+def _align_blocks(expert, flat, valid, sentinel, sorted_ptr, blocks_ptr, total_ptr, E: tl.constexpr,
+                  ALIGN: tl.constexpr, A: tl.constexpr):
     """Marlin's block alignment of the step's assignments, in vLLM's ``moe_align_block_size``
     layout: each expert's assignments (``flat = token * k + slot``, ascending) padded with
-    ``sentinel`` (``M * k``) to a multiple of ``ALIGN``, experts ascending; one expert per block,
-    -1 past the end; the padded total. Pairwise over the ``A`` (padded) assignments, in registers."""
+    ``sentinel`` (``M * k``) to a multiple of ``ALIGN``, experts ascending, and ``sentinel`` to the
+    end of the buffer (:func:`alignment_sizes`); one expert per block, -1 past the used blocks; the
+    padded total. Pairwise over the ``A`` (padded) assignments, in registers."""
     same = (expert[:, None] == expert[None, :]) & valid[:, None] & valid[None, :]
     rank = tl.sum((same & (flat[None, :] < flat[:, None])).to(tl.int32), axis=1)
     padded = (tl.sum(same.to(tl.int32), axis=1) + ALIGN - 1) // ALIGN * ALIGN
@@ -67,15 +68,16 @@ def _align_blocks(expert, flat, valid, sentinel, sorted_ptr, blocks_ptr, total_p
     below = first[None, :] & (expert[None, :] < expert[:, None])
     offset = tl.sum(tl.where(below, padded[None, :], 0), axis=1)
     lane = tl.arange(0, A)
-    for start in range(0, sentinel * ALIGN, A):  # every slot a padding slot first
-        tl.store(sorted_ptr + start + lane, sentinel, mask=start + lane < sentinel * ALIGN)
+    size = tl.minimum(sentinel * ALIGN, sentinel + E * (ALIGN - 1))  # alignment_sizes' (its cap binds below E)
+    for start in range(0, size, A):  # every slot a padding slot first
+        tl.store(sorted_ptr + start + lane, sentinel, mask=start + lane < size)
     tl.debug_barrier()  # the scatter below must land after the fill, across the program's threads
     tl.store(sorted_ptr + offset + rank, flat, mask=valid)
     starts = lane * ALIGN
     owner = first[None, :] & (offset[None, :] <= starts[:, None]) & (starts[:, None] < (offset + padded)[None, :])
     owned = tl.sum(owner.to(tl.int32), axis=1) > 0
     block_expert = tl.sum(tl.where(owner, expert[None, :], 0), axis=1)
-    tl.store(blocks_ptr + lane, tl.where(owned, block_expert, -1), mask=lane < sentinel)
+    tl.store(blocks_ptr + lane, tl.where(owned, block_expert, -1), mask=lane < (size + ALIGN - 1) // ALIGN)
     tl.store(total_ptr, tl.sum(tl.where(first, padded, 0), axis=0))
 
 
@@ -141,7 +143,20 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, partial_ptr, ids_ptr, weights_ptr, c
             if ALIGN > 0:
                 A: tl.constexpr = TOPK_M * TOPK_PAD
                 _align_blocks(tl.reshape(chosen, [A]), tl.reshape(picks[:, None] * TOP_K + slots[None, :], [A]),
-                              tl.reshape(pick_mask, [A]), M * TOP_K, sorted_ptr, blocks_ptr, total_ptr, ALIGN, A)
+                              tl.reshape(pick_mask, [A]), M * TOP_K, sorted_ptr, blocks_ptr, total_ptr, E, ALIGN, A)
+
+
+def alignment_sizes(assignments: int, experts: int, block: int) -> tuple[int, int]:
+    """``(sorted_token_ids, expert_ids)`` lengths for ``assignments`` (``topk_ids.numel()``) over
+    ``experts`` at ``block``, as vLLM 0.34.0's ``moe_align_block_size`` allocates them for
+    ``fused_marlin_moe`` (``pad_sorted_ids`` off): ``numel + E * (block - 1)``, capped at
+    ``numel * block`` where fewer assignments than experts cannot fill more blocks; the blocks
+    rounded up. Marlin's op reads the first length (``sorted_token_ids.size(0)``) to size its fp32
+    reduction buffer and its workspace check."""
+    padded = assignments + experts * (block - 1)
+    if assignments < experts:
+        padded = min(assignments * block, padded)
+    return padded, triton.cdiv(padded, block)
 
 
 def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_block: int = 0,
@@ -153,8 +168,9 @@ def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_bloc
     unless given, as ``config`` or keyword overrides.
 
     With ``align_block`` > 0 (Marlin's ``block_size_m``; 8 for a decode step) the same launch also
-    returns Marlin's block alignment: ``sorted_token_ids int32 [M*k*align_block]``,
-    ``expert_ids int32 [M*k]`` and ``num_tokens_post_padded int32 [1]``."""
+    returns Marlin's block alignment, sized and filled as vLLM's ``moe_align_block_size``
+    (:func:`alignment_sizes`): ``sorted_token_ids int32``, ``expert_ids int32`` and
+    ``num_tokens_post_padded int32 [1]``."""
     M, H = x.shape
     E = router_and_gate.shape[0] - 1
     config = config or configs.config_for("moe_route", E + 1, H, x.device)
@@ -183,8 +199,9 @@ def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_bloc
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     if align_block:
-        sorted_ids = torch.empty(M * top_k * align_block, dtype=torch.int32, device=x.device)
-        expert_ids = torch.empty(M * top_k, dtype=torch.int32, device=x.device)
+        sorted_len, blocks_len = alignment_sizes(M * top_k, E, align_block)
+        sorted_ids = torch.empty(sorted_len, dtype=torch.int32, device=x.device)
+        expert_ids = torch.empty(blocks_len, dtype=torch.int32, device=x.device)
         total = torch.empty(1, dtype=torch.int32, device=x.device)
     else:
         sorted_ids = expert_ids = total = ids

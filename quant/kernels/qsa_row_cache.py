@@ -61,22 +61,26 @@ _EMPTY = tl.constexpr(EMPTY_TAG)  # the same, as kernels read a global
 # more kernel variants while serving, which the fullest 3090 cannot afford (seed 000 §5: an OOM).
 ROW_CACHE_MAX_ROWS = 12
 PLAN_BLOCK = 32  # selected columns per program of the plan
+# The sizes of the engine's tables (vLLM's block-table width and its stride, the blocks of the host
+# rows or of an arena window, the batch's requests) are plain arguments, not specialized on: the
+# kernels' variants are then the model's and the block size's alone, which the warm-up at bind
+# (RowCache.warm) knows before vLLM has built a block table.
+ENGINE_SIZES = ["stride_table_req", "num_requests", "num_blocks", "table_width"]
 # The epoch lives in the high 32 bits of a bid and in an int32 hitmark.
 EPOCH_LIMIT = 2**31 - 1
 
 
 @triton.jit
 def _column_slots(indices_ptr, stride_indices_row, block_table_ptr, stride_table_req, row, request, num_requests,
-                  num_blocks, columns, count, TOPK: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  TABLE_WIDTH: tl.constexpr):
+                  num_blocks, table_width, columns, count, TOPK: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """The physical slots of a row's selected columns, and which of them are valid."""
     token = tl.load(indices_ptr + row * stride_indices_row + columns, mask=(columns < TOPK) & (columns < count),
                     other=-1)
     safe_token = tl.maximum(token, 0)
     page = safe_token // PAGE_SIZE
-    valid = (token >= 0) & (request >= 0) & (request < num_requests) & (page < TABLE_WIDTH)
+    valid = (token >= 0) & (request >= 0) & (request < num_requests) & (page < table_width)
     safe_request = tl.minimum(tl.maximum(request, 0), num_requests - 1)
-    block = tl.load(block_table_ptr + safe_request * stride_table_req + tl.minimum(page, TABLE_WIDTH - 1),
+    block = tl.load(block_table_ptr + safe_request * stride_table_req + tl.minimum(page, table_width - 1),
                     mask=valid, other=-1)
     valid &= (block >= 0) & (block < num_blocks)
     slot = tl.maximum(block, 0).to(tl.int64) * PAGE_SIZE + (safe_token % PAGE_SIZE)
@@ -93,17 +97,17 @@ def _invalidate_kernel(tags_ptr, slots_ptr, num_slots, sets, BLOCK: tl.constexpr
     tl.store(tags_ptr + where, tl.full(where.shape, _EMPTY, tl.int64), mask=live & (tag == slot))
 
 
-@triton.jit(do_not_specialize=["num_requests"])
+@triton.jit(do_not_specialize=ENGINE_SIZES)
 def _plan_kernel(indices_ptr, stride_indices_row, block_table_ptr, stride_table_req, token_to_req_ptr, tags_ptr,
-                 hitmark_ptr, claim_ptr, epoch_ptr, sets, num_requests, num_blocks, TOPK: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, TABLE_WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+                 hitmark_ptr, claim_ptr, epoch_ptr, sets, num_requests, num_blocks, table_width, TOPK: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     epoch = tl.load(epoch_ptr)
     request = tl.load(token_to_req_ptr + row)
     count = tl.load(indices_ptr + row * stride_indices_row + TOPK)
     slot, valid = _column_slots(indices_ptr, stride_indices_row, block_table_ptr, stride_table_req, row, request,
-                                num_requests, num_blocks, columns, count, TOPK, PAGE_SIZE, TABLE_WIDTH)
+                                num_requests, num_blocks, table_width, columns, count, TOPK, PAGE_SIZE)
     where = tl.where(valid, slot % sets, 0)
     tag = tl.load(tags_ptr + where, mask=valid, other=_EMPTY)
     hit = valid & (tag == slot)
@@ -112,12 +116,12 @@ def _plan_kernel(indices_ptr, stride_indices_row, block_table_ptr, stride_table_
     tl.atomic_max(claim_ptr + where, bid, mask=valid & ~hit)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_requests", "split_offset"])
+@triton.jit(do_not_specialize=["num_rows", "split_offset", *ENGINE_SIZES])
 def _attention_kernel(q_ptr, host_ptr, arena_ptr, indices_ptr, block_table_ptr, token_to_req_ptr, tags_ptr,
                       hitmark_ptr, claim_ptr, partial_out_ptr, partial_lse_ptr, epoch_ptr, sets, softmax_scale,
                       stride_q_row, stride_q_head, stride_host_block, stride_host_token, stride_indices_row,
-                      stride_table_req, num_rows, num_requests, num_blocks, split_offset,
-                      TOPK: tl.constexpr, PAGE_SIZE: tl.constexpr, TABLE_WIDTH: tl.constexpr,
+                      stride_table_req, num_rows, num_requests, num_blocks, table_width, split_offset,
+                      TOPK: tl.constexpr, PAGE_SIZE: tl.constexpr,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
                       KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK: tl.constexpr, USE_CACHE: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -141,8 +145,8 @@ def _attention_kernel(q_ptr, host_ptr, arena_ptr, indices_ptr, block_table_ptr, 
     for tile in range(split, num_tiles, NUM_SPLITS):
         columns = tile * BLOCK + tl.arange(0, BLOCK)
         slot, valid = _column_slots(indices_ptr, stride_indices_row, block_table_ptr, stride_table_req, row,
-                                    request, num_requests, num_blocks, columns, count, TOPK, PAGE_SIZE,
-                                    TABLE_WIDTH)
+                                    request, num_requests, num_blocks, table_width, columns, count, TOPK,
+                                    PAGE_SIZE)
         host_row = host_ptr + (slot // PAGE_SIZE) * stride_host_block + (slot % PAGE_SIZE) * stride_host_token
         if USE_CACHE:
             epoch = tl.load(epoch_ptr)
@@ -274,8 +278,8 @@ def _attention_launch(q, host_kv, arena, indices, block_table, token_to_req, cac
         q, host_kv, arena, indices, block_table, token_to_req, tags, hitmark, claim, partial_out, partial_lse,
         epoch, sets, head_dim ** -0.5, q.stride(0), q.stride(1), host_kv.stride(0), host_kv.stride(1),
         indices.stride(0), block_table.stride(0), rows, block_table.shape[0],
-        host_kv.shape[0] if num_blocks is None else num_blocks, split_offset,
-        TOPK=indices.shape[1] - 1, PAGE_SIZE=host_kv.shape[1], TABLE_WIDTH=block_table.shape[1], GROUP=group,
+        host_kv.shape[0] if num_blocks is None else num_blocks, block_table.shape[1], split_offset,
+        TOPK=indices.shape[1] - 1, PAGE_SIZE=host_kv.shape[1], GROUP=group,
         HEAD_DIM=head_dim, NUM_Q_HEADS=num_q_heads, KV_HEADS=kv_heads, NUM_SPLITS=config.splits,
         BLOCK_M=block_m(group), BLOCK=config.block, USE_CACHE=cached, DOT_FP32=INTERPRETED, num_warps=config.warps,
         num_stages=config.stages)
@@ -337,8 +341,8 @@ def plan_row_cache(indices, block_table, token_to_req, tags, hitmark, claim, epo
     topk = indices.shape[1] - 1
     _plan_kernel[(rows, triton.cdiv(topk, PLAN_BLOCK))](
         indices, indices.stride(0), block_table, block_table.stride(0), token_to_req, tags, hitmark, claim, epoch,
-        tags.numel(), block_table.shape[0], num_blocks, TOPK=topk, PAGE_SIZE=page_size,
-        TABLE_WIDTH=block_table.shape[1], BLOCK=PLAN_BLOCK, num_warps=1)
+        tags.numel(), block_table.shape[0], num_blocks, block_table.shape[1], TOPK=topk, PAGE_SIZE=page_size,
+        BLOCK=PLAN_BLOCK, num_warps=1)
 
 
 def row_cache_attention(q, host_kv, arena_rows, indices, block_table, token_to_req, gate, tags, hitmark, claim,
@@ -442,6 +446,22 @@ def _scratch_views(memory: torch.Tensor, scratch: StagedScratch, q_heads: int, h
     return state_out, state_lse, remap, clamped, window_table, part_out, part_lse
 
 
+def _staged_windows(block_table, seq_lens, block_size: int, capacity: int) -> list[list[int]]:
+    """The blocks of the batch's contexts in windows of ``capacity``, worked out on the host (one
+    wait for the device, as the step's ``.tolist()`` always had): host memory, not the device's."""
+    table, lens = block_table.cpu(), seq_lens.cpu()
+    used = torch.arange(table.shape[1])[None, :] * block_size < lens[:, None]
+    blocks = torch.unique(table[used & (table >= 0)]).tolist()
+    return [blocks[i:i + capacity] for i in range(0, len(blocks), capacity)] or [[]]
+
+
+def _window_remap(window: list[int], num_blocks: int) -> torch.Tensor:
+    """On the host: for each KV block ``b``, at ``b + 1``, its arena block in ``window``, else -1."""
+    remap = torch.full((num_blocks + 1,), -1, dtype=torch.int32)
+    remap[torch.tensor(window, dtype=torch.long) + 1] = torch.arange(len(window), dtype=torch.int32)
+    return remap
+
+
 def staged_attention(q, host_kv, arena, indices, block_table, token_to_req, seq_lens, gate, out=None,
                      config: AttentionConfig | None = None) -> torch.Tensor:
     """Prefill attention: the batch's context blocks are copied from ``host_kv`` into ``arena``
@@ -466,12 +486,8 @@ def staged_attention(q, host_kv, arena, indices, block_table, token_to_req, seq_
         memory = torch.empty(scratch.nbytes, dtype=torch.uint8, device=q.device)
     state_out, state_lse, remap, clamped, window_table, part_out, part_lse = _scratch_views(
         memory, scratch, q_heads, head_dim, num_blocks, tuple(block_table.shape))
-    # The batch's blocks, on the host (one wait for the device, as the step's .tolist() always had).
-    table, lens = block_table.cpu(), seq_lens.cpu()
-    used = torch.arange(table.shape[1])[None, :] * block_size < lens[:, None]
-    blocks = torch.unique(table[used & (table >= 0)]).tolist()
     capacity = scratch.window_blocks
-    windows = [blocks[i:i + capacity] for i in range(0, len(blocks), capacity)] or [[]]
+    windows = _staged_windows(block_table, seq_lens, block_size, capacity)
     # The requests' tables through a remap indexed by block + 1: padding (-1) reads entry 0, which is -1.
     torch.clamp(block_table, min=-1, out=clamped)
     clamped.add_(1)
@@ -479,9 +495,7 @@ def staged_attention(q, host_kv, arena, indices, block_table, token_to_req, seq_
     for w, window in enumerate(windows):
         for i, block in enumerate(window):
             arena[i].copy_(host_kv[block], non_blocking=True)
-        host_remap = torch.full((num_blocks + 1,), -1, dtype=torch.int32)
-        host_remap[torch.tensor(window, dtype=torch.long) + 1] = torch.arange(len(window), dtype=torch.int32)
-        remap.copy_(host_remap)
+        remap.copy_(_window_remap(window, num_blocks))
         torch.index_select(remap, 0, clamped.view(-1), out=window_table.view(-1))
         for start in range(0, rows, scratch.chunk_rows):
             stop = min(rows, start + scratch.chunk_rows)
@@ -512,6 +526,16 @@ def row_cache_tensors(num_layers: int, arena_blocks: int, block_size: int, kv_he
     return {"arena": ((arena_blocks, block_size, kv_heads, 2 * head_dim), dtype),
             "tags": ((num_layers, sets), torch.int64), "hitmark": ((num_layers, sets), torch.int32),
             "claim": ((num_layers, sets), torch.int64), "epoch": ((num_layers, 1), torch.int32)}
+
+
+def warm_tensors(q_heads: int, head_dim: int, topk: int, num_blocks: int) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """What :meth:`RowCache.warm` allocates, name -> (shape, dtype; None: the K/V's): one query row,
+    its gate and output, a selection of nothing (its count column 0) and a block table of every
+    host block. ``flashnext plan``'s ledger counts it, with :func:`host_attention`'s partials."""
+    return {"q": ((1, q_heads, head_dim), None), "gate": ((1, q_heads * head_dim), None),
+            "out": ((1, q_heads, head_dim), None), "indices": ((1, topk + 1), torch.int32),
+            "table": ((1, num_blocks), torch.int32), "token_to_req": ((1,), torch.int32),
+            "seq_lens": ((1,), torch.int32)}
 
 
 def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -581,6 +605,22 @@ class RowCache:
         return row_cache_attention(q, host_kv, self.layer_rows[layer], indices, block_table, token_to_req, gate,
                                    self.tags[layer], self.hitmark[layer], self.claim[layer], self.next_epoch(layer),
                                    out, config)
+
+    def warm(self, host_kv: torch.Tensor, q_heads: int, topk: int) -> None:
+        """Launch once every kernel variant a prefill or an eager decode step launches, so that none is
+        compiled and loaded while serving (seed 000 §5: one such took memory the fullest 3090 did not
+        have). One query row that selects nothing, over a context one block longer than a window of
+        the arena: the staged path's attention, fold and merge, and the uncached path's attention and
+        merge. The row cache's are the CUDA-graph capture's. ``host_kv`` is a layer's bound rows."""
+        head_dim, num_blocks = host_kv.shape[3] // 2, host_kv.shape[0]
+        t = {name: torch.zeros(shape, dtype=dtype or host_kv.dtype, device=self.arena.device)
+             for name, (shape, dtype) in warm_tensors(q_heads, head_dim, topk, num_blocks).items()}
+        t["table"].copy_(torch.arange(num_blocks, dtype=torch.int32)[None])
+        window = staged_scratch(1, q_heads, head_dim, self.arena.shape[0],
+                                self.arena[0].numel() * self.arena.element_size(), num_blocks, num_blocks).window_blocks
+        t["seq_lens"].fill_(min(window + 1, num_blocks) * host_kv.shape[1])
+        self.staged(t["q"], host_kv, t["indices"], t["table"], t["token_to_req"], t["seq_lens"], t["gate"], t["out"])
+        host_attention(t["q"], host_kv, t["indices"], t["table"], t["token_to_req"], t["gate"], t["out"])
 
     def staged(self, q, host_kv, indices, block_table, token_to_req, seq_lens, gate, out=None,
                config: AttentionConfig | None = None) -> torch.Tensor:

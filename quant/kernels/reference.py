@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from flashnext.quant.formats.packing import dequantize_groups, unpack_int32
+from flashnext.quant.kernels.moe_route import alignment_sizes
 from flashnext.quant.kernels.qsa_row_cache import EMPTY_TAG
 
 
@@ -97,14 +98,19 @@ def reference_route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, 
     return logits[:, :E], logits[:, E:], order.to(torch.int32), weights / weights.sum(-1, keepdim=True)
 
 
-def reference_align(topk_ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """vLLM's ``moe_align_block_size`` layout for ``topk_ids [M, k]`` (documented in vLLM): each
-    used expert's flat assignment indices, ascending, padded with ``M * k`` to a multiple of
-    ``block``; experts ascending; one expert per block (-1 past the end); the padded total."""
+def reference_align(topk_ids: torch.Tensor, block: int,
+                    experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's ``moe_align_block_size`` for ``topk_ids [M, k]`` over ``experts``, as its CUDA kernel
+    fills the buffers its Python sizes (:func:`~.moe_route.alignment_sizes`): each used expert's flat
+    assignment indices, ascending, padded with ``M * k`` to a multiple of ``block``, experts
+    ascending, ``M * k`` to the end; one expert per block, -1 past the used blocks; the padded
+    total. (The kernel for more than 64 experts orders an expert's indices by atomics: a block's
+    indices are then a set.)"""
     flat = topk_ids.reshape(-1).long()
     sentinel = flat.numel()
-    sorted_ids = torch.full((sentinel * block,), sentinel, dtype=torch.int32)
-    expert_ids = torch.full((sentinel,), -1, dtype=torch.int32)
+    sorted_len, blocks_len = alignment_sizes(sentinel, experts, block)
+    sorted_ids = torch.full((sorted_len,), sentinel, dtype=torch.int32)
+    expert_ids = torch.full((blocks_len,), -1, dtype=torch.int32)
     position = 0
     for expert in sorted(set(flat.tolist())):
         members = torch.nonzero(flat == expert).reshape(-1)

@@ -197,11 +197,17 @@ def _file_backed(shape: ServingShape, ple_table: Path | None, ple_format: str | 
     return ple_table is not None or shape.ple_table_file or ple_format == "file"
 
 
-def _decode_rows(shape: ServingShape) -> int:
-    """The query rows of the largest decode step a CUDA graph holds (every step, if none is captured)."""
+def _decode_rows(shape: ServingShape) -> tuple[int, int]:
+    """``(the query rows of the largest CUDA graph a decode step replays, those of the largest decode
+    step that runs eagerly)``, 0 for none: a step is padded to the smallest captured size that holds
+    it; one larger than every captured size (``max_num_seqs`` x (1 + draft tokens) rows at most)
+    runs eagerly, beside the graphs' pool."""
     rows = shape.max_num_seqs * (1 + shape.num_speculative_tokens)
-    captured = [s for s in shape.cudagraph_capture_sizes if s >= rows] or list(shape.cudagraph_capture_sizes)
-    return min(captured) if captured else rows
+    sizes = shape.cudagraph_capture_sizes
+    holding = [s for s in sizes if s >= rows]
+    if holding:
+        return min(holding), 0
+    return max(sizes, default=0), rows
 
 
 def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range], model: Path | None,
@@ -235,9 +241,9 @@ def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range
         for r in ple_ranks:
             out[r].append(LedgerEntry(
                 "ple-mmap host staging", "ple-mmap", 0, 0, next_power_of_two(rows * heads * dim * BF16_BYTES), NONE,
-                "runtime/ple_file.staged_rows_shape",
-                note="torch.empty(pin_memory=True) at the first stage (the profile run): PyTorch's caching "
-                     "host allocator rounds it; not in the preflight's terms"))
+                "runtime/ple_file.staged_rows_shape", term="PLE staging rows",
+                note="torch.empty(pin_memory=True) at the first stage (the profile run), rounded by "
+                     "PyTorch's caching host allocator"))
     if shape.speculative_method == "mtp" and pp > 1 and shape.mtp_slim_draft:
         out[-1].append(LedgerEntry(
             "MTP draft embedding", "mtp-02, host-pool", 0, 0, pinned_bytes(draft_embedding_bytes(model), exact), NONE,
@@ -250,13 +256,13 @@ def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range
             "vit-stream host rows", "vit-stream, host-pool", 0, 0, pinned_bytes(streamed_host_bytes(tower), exact),
             NONE, "vision.streamed_host_bytes", term="ViT blocks",
             note=f"patch vit-stream: {tower.depth} blocks in one pinned row each"))
+        loading = sum(next_power_of_two(n) for n in tower.linear_parameter_bytes())
         out[0].append(LedgerEntry(
-            "ViT linears pinned by vLLM's post-load step", "vLLM device_loading_context (vit-stream)", 0, 0,
-            sum(next_power_of_two(n) for n in tower.linear_parameter_bytes()), NONE,
+            "ViT linears pinned by vLLM's post-load step", "vLLM device_loading_context (vit-stream)", 0, 0, 0, NONE,
             "VisionConfig.linear_parameter_bytes, each rounded as PyTorch pins it",
-            note="issue 40 item 4: the CPU-built tower's linears go to the GPU and back into "
-                 "torch.empty_like(pin_memory=True); freed into PyTorch's host cache at vit-stream's "
-                 "install, never returned; not in the preflight's terms"))
+            note=f"during load only: vLLM's post-load step takes the CPU-built tower's linears to the GPU "
+                 f"and back into torch.empty_like(pin_memory=True), {loading / 2**20:,.1f} MiB; vit-stream's "
+                 f"install copies them into its rows and returns them (torch.accelerator.empty_host_cache)"))
     return out
 
 
@@ -264,7 +270,10 @@ def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range]
                  ple_table: Path | None,
                  ple_format: str | None) -> list[list[LedgerEntry]]:
     from flashnext.quant.kernels import configs
-    from flashnext.quant.kernels.qsa_row_cache import partials_bytes, staged_scratch
+    import torch
+
+    from flashnext.quant.kernels.qsa_row_cache import partials_bytes, staged_scratch, tensor_bytes, warm_tensors
+    from flashnext.serving.runtime.qsa_offload import row_slots_bytes
 
     pp = len(ranks)
     out: list[list[LedgerEntry]] = [[] for _ in range(pp)]
@@ -279,9 +288,8 @@ def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range]
     table_width = compressed.blocks_per_request if compressed else 1
     scratch = staged_scratch(shape.max_num_batched_tokens, text.num_attention_heads, text.head_dim, arena_blocks,
                              block_bytes, plan.blocks, shape.max_num_seqs * table_width) if arena_blocks else None
-    decode_rows = _decode_rows(shape)
+    graph_rows, eager_rows = _decode_rows(shape)
     splits = configs.default_config("qsa_attention").splits
-    captured = bool(shape.cudagraph_capture_sizes)
     for r, n in enumerate(plan.qsa_layers_per_rank):
         if not n:
             continue
@@ -306,28 +314,44 @@ def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range]
                 "staged-prefill scratch", "qsa-offload (qsa_row_cache.staged_attention)", 0, scratch.nbytes, 0,
                 NONE, "qsa_row_cache.staged_scratch",
                 note="the arena cannot hold it beside one staged block: allocated by each prefill step"))
-        graph_partials = partials_bytes(splits, decode_rows, text.num_attention_heads, text.head_dim)
+        topk = text.indexer_budget + text.indexer_compress_ratio - 1
+        warm = partials_bytes(splits, 1, text.num_attention_heads, text.head_dim) + sum(
+            tensor_bytes(shape, dtype or torch.bfloat16)
+            for shape, dtype in warm_tensors(text.num_attention_heads, text.head_dim, topk, plan.blocks).values())
         out[r].append(LedgerEntry(
-            "decode-07 partials", "qsa-offload (decode-07)", graph_partials if captured else 0, graph_partials, 0,
+            "prefill kernels' warm-up", "qsa-offload (RowCache.warm)", warm, warm, 0, NONE,
+            "qsa_row_cache.warm_tensors, partials_bytes",
+            note="at the KV cache's bind, before the CUDA graphs: one query row over every host block, "
+                 "so that no prefill compiles a kernel while serving; freed into PyTorch's cache"))
+        graph_partials = partials_bytes(splits, graph_rows, text.num_attention_heads, text.head_dim)
+        eager_partials = partials_bytes(splits, eager_rows, text.num_attention_heads, text.head_dim)
+        out[r].append(LedgerEntry(
+            "decode-07 partials", "qsa-offload (decode-07)", graph_partials, graph_partials + eager_partials, 0,
             NONE, "qsa_row_cache.partials_bytes",
-            note=f"{splits} splits x {decode_rows} rows, fp32: " + (
-                "in the CUDA graphs' pool (captured after the KV cache)" if captured else "each eager decode step")))
+            note=f"{splits} splits, fp32: " + "; ".join(
+                ([f"{graph_rows} rows in the CUDA graphs' pool (captured after the KV cache)"] if graph_rows else [])
+                + ([f"{eager_rows} rows in each eager decode step"] if eager_rows else []))))
+        graph_slots = row_slots_bytes(graph_rows)
+        out[r].append(LedgerEntry(
+            "QSA row slots", "qsa-offload (OffloadedQSA.main_metadata)", graph_slots,
+            graph_slots + row_slots_bytes(shape.max_num_batched_tokens), 0, NONE, "runtime/qsa_offload.row_slots_bytes",
+            note=f"each step's host row of every token, worked out by each QSA layer and freed when it returns: "
+                 f"{shape.max_num_batched_tokens} tokens in an eager step"
+                 + (f", {graph_rows} in the CUDA graphs' pool" if graph_rows else "")))
     if shape.moe_fused_decode and text.num_experts:
-        from flashnext.serving.hooks.moe_decode import MAX_FUSED_TOKENS, router_rows_shape
+        from flashnext.serving.hooks.moe_decode import router_rows_shape
 
         experts, hidden = router_rows_shape(text.num_experts, text.hidden_size)
         per_block = experts * hidden * BF16_BYTES
-        at_capture = any(s <= MAX_FUSED_TOKENS for s in shape.cudagraph_capture_sizes)
         mtp = text.mtp_num_hidden_layers if shape.num_speculative_tokens else 0
         for r, layers in enumerate(ranks):
             blocks = len(layers) + (mtp if r == pp - 1 else 0)
             out[r].append(LedgerEntry(
-                "decode-05 router rows", "decode-05 (hooks/moe_decode._router_rows)",
-                blocks * per_block if at_capture else 0, blocks * per_block, 0, NONE,
-                "hooks/moe_decode.router_rows_shape",
-                note=f"{blocks} MoE blocks x [{experts}, {hidden}] bf16, made at the first step of <= "
-                     f"{MAX_FUSED_TOKENS} tokens ({'CUDA-graph capture' if at_capture else 'mid-service'}); "
-                     "the router and shared-gate weights they replace go back to PyTorch's cache"))
+                "decode-05 router rows", "decode-05 (hooks/moe_decode.merge_router_rows)",
+                blocks * per_block, blocks * per_block, 0, WEIGHTS, "hooks/moe_decode.router_rows_shape",
+                note=f"{blocks} MoE blocks x [{experts}, {hidden}] bf16, made by each block's post-load hook "
+                     "(vLLM's finalize_model_weights) from the router's and shared gate's weights, which it "
+                     "replaces: the bytes vLLM holds for them, in one allocation a block"))
     vision = plan.vision
     if vision is not None:
         tower = None
@@ -381,7 +405,7 @@ def profile_ledger(profile, plan, *, model: Path | None = None, ple_format: str 
 
 # --- the preflight's host terms, from the ledger ---------------------------------------------------
 
-TERMS = ("QSA K/V", "PLE table", "MTP draft embedding", "ViT blocks")
+TERMS = ("QSA K/V", "PLE table", "PLE staging rows", "MTP draft embedding", "ViT blocks")
 
 
 def pinned_host_terms(shape, plan, model: Path | None, ple_table: Path | None, overlays=(),

@@ -75,6 +75,7 @@ class TextConfig:
     uses_mrope: bool
     # What sizes the memory ledger besides the KV cache (0 where a config does not say)
     num_attention_heads: int = 0
+    indexer_budget: int = 0  # the QSA selection (vLLM's topk buffer: budget + compress ratio, its count last)
     num_experts: int = 0
     vocab_size: int = 0
     ple_embed_dim: int = 0
@@ -106,7 +107,8 @@ class TextConfig:
             uses_mrope="mrope_section" in rope,
             **sizes,
             **{key: get_int(text, key, where, minimum=0, default=0) for key in (
-                "num_attention_heads", "num_experts", "vocab_size", "ple_embed_dim", "heads_per_ngram")},
+                "num_attention_heads", "num_experts", "vocab_size", "ple_embed_dim", "heads_per_ngram",
+                "indexer_budget")},
         )
 
     @property

@@ -6,8 +6,8 @@ shared expert's gate and, inside Marlin, ``moe_align_block_size`` (seed 000 §3.
 sizes), :func:`forward` instead:
 
 1. runs :func:`flashnext.quant.kernels.moe_route.route` over the router's rows and the shared
-   gate's row (one GEMV, top-k and renormalized weights by its last program, and Marlin's block
-   alignment from the same launch);
+   gate's row, one matrix since load (:func:`merge_router_rows`; one GEMV, top-k and renormalized
+   weights by its last program, and Marlin's block alignment from the same launch);
 2. hands the experts and weights to vLLM's own routed experts (``RoutedExperts.forward_modular``:
    Marlin on GPUs); ``fused_marlin_moe`` takes the step's alignment from :func:`alignment_for`
    instead of aligning again;
@@ -117,25 +117,46 @@ def _applies(block: torch.nn.Module, x: torch.Tensor) -> bool:
 
 
 def router_rows_shape(num_experts: int, hidden_size: int) -> tuple[int, int]:
-    """The matrix :func:`_router_rows` allocates once per MoE block: the router's ``num_experts``
-    rows and the shared gate's one (``flashnext plan``'s ledger counts it from here)."""
+    """The matrix :func:`merge_router_rows` allocates once per MoE block at load: the router's
+    ``num_experts`` rows and the shared gate's one (``flashnext plan``'s ledger counts it from here)."""
     return num_experts + 1, hidden_size
 
 
-def _router_rows(block: torch.nn.Module) -> torch.Tensor:
-    """The router's rows and the shared gate's row as one ``[E + 1, H]`` matrix. Made once: the two
-    weights then become views into it, so vLLM's own path reads the same memory, no copy is held,
-    and a weight reload into the parameters updates it."""
+def merge_router_rows(block: torch.nn.Module) -> None:
+    """Lay the router's rows and the shared gate's row out as one ``[E + 1, H]`` matrix, the two
+    weights then views into it: what :func:`route` reads, without a copy. The block's
+    ``process_weights_after_loading`` calls this; vLLM's ``finalize_model_weights`` runs that hook
+    after every load and weight update, inside the memory vLLM measures as the model's weights, so
+    the matrix is never allocated while serving (issue 40 item 3). It replaces the two weights'
+    storage, which PyTorch's allocator takes back before vLLM measures. A reload that copies into
+    the parameters writes the matrix; one that replaces them is merged again by the same hook.
+    With the switch off at load the weights are left as vLLM laid them out, and :func:`forward`
+    stands aside."""
+    if not enabled() or _router_rows(block) is not None:
+        return
     gate, shared_gate = block.gate.weight, block.shared_expert_gate.weight
-    rows = getattr(block, "_flashnext_router_rows", None)
+    # route reads bf16 rows; a CPU build's packed GEMM leaves the router an empty weight
+    if (gate.dim() != 2 or shared_gate.shape != (1, gate.shape[1])
+            or {gate.dtype, shared_gate.dtype} != {torch.bfloat16}):
+        return
     experts = gate.shape[0]
-    if rows is None or gate.data_ptr() != rows.data_ptr() or shared_gate.data_ptr() != rows[experts:].data_ptr():
-        rows = torch.empty(router_rows_shape(experts, gate.shape[1]), dtype=gate.dtype, device=gate.device)
-        rows[:experts].copy_(gate.data)
-        rows[experts:].copy_(shared_gate.data)
-        gate.data, shared_gate.data = rows[:experts], rows[experts:]
-        block._flashnext_router_rows = rows
-    return rows
+    rows = torch.empty(router_rows_shape(experts, gate.shape[1]), dtype=gate.dtype, device=gate.device)
+    rows[:experts].copy_(gate.data)
+    rows[experts:].copy_(shared_gate.data)
+    gate.data, shared_gate.data = rows[:experts], rows[experts:]
+    block._flashnext_router_rows = rows
+
+
+def _router_rows(block: torch.nn.Module) -> torch.Tensor | None:
+    """The matrix :func:`merge_router_rows` made for ``block``, while the router's and the shared
+    gate's weights are still its views; else None."""
+    rows = getattr(block, "_flashnext_router_rows", None)
+    if rows is None:
+        return None
+    gate, shared_gate = block.gate.weight, block.shared_expert_gate.weight
+    experts = gate.shape[0]
+    merged = gate.data_ptr() == rows.data_ptr() and shared_gate.data_ptr() == rows[experts:].data_ptr()
+    return rows if merged else None
 
 
 def _uses_marlin(method) -> bool:
@@ -194,6 +215,8 @@ def forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
     router, method = runner.router, runner.routed_experts.quant_method
     top_k, experts = router.top_k, router.global_num_experts
     rows = _router_rows(block)
+    if rows is None:  # not merged at load (the switch off then, or weights route cannot read)
+        return None
     marlin = x.is_cuda and _uses_marlin(method)
     align, (_, gate_logit, topk_ids, topk_weights, *aligned) = route_step(x, rows, top_k, experts, marlin)
     indices_dtype = method.topk_indices_dtype

@@ -7,6 +7,12 @@ a side stream: :class:`flashnext.serving.runtime.block_stream.BlockStream`.
 
 The tower is built on the CPU (:func:`build_context`) and moved at :func:`install`, after the
 loader's repacking. ``VLLM_VIT_STREAM=0`` keeps the tower resident, built where vLLM builds it.
+
+vLLM's post-load step (``model_loader.utils.device_loading_context``) takes each CPU-built quantized
+module to the GPU and back into ``torch.empty_like(pin_memory=True)``: the tower's linears, 1.25 GiB
+at the release's dimensions, pinned through PyTorch's caching host allocator. Once :func:`install`
+has copied them into the stream's own rows and the device, those copies are free, and it hands
+them back to the system: a free block of that cache is otherwise kept for the process's life.
 """
 
 from __future__ import annotations
@@ -46,4 +52,7 @@ def install(model: torch.nn.Module, slots: int = VIT_STREAM_SLOTS) -> BlockStrea
         if name != "blocks" or stream is None:
             child.to(device)
     visual._flashnext_block_stream = stream  # kept alive with the tower
+    if device.type == "cuda":
+        # torch.accelerator's since 2.12 (vLLM 0.34.0's 2.14); the same call under its older name before
+        getattr(torch.accelerator, "empty_host_cache", torch._C._host_emptyCache)()
     return stream

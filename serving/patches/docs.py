@@ -2,7 +2,7 @@
 ``docs/serving.md``'s patch sections and the top README's list of the series.
 
 Each lives between two markers in a hand-written file, so that the prose around it stays the
-authors' while every fact about a patch is rendered from ``series.py`` and ``<id>.md``.
+authors' while every fact about a patch is rendered from ``series.py`` and each patch's prose (its diff's preamble, or a plugin entry's ``<id>.md``).
 ``flashnext patches readme --write`` rewrites them; a test fails when a file differs.
 """
 
@@ -25,7 +25,7 @@ TOP_README = REPO_ROOT / "README.md"
 
 @dataclass(frozen=True)
 class Prose:
-    """A patch's ``<id>.md``: a ``# title`` line, then a first paragraph that says what the patch
+    """A patch's prose (its diff's preamble, or a plugin entry's ``<id>.md``): a ``# title`` line, then a first paragraph that says what the patch
     fixes and how (the summary), then optionally more, whose headings start at ``##``."""
 
     title: str
@@ -35,6 +35,8 @@ class Prose:
 
 def prose(patch: Patch) -> Prose:
     text = patch.prose_path.read_text(encoding="utf-8")
+    if patch.file is not None:  # a diff's preamble: the text before its first file header
+        text = text[:text.find("\n--- a/") + 1] if "\n--- a/" in text else ""
     first, _, body = text.partition("\n")
     if not first.startswith("# ") or not body.strip():
         raise FlashnextError(f"{patch.prose_path}: must start with a `# title` line and a paragraph")

@@ -1,92 +1,64 @@
-"""Each patch's probe: what proves, in the patched tree, that the patch is there.
+"""Each entry's probe: what proves, in a patched tree, that the patch is there.
 
-They are functions rather than text so that they are linted and imported like the rest of the code.
+A diff's probe is derived from the diff (:func:`lines_in_tree`), so a patch is not described twice;
+a plugin entry's is a function here, as is each absorbed patch's probe of upstream's fix. They are
+functions rather than text so that they are linted and imported like the rest of the code.
 `flashnext patches check` and the selftest call them all in one fresh interpreter that imports the
 patched tree (``patch_series.probe_tree``), so each imports vLLM inside its body: importing this
 module must not import vLLM.
 """
 
-import ast
-import importlib
-import importlib.util
 import inspect
+import os
+import re
 from pathlib import Path
 
-
-def ple_mmap() -> None:
-    import vllm.models.qwen4_exp.nvidia.ngram_embedding as n
-    assert 'ple_file.embedding_class()' in inspect.getsource(n.Qwen4ExpNGramEmbedding.__init__)
-    import vllm.models.qwen4_exp.nvidia.model_state as m
-    assert 'self.ple_file.stage(ple_ids)' in inspect.getsource(m.Qwen4ExpModelState.prepare_inputs)
-    from flashnext.serving.hooks.ple_file import embedding_class
-    assert embedding_class().__mro__[1].__name__ == 'Qwen4ExpPLEEmbedding'
+_HUNK = re.compile(r"@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
 
-def decode_06() -> None:
-    import vllm.models.qwen4_exp.nvidia.model_state as m
-    assert 'self.ple_file.advise(ple_ids)' in inspect.getsource(m.Qwen4ExpModelState.prepare_inputs)
+def diff_files(diff: str) -> list[str]:
+    """The files a unified diff changes, in its order (``+++ b/<path>``)."""
+    return [line[len("+++ b/"):].split("\t")[0] for line in diff.splitlines() if line.startswith("+++ b/")]
 
 
-def ttft_01() -> None:
-    import vllm.models.qwen4_exp.nvidia.model_state as m
-    assert 'self.ple_file.admitted(' in inspect.getsource(m.Qwen4ExpModelState.add_request)
-    assert 'self.ple_file.finished(req_id)' in inspect.getsource(m.Qwen4ExpModelState.remove_request)
+def diff_hunks(diff: str) -> list[tuple[str, list[str], list[str]]]:
+    """Each hunk of a unified diff as (file, the lines it adds, the lines it removes), read by the
+    hunks' own line counts; the text before the first file header (a patch's prose) is skipped, as
+    ``patch`` does."""
+    lines, hunks, file, i = diff.splitlines(), [], None, 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("+++ b/"):
+            file = line[len("+++ b/"):].split("\t")[0]
+        elif file is not None and (m := _HUNK.match(line)):
+            old, new = int(m.group(1) or 1), int(m.group(2) or 1)
+            added, removed = [], []
+            while old or new:
+                i += 1
+                tag, text = lines[i][:1], lines[i][1:]
+                if tag in (" ", ""):
+                    old, new = old - 1, new - 1
+                elif tag == "-":
+                    old -= 1
+                    removed.append(text)
+                elif tag == "+":
+                    new -= 1
+                    added.append(text)
+            hunks.append((file, added, removed))
+        i += 1
+    return hunks
 
 
-def host_pool() -> None:
-    import vllm.models.qwen4_exp.common.ngram_embedding as n
-    assert 'pinned_empty((num_embeddings, embedding_dim), dtype)' in inspect.getsource(n.Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight)
+def lines_in_tree(patch_file: str, hunks: list[tuple[str, list[str]]]) -> None:
+    """A diff's probe: the lines each of its hunks adds, but for those a later patch of the series
+    removes (``patch_series`` passes them), stand in the tree's copy of the file in their order."""
+    import vllm
 
-
-def mtp_01() -> None:
-    import vllm.models.qwen4_exp.nvidia.mtp as m
-    assert 'draft_embedding_method(' in inspect.getsource(m.Qwen4ExpMultiTokenPredictor.__init__)
-    assert 'draft_embedding_method(' in inspect.getsource(m.Qwen4ExpMTP.__init__)
-
-
-def mtp_02() -> None:
-    import vllm.models.qwen4_exp.nvidia.mtp as m
-    assert 'draft_lm_head(' in inspect.getsource(m.Qwen4ExpMTP.__init__)
-    assert 'draft_embedding(' in inspect.getsource(m.Qwen4ExpMultiTokenPredictor.__init__)
-    assert 'finish_draft_embedding(self.model.embed_tokens)' in inspect.getsource(m.Qwen4ExpMTP.load_weights)
-
-
-def decode_03() -> None:
-    import vllm.v1.worker.gpu_worker as w
-    src = inspect.getsource(w.Worker.execute_model)
-    assert 'deferred_intermediate_tensors(' in src and 'intermediate_tensors.wait_for_comm()' in src
-
-
-def qsa_indexer_quant() -> None:
-    importlib.import_module("vllm.models.qwen4_exp.nvidia.model")  # qsa imports the model module back
-    import vllm.models.qwen4_exp.nvidia.qsa as q
-    assert 'qsa_indexer_quant.fuse_indexer_projection(' in inspect.getsource(q.Qwen4ExpQSAAttention.__init__)
-
-
-def qsa_offload() -> None:
-    importlib.import_module("vllm.models.qwen4_exp.nvidia.model")  # qsa imports the model module back
-    import vllm.models.qwen4_exp.nvidia.qsa as q
-    src = inspect.getsource(q.Qwen4ExpQSAAttention)
-    assert 'qsa_offload.attach(self, vllm_config)' in src and 'self.qsa_offload.main_metadata(metadata)' in src
-    assert 'impl = self.impl if self.qsa_offload is None else self.qsa_offload' in src
-    import vllm.platforms.interface as i
-    assert 'qsa_offload.align_block_size(vllm_config)' in inspect.getsource(i.Platform._align_hybrid_block_size)
-    import vllm.models.qwen4_exp.common.qsa_indexer as c
-    assert 'self.qsa_offload.bind(self.kv_cache)' in inspect.getsource(c._QSAIndexerCache.bind_kv_cache)
-
-
-def int8_modules() -> None:
-    import vllm.models.qwen4_exp.nvidia.model as m
-    assert 'int8_modules.embedding_method(' in inspect.getsource(m.Qwen4ExpModel.__init__)
-    assert 'int8_modules.embedding_method(' in inspect.getsource(m.Qwen4ExpForCausalLM.__init__)
-    import vllm.models.qwen4_exp.nvidia.hyperconnection as h
-    assert inspect.getsource(h.GatedResidual.__init__).count('quant_config=hc_quant_config(') == 3
-
-
-def decode_04() -> None:
-    import vllm.models.qwen4_exp.nvidia.hyperconnection as h
-    assert 'hc_decode.mix(self, xn)' in inspect.getsource(h.GatedResidual.mix)
-    assert 'hc_decode.mix(self, xn)' in inspect.getsource(h.GatedResidual.combine_and_mix)
+    root = Path(os.path.abspath(vllm.__file__)).parent.parent
+    for n, (rel, added) in enumerate(hunks, 1):
+        lines = iter((root / rel).read_text(encoding="utf-8").splitlines())
+        missing = next((line for line in added if line not in lines), None)  # `in` consumes: an ordered match
+        assert missing is None, f"{rel}: hunk {n} of {patch_file} is not in the tree (its line {missing.strip()!r})"
 
 
 def int6_bitplane() -> None:
@@ -98,28 +70,20 @@ def int6_bitplane() -> None:
     assert config.__name__ == 'FlashnextCompressedTensorsConfig', f'compressed-tensors resolves to {config.__qualname__}'
 
 
-def decode_05() -> None:
-    import vllm.models.qwen4_exp.nvidia.model as m
-    assert 'moe_decode.forward(self, hidden_states)' in inspect.getsource(m.Qwen4ExpSparseMoeBlock.forward)
-    import vllm.model_executor.layers.fused_moe.experts.marlin_moe as mm
-    assert 'moe_decode.alignment_for(topk_ids, block_size_m' in inspect.getsource(mm.fused_marlin_moe)
 
-
-def vit_stream() -> None:
-    import vllm.models.qwen4_exp.nvidia.model as m
-    assert 'vit_stream.install(self)' in inspect.getsource(m.Qwen4ExpForConditionalGeneration.process_weights_after_loading)
-    assert 'vit_stream.build_context()' in inspect.getsource(m.Qwen4ExpForConditionalGeneration.__init__)
-
-
-def step_time() -> None:
-    import vllm.v1.worker.gpu.cudagraph_utils as c
-    src = inspect.getsource(c.CudaGraphManager.run_fullgraph)
-    assert 'replay(self, desc)' in src and 'self.graphs[desc].replay()' not in src
-    # read, not imported: importing it (and its packages) costs the check FastAPI and the instrumentator
-    import vllm
-    src = (Path(vllm.__file__).parent / 'entrypoints/serve/instrumentator/metrics.py').read_text()
-    [attach] = [f for f in ast.parse(src).body if isinstance(f, ast.FunctionDef) and f.name == 'attach_router']
-    assert 'register_collector(registry)' in ast.get_source_segment(src, attach)
+def qwen4_exp_model_state() -> None:
+    # vLLM's own plugin loading registers flashnext's model; the runner asks it for its state class
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    for architecture in ('Qwen4ExpForConditionalGeneration', 'Qwen4ExpForCausalLM'):
+        # what resolve_model_cls loads for an architecture, without the model config it normalizes with
+        model_cls = ModelRegistry._try_load_model_cls(architecture)
+        assert model_cls is not None and model_cls.__module__ == 'flashnext.serving.models.qwen4_exp', \
+            f'{architecture} resolves to {model_cls}'
+        state = model_cls.get_model_state_cls()
+        assert state.__name__ == 'FlashnextQwen4ExpModelState', f'its model state is {state.__qualname__}'
+        assert issubclass(state, model_cls.__mro__[1].get_model_state_cls())  # vLLM's own, extended
 
 
 # What finds upstream's own fix of an absorbed patch (series.ABSORBED): passes on stock 0.34.0.

@@ -1,8 +1,10 @@
 """The vLLM patch series, one entry a patch, in the order the patches apply.
 
 After vLLM's own model registry (``vllm/model_executor/models/registry.py``): each fact about a
-patch lives in its entry here, as code (the switch is the ``flashnext.envs`` variable itself, the
-probe a function in ``probes.py``), and its prose in ``<id>.md`` beside its ``<id>.patch``. The
+patch lives in its entry here, as code (its off switch is declared here and read through
+``flashnext.envs`` by name), or in its diff, ``<id>.patch``, whose preamble is its prose and from
+which the files it touches and its probe are read (a plugin entry: its prose in ``<id>.md``, its
+probe a function in ``probes.py``). A new patch is three files: the diff, its entry, its hook. The
 READMEs' tables and lists, ``docs/serving.md``'s patch sections and ``flashnext patches list`` are
 generated from this module (``flashnext patches readme --write``), and a test keeps them equal to it.
 """
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from flashnext import envs
+from flashnext.envs import EnvVar
 from flashnext.serving.patches import probes
 
 PATCH_DIR = Path(__file__).resolve().parent
@@ -37,10 +39,8 @@ class Patch:
     order: int
     file: str | None  # the unified diff against vllm==VLLM_VERSION, in PATCH_DIR; None for a plugin
     seed: str | None  # the seed 000 item it ports, where the seed named one
-    switch: envs.EnvVar  # the variable that turns it off
+    switch: EnvVar  # the variable that turns it off, declared here (flashnext.envs reads it by name)
     hooks: tuple[str, ...]  # the dotted paths of the flashnext code the patched vLLM calls
-    touches: tuple[str, ...]  # the files of the vllm package the diff changes
-    probe: Callable[[], None]  # raises unless the patched tree it runs in has the patch
     upstream: str
     seed_effect: str  # seed 000's measured effect
     tests: str  # the tests that drive it, each path in backticks
@@ -50,6 +50,9 @@ class Patch:
     # (serving/plugin.py) calls to register it through one of vLLM's own extension points.
     registers: str | None = None
     why_diff: str | None = None  # a diff entry: why no extension point of vLLM's serves it
+    # Raises unless the patched tree it runs in has the patch. A diff's is derived from the diff
+    # (patch_series.probe_call: the lines it adds stand in the tree); a plugin entry names its own.
+    probe: Callable[..., None] | None = None
 
     @property
     def verdict(self) -> str:
@@ -64,7 +67,16 @@ class Patch:
 
     @property
     def prose_path(self) -> Path:
-        return PATCH_DIR / f"{self.id}.md"
+        """Where the patch's prose is: the preamble of its diff (``patch`` skips the text before the
+        first file header), or a plugin entry's ``<id>.md``."""
+        return self.path if self.file is not None else PATCH_DIR / f"{self.id}.md"
+
+    @property
+    def touches(self) -> tuple[str, ...]:
+        """The files of the vllm package the diff changes, read from its file headers."""
+        if self.file is None:
+            return ()
+        return tuple(dict.fromkeys(probes.diff_files(self.path.read_text(encoding="utf-8"))))
 
     @property
     def env_switch(self) -> str:
@@ -91,61 +103,55 @@ class Absorbed:
 SERIES: tuple[Patch, ...] = (
     Patch(
         id="ple-mmap", order=1, file="ple-mmap.patch", seed=None,
-        switch=envs.VLLM_PLE_MMAP_PATH, switch_off="",
+        switch=EnvVar("VLLM_PLE_MMAP_PATH", "", "Patch ple-mmap: the PLE table file made by `flashnext ple build`; empty: vLLM's own table."), switch_off="",
         hooks=("flashnext.serving.hooks.ple_file",),
-        touches=("vllm/models/qwen4_exp/nvidia/ngram_embedding.py", "vllm/models/qwen4_exp/nvidia/model_state.py",),
-        probe=probes.ple_mmap,
-        why_diff="the PLE embedding backend is chosen inside Qwen4ExpNGramEmbedding.__init__ from engram_config, which no registry reaches, and it must be chosen before the table is allocated; the model-state half could move to a model-registry subclass (get_model_state_cls).",
+        why_diff="the PLE embedding backend is chosen inside Qwen4ExpNGramEmbedding.__init__ from engram_config, which no registry reaches, and it must be chosen before the table is allocated. The staging of each step's rows is no diff: it runs in flashnext's model state, which the model class registered through vLLM's ModelRegistry hands the runner (decode-06 and ttft-01's registration).",
         upstream="not upstream in 0.34.0 as such (verified: no VLLM_PLE_MMAP_PATH, MADV_RANDOM or process_madvise in vLLM). 0.34.0 adds engram `disk_offload` (Qwen4ExpPLEDiskOffloadEmbedding, stage_checkpoint_rows), the same design over the checkpoint's own shard files: each step's rows read on the host (POSIX_FADV_WILLNEED on their pages, then one preadv a row) into fixed device buffers the forward reads; no table file, no random-access advice, no prompt read-ahead. Drop ple-mmap (with decode-06 and ttft-01) once that path is measured on the 3x3090 system's NVMe to match it: bytes read per token, decode ITL, cold-prompt TTFT.",
         seed_effect="the 262k-context 3x3090 system needs it (seed 000 §1); `MADV_RANDOM` keeps NVMe reads to the rows (readahead: 23x; the AutoRound card: 922 KiB -> 39.5 KiB per token)",
-        tests="`tests/serving/test_patch_series.py::test_ple_file_backend_matches_vllm_and_obeys_its_switches`: vLLM's own `Qwen4ExpNGramEmbedding` built on the CPU for the demo checkpoint, weights loaded from its shards; stock (device table) and patched (file) embeddings are bit-identical, the weight is the mapping, an empty path gives the stock backend; `tests/serving/hooks/test_ple_file.py`",
+        tests="`tests/serving/test_patch_series.py::test_ple_file_is_served_by_vllms_runner_through_flashnexts_model_state`: vLLM's own `GPUModelRunner` (its `load_model`, `initialize_kv_cache` and each step's request bookkeeping and `prepare_inputs`) with the model class vLLM's registry resolves and the model state vLLM's `init_model_state` makes, two requests from vLLM's own `Scheduler` (chunked prefill, a prefix-cache hit): at every step the PLE layer's embeddings equal stock vLLM's bit for bit (the table in device memory, flashnext's plugin left out), the staged row ids equal vLLM's kernel's, prefill-only steps copy no ids from the device, an empty path gives the stock backend, and the file is refused without flashnext's plugin; `tests/serving/hooks/test_ple_file.py`; `tests/quant/ple/test_ple_hash.py` (the numpy twin the host hashes with, against vLLM's kernel)",
         coverage=Coverage(
-            vllm_cpu="vLLM's Qwen4ExpNGramEmbedding built on CPU for the demo (patched __init__ picks FileBackedPLEEmbedding, a Qwen4ExpPLEEmbedding subclass), loaded by its own load_weights (shard spot-check), vLLM's Triton ngram-id kernel (interpreter) and its forward: bit-identical to stock Qwen4ExpPLEDeviceEmbedding.",
+            vllm_cpu="vLLM's GPUModelRunner on CPU (load_model with the registry-resolved model, init_model_state, initialize_kv_cache, finish/add/update_requests, gather_batch_req_state, dispatch_cg_and_sync_dp, prepare_inputs, postprocess_sampled) and its Scheduler over 6 steps of 2 requests; patched Qwen4ExpNGramEmbedding picks FileBackedPLEEmbedding, loaded by its own load_weights; flashnext's state stages each step: prefill steps hashed on the host, others by vLLM's Triton kernel (interpreter); embeddings bit-identical to stock.",
             gpu="none of the patched path; benchmarks/ple_ids_sync.py on the H200 timed the per-step ids D2H sync in plain torch (an elementwise stand-in for vLLM's hash kernel)",
-            stand_in="Qwen4ExpModelState is never built: the scenario calls attach()/ngram_ids()/stage() itself 'as the patched model state drives it'; stock comparison forces engram cpu_offload off; on CPU staged_rows is a CPU tensor, so stage() takes its non-GPU branch.",
-            gap="Patched Qwen4ExpModelState.__init__/prepare_inputs never run; stage()'s GPU branch (pinned staging, non_blocking H2D, CUDA event) and forward under FULL_DECODE_ONLY capture never run; a 95 GiB table on NVMe next to pinned K/V (page cache pressure) unmeasured (bench: 8.7 GB file, virtio disk).",
+            stand_in="CUDA streams/events are no-op objects and UVA buffers vLLM's explicit-copy fallback; only the PLE layer of the forward runs (quant config dropped, only PLE tensors loaded: no CPU kernel for the demo's INT4/INT6); a stand-in sampler (token 7+step) fed to vLLM's postprocess_sampled and update_from_output; text-only (no tokenizer for the MM budget); staged_rows is a CPU tensor, so stage() takes its non-GPU branch.",
+            gap="stage()'s GPU branch (pinned staging, non_blocking H2D, CUDA event), the forward under FULL_DECODE_ONLY capture, and the remaining sync of decode/verify steps on a GPU (PP=3, async scheduling) never run; a 95 GiB table on NVMe next to pinned K/V (page cache pressure) unmeasured (bench: 8.7 GB file, virtio disk).",
         ),
     ),
     Patch(
-        id="decode-06", order=2, file="decode-06.patch", seed="decode-06",
-        switch=envs.VLLM_PLE_DECODE_ADVICE,
+        id="decode-06", order=2, file=None, seed="decode-06",
+        switch=EnvVar("VLLM_PLE_DECODE_ADVICE", "1", "Patch decode-06: 0 turns off the per-step advice of a decode step's PLE rows before the gather."),
         hooks=("flashnext.serving.hooks.ple_file.PleFileServing.advise",),
-        touches=("vllm/models/qwen4_exp/nvidia/model_state.py",),
-        probe=probes.decode_06,
-        why_diff="it runs in Qwen4ExpModelState.prepare_inputs; a model registered through vLLM's ModelRegistry could hand the runner a subclass (get_model_state_cls), which is the next move, with ple-mmap's state half.",
-        upstream="not upstream in 0.34.0 (verified: no process_madvise anywhere in vLLM; 0.34.0's disk offload queues POSIX_FADV_WILLNEED on each step's page runs, for its own backend only); drop with ple-mmap.",
+        registers="flashnext.serving.models.qwen4_exp.register",
+        probe=probes.qwen4_exp_model_state,
+        upstream="not upstream in 0.34.0 (verified: no process_madvise anywhere in vLLM; 0.34.0's disk offload queues POSIX_FADV_WILLNEED on each step's page runs, for its own backend only); drop with ple-mmap. A plugin since 0.34.0: Model Runner V2 takes the model state from the model (get_model_state_cls), and vLLM's ModelRegistry.register_model lets flashnext's plugin register vLLM's qwen4_exp classes with its state subclass under vLLM's architecture names.",
         seed_effect="8k: p90 ITL 16 -> 12.4-13.0 ms, mean 72-74 -> 80-82 tok/s (§3.4)",
-        tests="the same test: a one-token step is advised, a 24-token step is not, nothing with the switch off; `tests/serving/hooks/test_ple_file.py::test_decode_advice_only_for_small_steps`",
+        tests="the same test: vLLM's runner prepares 6 steps through flashnext's model state; only the one-token decode step is advised, prefill and mixed steps (over 256 rows) are not, nothing with the switch off; `tests/serving/hooks/test_ple_file.py::test_decode_advice_only_for_small_steps`",
         coverage=Coverage(
-            vllm_cpu="vLLM's Qwen4ExpNGramEmbedding on CPU; its Triton ngram-id kernel gives the step's row ids, then PleFileServing.advise (what patched prepare_inputs calls) advises a 1-token step and not a 24-token one, with real process_madvise/madvise syscalls on the demo table file.",
+            vllm_cpu="vLLM's GPUModelRunner and Scheduler on CPU drive flashnext's Qwen4ExpModelState subclass (made by vLLM's init_model_state from the class vLLM's registry resolved): its prepare_inputs advises the 1-token decode step and not the 1,024/448/28-token prefill or 257/45-token mixed steps, with real process_madvise/madvise syscalls on the demo table file.",
             gpu="none",
-            stand_in="the patched Qwen4ExpModelState.prepare_inputs call site is replaced by the scenario calling advise() directly; the demo table is small and page-cache warm, so no fault latency exists to hide.",
+            stand_in="as ple-mmap's runner test: no-op CUDA streams/events, only the PLE layer of the forward, a stand-in sampler; the demo table is small and page-cache warm, so no fault latency exists to hide.",
             gap="The ITL effect (p90 16 -> 12.4 ms, seed) is never measured; cold NVMe faults during a real decode step, and process_madvise inside the container (seccomp + CAP_SYS_PTRACE) on the rig untested; DecodeAdvisor timed only on the dev VM (19.6 us).",
         ),
     ),
     Patch(
-        id="ttft-01", order=3, file="ttft-01.patch", seed="ttft-01",
-        switch=envs.VLLM_PLE_PREFETCH,
+        id="ttft-01", order=3, file=None, seed="ttft-01",
+        switch=EnvVar("VLLM_PLE_PREFETCH", "1", "Patch ttft-01: 0 turns off the prompt prefetcher (each admitted prompt's PLE pages, advised ahead)."),
         hooks=("flashnext.serving.hooks.ple_file.PleFileServing.admitted",),
-        touches=("vllm/models/qwen4_exp/nvidia/model_state.py",),
-        probe=probes.ttft_01,
-        why_diff="it runs in Qwen4ExpModelState.add_request/remove_request; the same model-registry move as decode-06.",
-        upstream="not upstream in 0.34.0 (verified: nothing reads a prompt's PLE rows ahead when it is admitted, 0.34.0's disk offload included); drop with ple-mmap.",
+        registers="flashnext.serving.models.qwen4_exp.register",
+        probe=probes.qwen4_exp_model_state,
+        upstream="not upstream in 0.34.0 (verified: nothing reads a prompt's PLE rows ahead when it is admitted, 0.34.0's disk offload included); drop with ple-mmap. A plugin since 0.34.0: the model state's add_request/remove_request, from the model class flashnext's plugin registers (decode-06's registration).",
         seed_effect="cold 37k-token prompts: 44 s to first token without; 4,430 tok/s prefill with it; warm unchanged (§1)",
-        tests="the same test: a 3,000-token prompt is advised in 3 windows, none with the switch off; `tests/quant/ple/test_ple_prefetch.py` for the prefetcher itself",
+        tests="the same test: vLLM's runner adds each request vLLM's scheduler admits: the 1,500-token prompt is advised in 2 windows, the second request's 300 tokens past its 1,472-token prefix-cache hit in 1, each exactly the rows its prefill staged; the first is cancelled when it finishes; none with the switch off; `tests/quant/ple/test_ple_prefetch.py` for the prefetcher itself",
         coverage=Coverage(
-            vllm_cpu="The loaded hash buffers of vLLM's Qwen4ExpNGramEmbedding feed PleFileServing.admitted (what patched Qwen4ExpModelState.add_request calls): the PromptPrefetcher thread hashes a 3,000-token prompt and advises 3 windows; the numpy twin is checked bit-identical to vLLM's PLE kernel.",
+            vllm_cpu="vLLM's GPUModelRunner.add_requests/finish_requests call flashnext's model state's add_request/remove_request with vLLM's NewRequestData from vLLM's Scheduler (prefix caching, mamba align): the PromptPrefetcher thread hashes each request's uncomputed tokens (num_computed_tokens skipped) and advises them; the rows equal those the prefill staged (vLLM's kernel); the finished request is cancelled.",
             gpu="none",
-            stand_in="Qwen4ExpModelState.add_request/remove_request are never called: the scenario calls admitted() and drains the prefetcher; finished()/cancel only in test_ple_prefetch's unit test; the cold-disk benchmark ran on the dev VM's virtio disk (5.5x, 10x target missed).",
-            gap="No real add_request from V2 GPUModelRunner (NewRequestData with image placeholders, prefix-cache hits, preemption -> remove_request); prefetch thread's GIL contention with rank 0's step loop; cold 37k-token TTFT on real NVMe unmeasured.",
+            stand_in="as ple-mmap's runner test (no-op CUDA streams, PLE layer only, stand-in sampler, text-only requests); the cold-disk benchmark ran on the dev VM's virtio disk (5.5x, 10x target missed).",
+            gap="No image placeholders or preemption (a resume's prefill_token_ids) in the driven requests; the prefetch thread's GIL contention with rank 0's step loop; cold 37k-token TTFT on real NVMe unmeasured.",
         ),
     ),
     Patch(
         id="host-pool", order=4, file="host-pool.patch", seed=None,
-        switch=envs.VLLM_EXACT_HOST_POOL,
+        switch=EnvVar("VLLM_EXACT_HOST_POOL", "1", "Patch host-pool: 0 returns to PyTorch's caching host allocator (power-of-two rounding)."),
         hooks=("flashnext.serving.hooks.host_pool.pinned_empty",),
-        touches=("vllm/models/qwen4_exp/common/ngram_embedding.py",),
-        probe=probes.host_pool,
         why_diff="the pinned table is allocated by a method of Qwen4ExpPLEPinnedHostEmbedding, a class Qwen4ExpNGramEmbedding picks itself; no extension point allocates pinned weights.",
         upstream="not upstream in 0.34.0 for qwen4_exp (verified: Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight is still torch.empty(pin_memory=True); vLLM registers exact sizes only for its own CPU KV offload, v1/kv_offload/cpu/host_register.py); drop when vLLM allocates pinned weights at exact size.",
         seed_effect="at 590 MB, 112 GiB used and 13 GiB free; each 4.24 GiB pool pinned as 8 GiB (§2)",
@@ -159,10 +165,8 @@ SERIES: tuple[Patch, ...] = (
     ),
     Patch(
         id="mtp-01", order=5, file="mtp-01.patch", seed="mtp-01",
-        switch=envs.VLLM_MTP_PP,
+        switch=EnvVar("VLLM_MTP_PP", "1", "Patch mtp-01: 0 builds the MTP draft's embed_tokens and lm_head without the checkpoint's INT8 method again (stock vLLM, whose loader then refuses the release's INT8 draft tensors)."),
         hooks=("flashnext.serving.hooks.mtp.draft_embedding_method",),
-        touches=("vllm/models/qwen4_exp/nvidia/mtp.py",),
-        probe=probes.mtp_01,
         why_diff="qwen4_exp's draft builds its VocabParallelEmbedding and ParallelLMHead with no quantization config, so no registered config is ever asked for their method.",
         upstream="not upstream in 0.34.0 (verified: the draft's `VocabParallelEmbedding(self.vocab_size, self.hidden_size)` and its `ParallelLMHead` get no quantization method, so vLLM's loader refuses the release's INT8 draft tensors; the other half of the seed's mtp-01, the forward's branch on the global first rank, is fixed in 0.34.0: ABSORBED); drop when the draft builds its embedding and LM head with the checkpoint's quantization.",
         seed_effect="MTP under PP at all: stock failed at startup (§7)",
@@ -176,10 +180,8 @@ SERIES: tuple[Patch, ...] = (
     ),
     Patch(
         id="mtp-02", order=6, file="mtp-02.patch", seed="mtp-02",
-        switch=envs.VLLM_MTP_SLIM_DRAFT,
+        switch=EnvVar("VLLM_MTP_SLIM_DRAFT", "1", "Patch mtp-02: 0 gives the draft head its own lm_head copy and a device embedding again under PP."),
         hooks=("flashnext.serving.hooks.mtp.draft_lm_head", "flashnext.serving.hooks.mtp.draft_embedding", "flashnext.serving.hooks.mtp.finish_draft_embedding",),
-        touches=("vllm/models/qwen4_exp/nvidia/mtp.py",),
-        probe=probes.mtp_02,
         why_diff="the draft decides in its own __init__ which heads to build and load_weights loads them; the drafter only replaces them afterwards, with no hook in between.",
         upstream="not upstream in 0.34.0 (verified: Qwen4ExpMTP still builds an lm_head, and at PP=1 an embed_tokens, that load_eagle_model's share_target_lm_head / maybe_share_target_embed replace right after loading; no host-resident draft embedding); drop when vLLM's drafter stops building heads it replaces and offers host-resident draft embeddings.",
         seed_effect="with mem-01, what fits the MTP head on the third 3090: the copy's load-time repack OOMed rank 2 (0.6 GiB), and the embedding moved 0.60 GiB to the host (§7)",
@@ -193,10 +195,8 @@ SERIES: tuple[Patch, ...] = (
     ),
     Patch(
         id="decode-03", order=7, file="decode-03.patch", seed="decode-03",
-        switch=envs.VLLM_PP_DEFER_RECV,
+        switch=EnvVar("VLLM_PP_DEFER_RECV", "1", "Patch decode-03: 0 receives the previous pipeline rank's tensors first thing in execute_model again."),
         hooks=("flashnext.serving.hooks.pipeline.deferred_intermediate_tensors",),
-        touches=("vllm/v1/worker/gpu_worker.py",),
-        probe=probes.decode_03,
         why_diff="the receive is inline in Worker.execute_model; vLLM's --worker-cls takes a worker class, but overriding execute_model would copy about a hundred lines of it, a larger fork than the diff.",
         upstream="not upstream in 0.34.0 (verified: Worker.execute_model still calls irecv_tensor_dict first; the AsyncIntermediateTensors it wraps the result in defers only the tensor wait, while the metadata recv_object blocks there); drop when vLLM defers the whole receive.",
         seed_effect="short-context steps were floored at ~12.5 ms by host-side serial work (§3.2)",
@@ -210,10 +210,8 @@ SERIES: tuple[Patch, ...] = (
     ),
     Patch(
         id="qsa-indexer-quant", order=8, file="qsa-indexer-quant.patch", seed=None,
-        switch=envs.VLLM_QSA_INDEXER_OWN_SCHEME,
+        switch=EnvVar("VLLM_QSA_INDEXER_OWN_SCHEME", "1", "Patch qsa-indexer-quant: 0 merges the QSA indexer projection into q/k/v as vLLM 0.33.0 does, even when the checkpoint quantizes them differently (the release's INT8 indexer then fails to load)."),
         hooks=("flashnext.serving.hooks.qsa_indexer_quant.fuse_indexer_projection",),
-        touches=("vllm/models/qwen4_exp/nvidia/qsa.py",),
-        probe=probes.qsa_indexer_quant,
         why_diff="the merge is decided inline in Qwen4ExpQSAAttention.__init__ by comparing quant-method types, which one compressed-tensors config gives every scheme alike.",
         upstream="not upstream in 0.34.0 (verified: Qwen4ExpQSAAttention now skips the merge when the indexer's quant method is of another type than q/k/v's, but compressed-tensors gives every part its CompressedTensorsLinearMethod, and `_match_fused_layer` still returns the first part's target without comparing the parts' schemes: stock 0.34.0 builds the release's merged layer INT6 group 64 and stops loading it, tests/serving/patches/test_qsa_indexer_quant.py); drop when vLLM compares the parts' schemes, not their methods' types.",
         seed_effect="the release's QSA layers load at all (stock vLLM 0.33.0 and 0.34.0 stop in their loader with an AssertionError), the indexer's keys from its own INT8 weights; seed 000 reports no number of its own for this",
@@ -227,10 +225,8 @@ SERIES: tuple[Patch, ...] = (
     ),
     Patch(
         id="qsa-offload", order=9, file="qsa-offload.patch", seed="decode-07",
-        switch=envs.VLLM_QSA_KV_OFFLOAD,
+        switch=EnvVar("VLLM_QSA_KV_OFFLOAD", "0", "Patch qsa-offload: 1 keeps the QSA main K/V in pinned host memory, with the attention block size of seed 000 (what `flashnext plan` models); 0 (vLLM's default) keeps it in VRAM."),
         hooks=("flashnext.serving.hooks.qsa_offload",),
-        touches=("vllm/models/qwen4_exp/nvidia/qsa.py", "vllm/platforms/interface.py", "vllm/models/qwen4_exp/common/qsa_indexer.py",),
-        probe=probes.qsa_offload,
         why_diff="the QSA layer's KV spec, forward and bind are methods of vLLM's own attention classes, and the block-size alignment is a Platform method that only a platform plugin replacing the whole CUDA platform could take.",
         upstream="not upstream in 0.34.0 (verified: the QSA main K/V is a FullAttentionSpec in VRAM; HiSparse's host-resident groups are a separate block space for MLA index groups); drop when vLLM offloads QSA K/V rows to host memory.",
         seed_effect="262,144 x 4 tokens at 550-783 MB of KV VRAM instead of ~122k without offload (§1, §2, §10); decode-07: one layer 174 -> 78 us at 72% overlap on a 3090, hit rate 86-91% (§5)",
@@ -244,10 +240,8 @@ SERIES: tuple[Patch, ...] = (
     ),
     Patch(
         id="int8-modules", order=10, file="int8-modules.patch", seed=None,
-        switch=envs.VLLM_INT8_MODULES,
+        switch=EnvVar("VLLM_INT8_MODULES", "1", "Patch int8-modules: 0 builds qwen4_exp's embed_tokens, lm_head and hyper-connection mixers as vLLM 0.33.0 does, in bf16 (its loader then refuses the release's INT8 tensors)."),
         hooks=("flashnext.serving.hooks.int8_modules",),
-        touches=("vllm/models/qwen4_exp/nvidia/model.py", "vllm/models/qwen4_exp/nvidia/hyperconnection.py",),
-        probe=probes.int8_modules,
         why_diff="qwen4_exp builds embed_tokens, lm_head and the hyper-connection mixers with no quantization config (quant_config=None), so a registered compressed-tensors config is never asked.",
         upstream="not upstream in 0.34.0 (verified: vLLM's own loader refuses the demo checkpoint's INT8 embed_tokens, and GatedResidual still builds its mixers with quant_config=None); drop when vLLM's qwen4_exp builds these layers with the checkpoint's quantization config.",
         seed_effect="the release's INT8 embed_tokens, lm_head and HC mixers load at all (0.60 GiB each for embed_tokens and lm_head as INT8, half of bf16; seed 000 §3.3, §6)",
@@ -261,10 +255,8 @@ SERIES: tuple[Patch, ...] = (
     ),
     Patch(
         id="decode-04", order=11, file="decode-04.patch", seed="decode-04",
-        switch=envs.VLLM_HC_FUSED_DECODE,
+        switch=EnvVar("VLLM_HC_FUSED_DECODE", "1", "Patch decode-04: 0 runs a decode step's hyper-connection mix through vLLM's unfused GEMMs and hc_silu / hc_gate_mix kernels again."),
         hooks=("flashnext.serving.hooks.hc_decode.mix",),
-        touches=("vllm/models/qwen4_exp/nvidia/hyperconnection.py",),
-        probe=probes.decode_04,
         why_diff="GatedResidual.mix is a method of a class the model builds directly; no registry chooses it.",
         upstream="not upstream in 0.34.0 (verified: its fused HC kernels are bf16 only: the CuTe down+SiLU for sm90+ up to 48 tokens, and 0.34.0's new up+gate+mix, hc_up_gate_mix, for sm100 from 512 tokens); drop when vLLM fuses the INT8 mix.",
         seed_effect="GatedResidual 32 -> 13.3 us, about 1.8 ms per token on the 3090 (seed 000 §3.3)",
@@ -278,9 +270,8 @@ SERIES: tuple[Patch, ...] = (
     ),
     Patch(
         id="int6-bitplane", order=12, file=None, seed=None,
-        switch=envs.VLLM_INT6_BITPLANE,
+        switch=EnvVar("VLLM_INT6_BITPLANE", "1", "Patch int6-bitplane: 0 turns a bit-plane overlay's modules back into dense INT6 words at load and serves them with vLLM's own INT6 path."),
         hooks=("flashnext.serving.hooks.int6_bitplane.linear_method",),
-        touches=(),
         registers="flashnext.serving.quantization.compressed_tensors.register",
         probe=probes.int6_bitplane,
         upstream="not upstream (the bit-plane layout is flashnext's overlay); drop with the overlay. A plugin since 0.34.0: vLLM's register_quantization_config replaces compressed-tensors' config with flashnext's subclass, which only re-decides the linear layers vLLM gives CompressedTensorsLinearMethod.",
@@ -295,27 +286,23 @@ SERIES: tuple[Patch, ...] = (
     ),
     Patch(
         id="decode-05", order=13, file="decode-05.patch", seed="decode-05",
-        switch=envs.VLLM_MOE_FUSED_DECODE,
-        hooks=("flashnext.serving.hooks.moe_decode.forward",),
-        touches=("vllm/models/qwen4_exp/nvidia/model.py", "vllm/model_executor/layers/fused_moe/experts/marlin_moe.py",),
-        probe=probes.decode_05,
-        why_diff="Qwen4ExpSparseMoeBlock.forward and fused_marlin_moe's alignment call are inline; vLLM's MoE kernel selection chooses experts' kernels, not the router.",
+        switch=EnvVar("VLLM_MOE_FUSED_DECODE", "1", "Patch decode-05: 0 routes a decode step's MoE block through vLLM's router GEMM, top-k and shared-expert gate again, and Marlin aligns its own blocks."),
+        hooks=("flashnext.serving.hooks.moe_decode.forward", "flashnext.serving.hooks.moe_decode.merge_router_rows"),
+        why_diff="Qwen4ExpSparseMoeBlock.forward and fused_marlin_moe's alignment call are inline; vLLM's MoE kernel selection chooses experts' kernels, not the router. The router rows' merge at load is the block's own process_weights_after_loading (vLLM's finalize_model_weights runs it for the model's and the MTP draft's blocks): the router and shared gate are built unquantized, so no quantization method flashnext registers sees them, and vit-stream's model-level hook is another patch's and misses the draft.",
         upstream="not upstream in 0.34.0 (verified: the router GEMM, the shared gate, topk_softmax and moe_align_block_size are still separate launches; router_factory is unchanged from 0.33.0); drop when vLLM fuses decode routing.",
         seed_effect="the small kernels around a one-token MoE block's experts on the 3090: router GEMV 12 us, topk_softmax 7 us (one CTA), moe_align_block_size 7 us (two kernels), the shared expert's gate 7 us (four kernels), now one launch (seed 000 §3.3; the seed gives no time for it; the H200's in docs/benchmarks.md). The seed's 13.4 / 7.0 -> 7.8 / 5.3 us is the INT6 bit-plane shared expert's kernels (patch int6-bitplane), which this hook calls",
-        tests="`tests/serving/test_patch_series.py::test_decode05_routes_vllms_moe_block_through_the_fused_router`: vLLM's own MoE block for the demo checkpoint on the CPU (plain, and with the bit-plane overlay's shared expert): the fused path for 1 to 4 tokens, the same experts, outputs within one bf16 step of vLLM's path, vLLM's router agreeing with the kernel given its logits, the switch off equal to stock; `tests/serving/patches/test_decode05_cuda_router.py::test_decode05_serves_vllms_cuda_router_and_declines_every_other`: the same block built with the router vLLM's factory builds on CUDA (`FusedTopKRouter`; `topk_softmax`, a CUDA op, stood in for): the fused path against the switch off, and every other router flavour declined without an exception; `tests/serving/patches/test_no_new_triton_variants.py`: the router's Triton cache keys at 1..4 tokens are those of the captured sizes; `tests/quant/kernels/test_moe_route.py` (router and alignment, interpreter and H200)",
+        tests="`tests/serving/patches/test_decode05_router_rows_at_load.py`: vLLM's own model for the demo checkpoint and vLLM's own post-load step: every MoE block's router and shared-gate weights are views into one `[E + 1, H]` matrix right after it, and decode steps of 1 to 4 tokens allocate no new one; `tests/serving/test_patch_series.py::test_decode05_routes_vllms_moe_block_through_the_fused_router`: vLLM's own MoE block for the demo checkpoint on the CPU (plain, and with the bit-plane overlay's shared expert): the fused path for 1 to 4 tokens, the same experts, outputs within one bf16 step of vLLM's path, vLLM's router agreeing with the kernel given its logits, the switch off equal to stock; `tests/serving/patches/test_decode05_cuda_router.py::test_decode05_serves_vllms_cuda_router_and_declines_every_other`: the same block built with the router vLLM's factory builds on CUDA (`FusedTopKRouter`; `topk_softmax`, a CUDA op, stood in for): the fused path against the switch off, and every other router flavour declined without an exception; `tests/serving/patches/test_no_new_triton_variants.py`: the router's Triton cache keys at 1..4 tokens are those of the captured sizes; `tests/quant/kernels/test_moe_route.py` (router and alignment, interpreter and H200; the alignment's sizes and contents against vLLM's own `moe_align_block_size`, its CUDA op stood in for)",
         coverage=Coverage(
-            vllm_cpu="vLLM's own Qwen4ExpSparseMoeBlock for the demo (patched forward), FusedMoE built by vLLM's FusedMoEFactory, RoutedExperts.forward_modular and vLLM's router (CPURouter; FusedTopKRouter from router_factory under a CUDA platform enum): fused path at 1-4 tokens, same experts, select_experts agrees.",
-            gpu="flashnext's route kernel only: tests/quant/kernels/test_moe_route.py::test_real_shape (m=1,2,4, with alignment) on the H200; benchmarks/decode_fusions.py (6.1 us fused vs 9.7 us GEMMs alone). Marlin never run.",
-            stand_in="routed experts' kernel (quant_method.apply) replaced by a torch loop (no CPU MoE kernels); topk_softmax (CUDA op) by its arithmetic; experts bf16 (quant config deleted), so the Marlin alignment hand-off is only unit-tested via alignment_for; Triton interpreter.",
-            gap="The patched fused_marlin_moe taking route's alignment instead of moe_align_block_size never ran anywhere, and the alignment is checked against flashnext's reference_align, not vLLM's CUDA op; INT4 Marlin experts, CUDA-graph capture of the 1/2/4-token path, sm86 timing untested.",
+            vllm_cpu="vLLM's own Qwen4ExpSparseMoeBlock for the demo (patched forward and post-load hook), FusedMoE built by vLLM's FusedMoEFactory, RoutedExperts.forward_modular and vLLM's router (CPURouter; FusedTopKRouter from router_factory under a CUDA platform enum): fused path at 1-4 tokens, same experts, select_experts agrees; vLLM's process_weights_after_loading over the whole demo model merges every block's router rows; vLLM's moe_align_block_size Python sizes the buffers the fused alignment matches.",
+            gpu="flashnext's route kernel only: tests/quant/kernels/test_moe_route.py::test_real_shape (m=1,2,4, with alignment) on the H200, and (issue 40) the alignment at vLLM's sizes against reference_align for 4/8/64/512 experts, blocks 8-64, 1-4 tokens (80 cases); benchmarks/decode_fusions.py (6.1 us fused vs 9.7 us GEMMs alone). Marlin never run.",
+            stand_in="routed experts' kernel (quant_method.apply) replaced by a torch loop (no CPU MoE kernels); topk_softmax (CUDA op) by its arithmetic; moe_align_block_size's CUDA op (_moe_C) by its kernel's fill (reference_align), into the buffers vLLM's Python allocates; experts bf16 (quant config deleted), so the Marlin alignment hand-off is only unit-tested via alignment_for; Triton interpreter.",
+            gap="The patched fused_marlin_moe taking route's alignment instead of moe_align_block_size never ran anywhere, nor vLLM's CUDA alignment op itself; INT4 Marlin experts, CUDA-graph capture of the 1/2/4-token path, the router rows' merge on a GPU under vLLM's memory profiler, sm86 timing untested.",
         ),
     ),
     Patch(
         id="vit-stream", order=14, file="vit-stream.patch", seed=None,
-        switch=envs.VLLM_VIT_STREAM,
+        switch=EnvVar("VLLM_VIT_STREAM", "1", "Patch vit-stream: 0 keeps the vision tower's blocks resident in device memory."),
         hooks=("flashnext.serving.hooks.vit_stream.install",),
-        touches=("vllm/models/qwen4_exp/nvidia/model.py",),
-        probe=probes.vit_stream,
         why_diff="the tower is built inside the model's __init__, which the build context must wrap; a registered model subclass could take the post-load half only.",
         upstream="not upstream in 0.34.0 (verified: the tower's weights are resident parameters unless the UVA offloader, the only one that takes towers, has the GPU read them over PCIe at every use; the prefetching offloader takes only the decoder layers); drop when vLLM offloads encoder weights with prefetch.",
         seed_effect="images beside 783 MB of K/V on the first rank: 2 x 29 MiB slots, 1.16 ms a block, 2 MP TTFT 0.85 s, 45 of 45 image requests answered (seed 000 §6)",
@@ -329,10 +316,8 @@ SERIES: tuple[Patch, ...] = (
     ),
     Patch(
         id="step-time", order=15, file="step-time.patch", seed=None,
-        switch=envs.VLLM_GPU_STEP_TIME, switch_off="0",
+        switch=EnvVar("VLLM_GPU_STEP_TIME", "0", "Patch step-time: 1 times every CUDA graph replay (a decode step) with CUDA events, without a sync, and serves the times on /metrics as flashnext:gpu_step_seconds per rank (what `flashnext bench` shows)."), switch_off="0",
         hooks=("flashnext.serving.hooks.step_time.replay", "flashnext.serving.hooks.step_time.register_collector",),
-        touches=("vllm/v1/worker/gpu/cudagraph_utils.py", "vllm/entrypoints/serve/instrumentator/metrics.py",),
-        probe=probes.step_time,
         why_diff="CudaGraphManager.run_fullgraph replays inline with no hook around a replay, and the /metrics collector is registered by the API server's attach_router.",
         upstream="not upstream in 0.34.0 (verified: StepTimingCollector in v1/worker/gpu/async_utils.py times forward steps only inside collect(), the adaptive-verification profiling at startup, and synchronizes when it ends; VLLM_LOG_BATCHSIZE_INTERVAL syncs and logs); drop when vLLM exposes per-step GPU time on /metrics.",
         seed_effect="none of its own (off by default): it is seed 000 §3.0's measure, GPU time from CUDA events around the graph replay, taken because the torch profiler summed 12.15 ms of FULL-cudagraph kernels against a real ITL of 10.66 ms",

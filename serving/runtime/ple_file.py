@@ -136,33 +136,84 @@ def file_backed_embedding_class(table_path: Callable[[], Path | None]):
 
 
 class PleFileServing:
-    """The file-backed PLE layers of one model, driven by its model state."""
+    """The file-backed PLE layers of one model, driven by its model state
+    (:mod:`flashnext.serving.models.qwen4_exp`)."""
 
     def __init__(self, owners: list):
         self.owners = owners
+        self._prefill_tokens: dict[str, np.ndarray] = {}  # request id -> the tokens it prefills
+        self._hashers: list[NgramHasher] | None = None
         self._prefetchers: list[PromptPrefetcher] | None = None
 
+    def _layer_hashers(self) -> list[NgramHasher]:
+        if self._hashers is None:  # after weight loading, when the hash buffers hold their values
+            self._hashers = [hasher_of(o) for o in self.owners]
+        return self._hashers
+
     def _prompt_prefetchers(self) -> list[PromptPrefetcher]:
-        if self._prefetchers is None:  # after weight loading, when the hash buffers hold their values
-            self._prefetchers = [PromptPrefetcher(o.ngram_embedding.table.mapping, hasher_of(o)) for o in self.owners]
+        if self._prefetchers is None:
+            self._prefetchers = [PromptPrefetcher(o.ngram_embedding.table.mapping, h)
+                                 for o, h in zip(self.owners, self._layer_hashers())]
         return self._prefetchers
 
-    def admitted(self, request_id: str, token_ids) -> None:
+    def add_request(self, request_id: str, prefill_token_ids, num_computed_tokens: int) -> None:
+        """A request admitted to the runner (``NewRequestData``): its prefill tokens are kept, so
+        that its prefill chunks' rows are hashed on the host, and its pages are read ahead."""
+        tokens = np.asarray(prefill_token_ids, dtype=np.int64)
+        self._prefill_tokens[request_id] = tokens
+        self.admitted(request_id, tokens, num_computed_tokens)
+
+    def remove_request(self, request_id: str) -> None:
+        self._prefill_tokens.pop(request_id, None)
+        self.finished(request_id)
+
+    def admitted(self, request_id: str, token_ids, num_computed_tokens: int = 0) -> None:
         """ttft-01: advise the pages of the tokens a request will prefill (vLLM 0.34.0's
         ``NewRequestData.prefill_token_ids``: the prompt, and on a resume the tokens generated
-        before it) while it waits for its prefill."""
-        if not token_ids or not envs.VLLM_PLE_PREFETCH.enabled():
+        before it) while it waits for its prefill. The first ``num_computed_tokens`` (a prefix-cache
+        hit, whose K/V is cached) are not prefilled: only their last ``ngram_size - 1`` are read, as
+        the first prefilled token's n-gram context."""
+        if not envs.VLLM_PLE_PREFETCH.enabled() or len(token_ids) <= num_computed_tokens:
             return
+        tokens = np.asarray(token_ids, dtype=np.int64)
         for prefetcher in self._prompt_prefetchers():
-            prefetcher.submit(request_id, np.asarray(token_ids, dtype=np.int64))
+            context = _context_before(tokens, num_computed_tokens, prefetcher.hasher)
+            prefetcher.submit(request_id, tokens[num_computed_tokens:], context)
 
     def finished(self, request_id: str) -> None:
         if self._prefetchers is not None:
             for prefetcher in self._prefetchers:
                 prefetcher.cancel(request_id)
 
+    def step_ids(self, input_batch, query_start_loc, ngram_context) -> list[np.ndarray]:
+        """ple-mmap: each PLE layer's row ids for this step (``[tokens after padding, heads]``),
+        on the host: hashed there when the host holds every token the step's rows need
+        (:meth:`host_ids`), else from vLLM's kernel (:meth:`ngram_ids`)."""
+        host = self.host_ids(input_batch)
+        return host if host is not None else self.ngram_ids(input_batch.input_ids, query_start_loc, ngram_context)
+
+    def host_ids(self, input_batch) -> list[np.ndarray] | None:
+        """The step's row ids hashed on the host by the kernel's numpy twin, with no device copy,
+        when every token of the step is one of its request's prefill tokens (a prefill chunk's
+        tokens and the ``ngram_size - 1`` before them: the prompt, or on a resume what was generated
+        before it); None when one is not, which a decode or MTP verify row never is (its token was
+        sampled or drafted on the device, and at PP > 1 reached this rank by an NCCL broadcast), and
+        for a step padded to a captured graph's size (the profiles capture decode steps only)."""
+        if input_batch.num_draft_tokens or input_batch.num_tokens_after_padding != input_batch.num_tokens:
+            return None
+        num_reqs = input_batch.num_reqs
+        starts = input_batch.num_computed_tokens_np[:num_reqs].tolist()
+        counts = input_batch.num_scheduled_tokens[:num_reqs].tolist()
+        prefills = [self._prefill_tokens.get(r) for r in input_batch.req_ids[:num_reqs]]
+        if any(p is None or s + c > len(p) for p, s, c in zip(prefills, starts, counts)):
+            return None
+        hashers = self._layer_hashers()
+        tokens = np.concatenate([p[s:s + c] for p, s, c in zip(prefills, starts, counts)])
+        context = np.stack([_context_before(p, s, hashers[0]) for p, s in zip(prefills, starts)])
+        return [h.ids(tokens, input_batch.query_start_loc_np[:num_reqs + 1], context) for h in hashers]
+
     def ngram_ids(self, input_ids, query_start_loc, ngram_context) -> list[np.ndarray]:
-        """ple-mmap: each PLE layer's row ids for this step, on the host (vLLM's own hash kernel).
+        """Each PLE layer's row ids from vLLM's own hash kernel, copied to the host.
 
         The copy waits for the device: a decode step's newest token (and MTP's drafts) exists only
         there, received from the last pipeline rank, so the host cannot hash it earlier; a pinned
@@ -181,3 +232,12 @@ class PleFileServing:
         """ple-mmap: gather each layer's rows into its device buffer for the forward to read."""
         for owner, ids in zip(self.owners, step_ids):
             owner.ngram_embedding.stage(ids)
+
+
+def _context_before(tokens: np.ndarray, start: int, hasher: NgramHasher) -> np.ndarray:
+    """The ``ngram_size - 1`` tokens before ``tokens[start]``, oldest first, EOS before the first
+    (what vLLM's ``Qwen4ExpModelState._prepare_ngram_context`` gives the kernel)."""
+    context = np.full(hasher.context_len, hasher.eos, dtype=np.int64)
+    before = tokens[max(start - hasher.context_len, 0):start]
+    context[len(context) - len(before):] = before
+    return context

@@ -85,6 +85,18 @@ def rank_row_cache(text, pp: int, partition, draft_tokens: int, state_page: int,
 
 ARENA = RankArena()
 
+# What vLLM's _logical_to_physical_qsa_slots, which OffloadedQSA.main_metadata calls, holds at its
+# peak for each token: eight int64 values (the request and position as int64, the logical block,
+# the clamped indices, the physical block, the slot and its parts) and the validity flag.
+ROW_SLOT_BYTES_PER_TOKEN = 8 * 8 + 1
+
+
+def row_slots_bytes(tokens: int) -> int:
+    """The device bytes :meth:`OffloadedQSA.main_metadata` allocates at their peak for a step of
+    ``tokens`` tokens, freed when the layer's ``_run_qsa`` returns; ``flashnext plan``'s ledger
+    counts them (tests/serving/test_engine_ledger.py holds this to the engine)."""
+    return tokens * ROW_SLOT_BYTES_PER_TOKEN
+
 
 class OffloadedQSA:
     """One QSA layer's host rows and its share of the rank's arena."""
@@ -111,7 +123,9 @@ class OffloadedQSA:
         capture): allocate the host rows, as many blocks as that cache has, exactly (patch
         host-pool), and bind their UVA view as the layer's cache in the ``(blocks, heads, tokens,
         2 * head_dim)`` view vLLM's writers take. A second bind (vLLM's CUDA-graph memory profile
-        binds a minimal cache first, then the real one) releases the first pool."""
+        binds a minimal cache first, then the real one) releases the first pool. The rank's first
+        layer then launches the prefill kernels once (``RowCache.warm``): compiled at start-up, not
+        at the first prefill."""
         from flashnext.serving.runtime.host_pool import pinned_empty, release, uva_view
 
         if self.arena.arena.shape[1] != self.block_size:
@@ -127,6 +141,8 @@ class OffloadedQSA:
         host = uva_view(self.pinned) if compressed.is_cuda else self.pinned
         layer.kv_cache = host.transpose(1, 2)
         self.arena.invalidate_all()  # the rows behind every tag are new
+        if self.index == 0:  # once a rank: its QSA layers launch the same variants
+            self.arena.warm(self.host_kv, layer.num_heads, layer.topk_indices_buffer.shape[1] - 1)
 
     @property
     def host_kv(self) -> torch.Tensor:

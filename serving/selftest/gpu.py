@@ -50,23 +50,20 @@ class Switch:
 
 
 def switches(patches, profile_env: dict[str, str], ple_table: Path | None) -> list[Switch]:
-    """Each patch's switch (``NAME=OFF``, the registry's ``env_switch``) with the value that turns it on here: the
+    """Each patch's switch with its off value and the value that turns it on here: the
     profile's, the PLE table for ple-mmap, else flashnext's default when that is on, else 1."""
-    declared = {v.name: v for v in vars(envs).values() if isinstance(v, envs.EnvVar)}
     out = []
     for p in patches:
-        name, sep, off = p.env_switch.partition("=")
-        if not sep:
-            raise FlashnextError(f"serving/patches/series.py: patch {p.id}'s env_switch {p.env_switch!r} is not NAME=VALUE")
+        name = p.switch.name
         if name in profile_env:
             on = profile_env[name]
-        elif name == envs.VLLM_PLE_MMAP_PATH.name:
+        elif p.switch is envs.VLLM_PLE_MMAP_PATH:
             on = str(ple_table) if ple_table else ""
-        elif name in declared and declared[name].enabled_in({}):
-            on = declared[name].default
+        elif p.switch.enabled_in({}):
+            on = p.switch.default
         else:
             on = "1"
-        out.append(Switch(p.id, name, off, on))
+        out.append(Switch(p.id, name, p.switch_off, on))
     return out
 
 

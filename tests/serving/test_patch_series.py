@@ -49,8 +49,8 @@ def test_the_drift_table_names_a_drifted_hunk_and_goes_on(tmp_path):
     rows = {r.id: r for r in drift_table(fake, absorbed=())}
     assert rows["decode-03"].status == "fails" and "Hunk #1 FAILED" in rows["decode-03"].detail
     assert not (worker.read_text().count("flashnext decode-03"))  # no hunk of the refused diff left behind
-    # the demo tree holds only the touched files, so probes cannot import vLLM: what applied still applied
-    assert {r.status for i, r in rows.items() if i != "decode-03" and r.verdict == "diff"} == {"probe failed"}
+    # the tree holds only the touched files, which is all a diff's probe reads: every other diff applies
+    assert {r.status for i, r in rows.items() if i != "decode-03" and r.verdict == "diff"} == {"applies"}
     result = CliRunner().invoke(cli, ["patches", "check", "--vllm", str(fake), "--no-progress"])
     assert result.exit_code == 1 and "need porting to this vllm" in result.output and "decode-03" in result.output
 
@@ -93,25 +93,54 @@ def _run_scenario(pythonpath: str | None, extra_env: dict | None, script: str, a
     return run_scenario(script, args, pythonpath, extra_env)
 
 
-# --- ple-mmap, decode-06, ttft-01: vLLM's own PLE layer on the CPU, served from the table file -----
+# --- ple-mmap, decode-06, ttft-01: vLLM's own runner and scheduler serving the PLE table file ------
 
-def test_ple_file_backend_matches_vllm_and_obeys_its_switches(patched_tree, demo_snapshot, demo_table):
-    script = (SUPPORT_DIR / "ple_file_scenario.py").read_text()
+def test_ple_file_is_served_by_vllms_runner_through_flashnexts_model_state(patched_tree, demo_snapshot, demo_table):
+    """vLLM's GPUModelRunner with the model vLLM's registry resolves (flashnext's, registered by its
+    plugin) and its model state (from vLLM's init_model_state), two requests scheduled by vLLM's
+    Scheduler with prefix caching (tests/support/ple_model_state_scenario.py names its stand-ins:
+    CUDA streams, the forward beyond the PLE layer, the sampler)."""
+    script = (SUPPORT_DIR / "ple_model_state_scenario.py").read_text()
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
 
     def run(tree, **extra):
         return _run_scenario(tree, {**env, **extra}, script, (str(demo_snapshot), free_port()))
 
-    stock = run(None)  # vLLM 0.34.0 with the table in (CPU) device memory, loaded from the shards
+    stock = run(None, VLLM_PLUGINS="")  # vLLM 0.34.0 alone, the table in (CPU) device memory
+    assert stock["model_state"] == "vllm.models.qwen4_exp.nvidia.model_state.Qwen4ExpModelState"
     assert stock["backend"] == "Qwen4ExpPLEDeviceEmbedding"
     served = run(str(patched_tree), VLLM_PLE_MMAP_PATH=str(demo_table))
+    assert served["model"] == "flashnext.serving.models.qwen4_exp.Qwen4ExpForConditionalGeneration"
+    assert served["model_state"] == "flashnext.serving.models.qwen4_exp.FlashnextQwen4ExpModelState"
     assert served["backend"] == "FileBackedPLEEmbedding" and served["weight_is_the_file"]
-    assert served["sha256"] == stock["sha256"]  # the same embeddings, bit for bit
-    assert served["advised_prefill"] == 0 and served["advised_decode"] == 1  # decode-06: small steps only
-    assert served["prompt_windows"] == 3  # ttft-01: a 3,000-token prompt in 1,024-token windows
-    off = run(str(patched_tree), VLLM_PLE_MMAP_PATH=str(demo_table), VLLM_PLE_DECODE_ADVICE="0", VLLM_PLE_PREFETCH="0")
-    assert (off["advised_decode"], off["prompt_windows"], off["sha256"]) == (0, 0, stock["sha256"])
-    assert run(str(patched_tree), VLLM_PLE_MMAP_PATH="")["backend"] == "Qwen4ExpPLEDeviceEmbedding"
+    steps = served["steps"]
+    # vLLM's scheduler: a's prompt in three chunks, then b with its first 1,472 tokens cached
+    assert [s["scheduled"] for s in steps] == [s["scheduled"] for s in stock["steps"]] == [
+        {"a": 1024}, {"a": 448}, {"a": 28}, {"a": 1, "b": 256}, {"a": 1, "b": 44}, {"b": 1}]
+    assert steps[3]["new"] == {"b": 1472} and steps[5]["finished"] == ["a"]
+    # the same embeddings as stock at every step, bit for bit, and the staged ids are vLLM's kernel's
+    assert [s["ple_sha256"] for s in steps] == [s["ple_sha256"] for s in stock["steps"]]
+    assert all(s["ids_are_the_kernels"] for s in steps)
+    # ple-mmap: prefill-only steps hash on the host (no copy of the ids from the device); a step
+    # with a decode row copies once, its token being the device's
+    assert [s["device_copies"] for s in steps] == [0, 0, 0, 1, 1, 1]
+    assert [s["prefill_tokens_kept"] for s in steps] == [["a"]] * 3 + [["a", "b"]] * 2 + [["b"]]
+    # decode-06: only the small step is advised
+    assert [s["advised_layers"] for s in steps] == [0, 0, 0, 0, 0, 1]
+    # ttft-01: a's 1,500 tokens in two windows at admission, b's 300 uncached ones in one; each
+    # request's advised pages are exactly those its prefill read, and a is cancelled when it finishes
+    assert [s["prefetched_windows"] for s in steps] == [2, 0, 0, 1, 0, 0]
+    assert served["prefetch_is_what_prefill_read"] == {"a": True, "b": True} and served["cancelled"] == ["a"]
+
+    off = run(str(patched_tree), VLLM_PLE_MMAP_PATH=str(demo_table), VLLM_PLE_DECODE_ADVICE="0",
+              VLLM_PLE_PREFETCH="0")
+    assert [s["ple_sha256"] for s in off["steps"]] == [s["ple_sha256"] for s in stock["steps"]]
+    assert {s["advised_layers"] for s in off["steps"]} == {s["prefetched_windows"] for s in off["steps"]} == {0}
+    no_table = run(str(patched_tree), VLLM_PLE_MMAP_PATH="")
+    assert no_table["backend"] == "Qwen4ExpPLEDeviceEmbedding" and "device_copies" not in no_table["steps"][0]
+    # ple-mmap's layer is refused when flashnext's plugin (whose model state stages it) is left out
+    refused = run(str(patched_tree), VLLM_PLE_MMAP_PATH=str(demo_table), VLLM_PLUGINS="")
+    assert "VLLM_PLE_MMAP_PATH needs flashnext's vLLM plugin" in refused["refused"]
 
 
 # --- int8-modules: the release's INT8 embed_tokens and lm_head -------------------------------------
@@ -236,23 +265,40 @@ def test_decode05_hands_marlin_the_alignment_of_exactly_its_step():
         assert moe_decode.alignment_for(*other) is None
 
 
-def test_decode05_router_rows_are_the_gate_weights_own_memory():
-    """The merged rows are made once; the router and shared gate then read them, so a reload that
-    copies into the parameters (as vLLM's weight loaders do) is seen by the fused kernel too."""
+def test_decode05_router_rows_are_the_gate_weights_own_memory(monkeypatch):
+    """The block's post-load hook lays the router's and shared gate's weights out as one matrix they
+    are views of, so vLLM's own path reads the same memory and a reload that copies into the
+    parameters (as vLLM's weight loaders do) is seen by the fused kernel too; one that replaces
+    them is merged again by the same hook, which vLLM runs after every load and update. With the
+    switch off at load the weights stay as vLLM laid them out, and the fused path stands aside."""
     import torch
 
     from flashnext.serving.hooks import moe_decode
 
-    block = torch.nn.Module()
-    block.gate, block.shared_expert_gate = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 1, bias=False)
-    want = torch.cat([block.gate.weight.detach(), block.shared_expert_gate.weight.detach()])
-    rows = moe_decode._router_rows(block)
-    assert torch.equal(rows, want) and moe_decode._router_rows(block) is rows
-    assert block.gate.weight.data_ptr() == rows.data_ptr()
-    block.gate.weight.data.copy_(torch.ones(8, 16))  # a reload in place
-    assert torch.equal(moe_decode._router_rows(block)[:8], torch.ones(8, 16))
-    block.gate.weight = torch.nn.Parameter(torch.zeros(8, 16))  # a reload that replaces the parameter
-    assert torch.equal(moe_decode._router_rows(block)[:8], torch.zeros(8, 16))
+    def block():
+        b = torch.nn.Module()
+        b.gate = torch.nn.Linear(16, 8, bias=False, dtype=torch.bfloat16)
+        b.shared_expert_gate = torch.nn.Linear(16, 1, bias=False, dtype=torch.bfloat16)
+        return b
+
+    b = block()
+    want = torch.cat([b.gate.weight.detach(), b.shared_expert_gate.weight.detach()])
+    assert moe_decode._router_rows(b) is None
+    moe_decode.merge_router_rows(b)
+    rows = moe_decode._router_rows(b)
+    assert torch.equal(rows, want) and b.gate.weight.data_ptr() == rows.data_ptr()
+    moe_decode.merge_router_rows(b)  # vLLM's hook again (a reload): nothing new allocated
+    assert moe_decode._router_rows(b) is rows
+    b.gate.weight.data.copy_(torch.ones(8, 16))  # a reload in place
+    assert torch.equal(moe_decode._router_rows(b)[:8], torch.ones(8, 16))
+    b.gate.weight = torch.nn.Parameter(torch.zeros(8, 16, dtype=torch.bfloat16))  # a reload that replaces it
+    assert moe_decode._router_rows(b) is None
+    moe_decode.merge_router_rows(b)
+    assert torch.equal(moe_decode._router_rows(b)[:8], torch.zeros(8, 16))
+    monkeypatch.setenv("VLLM_MOE_FUSED_DECODE", "0")
+    off = block()
+    moe_decode.merge_router_rows(off)
+    assert moe_decode._router_rows(off) is None and off.gate.weight.shape == (8, 16)
 
 
 # --- issue 15: the vision tower on the first pipeline rank only ------------------------------------

@@ -45,6 +45,7 @@ with demo_vllm(snapshot, port, bf16_layers) as (config, _):
     import vllm._custom_ops as ops
     import vllm.model_executor.layers.fused_moe.router.router_factory as factory
     from vllm.forward_context import set_forward_context
+    from vllm.model_executor.model_loader.weight_utils import finalize_model_weights
     from vllm.platforms.interface import PlatformEnum
 
     cpu_platform = factory.current_platform
@@ -86,6 +87,7 @@ with demo_vllm(snapshot, port, bf16_layers) as (config, _):
         module._cpu_skip_gemm_dispatch = True
         if method is not None and module is not routed_experts:
             method.process_weights_after_loading(module)
+    finalize_model_weights(block)  # then the modules' own hooks, as vLLM's loader ends (decode-05's rows)
     received = []
     stand_in_experts_kernel(routed_experts, received)
     ops.topk_softmax = stand_in_topk_softmax

@@ -26,6 +26,7 @@ def bf16_layers(config):
 out = {"bitplane": bitplane}
 with demo_vllm(snapshot, port, only_int6_shared_experts if bitplane else bf16_layers) as (config, _):
     from vllm.forward_context import set_forward_context
+    from vllm.model_executor.model_loader.weight_utils import finalize_model_weights
 
     model = build_model(config)
     block = model.language_model.model.layers[0].mlp
@@ -46,6 +47,7 @@ with demo_vllm(snapshot, port, only_int6_shared_experts if bitplane else bf16_la
         module._cpu_skip_gemm_dispatch = True
         if method is not None and module is not experts:
             method.process_weights_after_loading(module)
+    finalize_model_weights(block)  # then the modules' own hooks, as vLLM's loader ends (decode-05's rows)
     out["shared_expert_method"] = type(block.shared_expert.gate_up_proj.quant_method).__name__
 
     received = []

@@ -11,16 +11,19 @@ from contextlib import contextmanager
 
 import torch
 from vllm.config import (
-    CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config,
+    CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config,
 )
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
 
 @contextmanager
 def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheConfig | None = None,
-              mtp: bool = False):
+              mtp: bool = False, text_only: bool = False, scheduler: dict | None = None):
     """A current ``VllmConfig`` for the demo checkpoint with one gloo rank (``mtp``: with MTP
-    speculative decoding, as ``--speculative-config '{"method": "mtp"}'`` sets it); yields it and
+    speculative decoding, as ``--speculative-config '{"method": "mtp"}'`` sets it; ``text_only``: no
+    image or video per prompt, as ``--limit-mm-per-prompt`` sets it, which vLLM's scheduler needs
+    here: its multimodal budget needs a tokenizer, and the demo has none; ``scheduler``: the
+    ``SchedulerConfig`` fields a profile sets, ``max_num_seqs`` and ``max_num_batched_tokens``); yields it and
     vLLM's ``qsa`` module (imported after the model module, which it imports back). vLLM's general
     plugins are loaded first, as its engine and workers load them before building a config:
     flashnext's among them unless ``VLLM_PLUGINS`` leaves it out."""
@@ -28,13 +31,16 @@ def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheCo
 
     load_general_plugins()
     model_config = ModelConfig(model=snapshot, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16",
-                               hf_overrides=hf_overrides if hf_overrides is not None else {})
+                               hf_overrides=hf_overrides if hf_overrides is not None else {},
+                               limit_mm_per_prompt={"image": 0, "video": 0} if text_only else None)
     speculative = None
     if mtp:
         speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model_config,
                                         target_parallel_config=ParallelConfig())
+    scheduled = {} if scheduler is None else {
+        "scheduler_config": SchedulerConfig.default_factory(max_model_len=model_config.max_model_len, **scheduler)}
     config = VllmConfig(model_config=model_config, cache_config=cache_config or CacheConfig(),
-                        speculative_config=speculative)
+                        speculative_config=speculative, **scheduled)
     config.engram_config.cpu_offload = False  # the PLE table in (CPU) device memory, not pinned
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:" + port,
@@ -113,3 +119,109 @@ def finish_layers(root, skip=None) -> None:
         method = getattr(module, "quant_method", None)
         if method is not None and module is not skip:
             method.process_weights_after_loading(module)
+
+
+def plan_kv_cache(config, kv_bytes: int):
+    """The engine core's KV cache planning for this one rank, step by step
+    (``EngineCore._initialize_kv_caches``): ``(the layers' specs, the layout, the KV cache config)``."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+
+    specs = get_kv_cache_spec(config)
+    layouts = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))]
+    layout = resolve_kv_cache_layout(config, [layouts], list(specs.values()))
+    (kv_config,) = get_kv_cache_configs(config, [specs], [kv_bytes], get_global_kv_cache_groups(config, [specs]))
+    return specs, layout, kv_config
+
+
+def allocate_kv_cache(config, kv_config, layout):
+    """Model Runner V2's ``GPUModelRunner.initialize_kv_cache`` on the CPU: the attention backends
+    and metadata builders, the allocation and the binding to the layers, all vLLM's own. Returns
+    the attention groups, one list a KV cache group."""
+    from vllm.v1.worker.gpu.attn_utils import init_attn_backend, init_kv_cache
+
+    config.cache_config.kv_cache_layout = layout.name
+    device = torch.device("cpu")
+    attn_groups, _, kernel_block_sizes = init_attn_backend(kv_config, config, device)
+    init_kv_cache(config.compilation_config.static_forward_context, kv_config, device, kernel_block_sizes, config,
+                  attn_groups=(g for groups in attn_groups for g in groups))
+    return attn_groups
+
+
+class QSASideMetadata:
+    """One QSA layer's step metadata as vLLM's own builders make it (``build_attn_metadata``) for
+    the layer's side groups, its indexer's compressed keys and raw-key ring: with patch qsa-offload
+    the layer has no group of its own, and ``_run_qsa`` reads those. The scheduler is stood in for:
+    each request's blocks are given, the same block ids in every group (the engine's block
+    tables share them)."""
+
+    def __init__(self, config, kv_config, attn_groups, layer):
+        self.config, self.kv_config = config, kv_config
+        indexer = layer.indexer.compressed_key_cache.prefix.rsplit(".", 1)[0]
+        self.side_groups = [i for i, group in enumerate(kv_config.kv_cache_groups)
+                            if any(n.startswith(indexer + ".") for n in group.layer_names)]
+        self.attn_groups = [groups if i in self.side_groups else [] for i, groups in enumerate(attn_groups)]
+
+    def __call__(self, req_blocks: list[list[int]], query_lens: list[int], computed: list[int]):
+        """``(metadata, positions, token_to_req, block tables a group)`` for a step of
+        ``query_lens[r]`` new tokens after ``computed[r]`` of each request ``r``, whose blocks
+        are ``req_blocks[r]``."""
+        from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+
+        num_reqs = len(query_lens)
+        positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, computed)])
+        qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        seq_lens = torch.tensor([c + q for q, c in zip(query_lens, computed)], dtype=torch.int32)
+        token_req = torch.arange(num_reqs).repeat_interleave(torch.tensor(query_lens))
+        tables, slots = [], []
+        for group in self.kv_config.kv_cache_groups:
+            block_size = group.kv_cache_spec.block_size
+            width = -(-self.config.model_config.max_model_len // block_size)
+            table = torch.zeros((num_reqs, width), dtype=torch.int32)
+            for r in range(num_reqs):
+                table[r, :len(req_blocks[r])] = torch.tensor(req_blocks[r][:width])
+            tables.append(table)
+            slots.append((table[token_req, positions // block_size].long() * block_size + positions % block_size)
+                         if block_size > 1 else table[token_req, 0].long())
+        metadata = build_attn_metadata(self.attn_groups, num_reqs, len(positions), qsl, qsl, max(query_lens),
+                                       seq_lens, int(seq_lens.max()), tables, slots, self.kv_config,
+                                       positions=positions)
+        return metadata, positions, token_req, tables
+
+
+def stand_in_qsa_indexer(layer, generator: torch.Generator) -> None:
+    """The QSA indexer's kernels refuse non-CUDA tensors (vllm/models/qwen4_exp/nvidia/ops/qsa.py
+    checks ``raw_keys.is_cuda``), so the indexer, and only it, is stood in for: it writes the
+    selection as the indexer does (each row's chosen logical positions, causal, at most the
+    layer's top-k, and the count in the last column) and returns no fused outputs, as the unfused
+    path's indexer does (the demo's 32-dim indexer is outside the fused ``qsa_prepare`` kernel's
+    shapes, on CUDA too)."""
+    topk = layer.indexer.packed_output_width - 1
+
+    def select(projected_qk, positions, out, attn=None, qkv=None, slot_mapping=None):
+        out.fill_(-1)
+        for row, pos in enumerate(positions.tolist()):
+            chosen = torch.randperm(pos + 1, generator=generator)[:topk]
+            out[row, :len(chosen)] = chosen.int()
+            out[row, -1] = len(chosen)
+        return out, None
+
+    layer.indexer.forward = select
+
+
+def stand_in_cache_writer(qsa) -> None:
+    """``Qwen4ExpQSAImpl.do_kv_cache_update``'s CUDA op (``vllm._custom_ops.reshape_and_cache_flash``,
+    which needs vllm._C) stood in for by vLLM's own Triton twin of the same signature. The Triton
+    writer asks for the device's compute capability: run it under ``a_3090()``."""
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+
+    qsa.ops.reshape_and_cache_flash = triton_reshape_and_cache_flash
+
+
+def a_3090():
+    """The compute capability an RTX 3090 reports, for the Triton writer's tile sizes."""
+    from unittest import mock
+
+    return mock.patch("torch.cuda.get_device_capability", return_value=(8, 6))

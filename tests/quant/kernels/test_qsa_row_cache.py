@@ -184,12 +184,12 @@ SM86_COMPILE = textwrap.dedent('''
                       "tags_ptr": "*i64", "hitmark_ptr": "*i32", "claim_ptr": "*i64", "partial_out_ptr": "*fp32",
                       "partial_lse_ptr": "*fp32", "epoch_ptr": "*i32", "sets": "i32", "softmax_scale": "fp32"})
     for name in ("stride_q_row", "stride_q_head", "stride_host_block", "stride_host_token", "stride_indices_row",
-                 "stride_table_req", "num_rows", "num_requests", "num_blocks", "split_offset"):
+                 "stride_table_req", "num_rows", "num_requests", "num_blocks", "table_width", "split_offset"):
         signature[name] = "i32"
     config = configs.config_for("qsa_attention", family="sm86")
     shared = {}
     for use_cache in (True, False):
-        constexprs = {"TOPK": 2048, "PAGE_SIZE": 12144, "TABLE_WIDTH": 22, "GROUP": 12, "HEAD_DIM": 256,
+        constexprs = {"TOPK": 2048, "PAGE_SIZE": 12144, "GROUP": 12, "HEAD_DIM": 256,
                       "NUM_Q_HEADS": 24, "KV_HEADS": 2, "NUM_SPLITS": config.splits, "BLOCK_M": rc.block_m(12),
                       "BLOCK": config.block, "USE_CACHE": use_cache, "DOT_FP32": False}
         src = ASTSource(rc._attention_kernel, dict(signature, **{k: "constexpr" for k in constexprs}), constexprs)

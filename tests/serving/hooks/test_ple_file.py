@@ -1,4 +1,5 @@
-"""The library half of patches ple-mmap and decode-06: the table file as the serving patch opens it."""
+"""The library half of patches ple-mmap and decode-06: the table file as the serving patch opens it,
+and which steps the host hashes."""
 
 import numpy as np
 import pytest
@@ -46,3 +47,29 @@ def test_decode_advice_only_for_small_steps(table, monkeypatch):
     off = PleTableFile(path, 1000, 320)
     assert not off.advise_step(np.arange(16))
     off.close()
+
+
+def test_the_host_hashes_a_step_only_when_it_holds_every_token():
+    """``PleFileServing.host_ids`` declines (vLLM's kernel then gives the ids) a step with a token
+    the host does not have; that it hashes the others as vLLM's kernel does is the runner test's
+    (tests/serving/test_patch_series.py). The batch here holds only the InputBatch fields it reads."""
+    from types import SimpleNamespace
+
+    from flashnext.serving.hooks.ple_file import PleFileServing
+
+    serving = PleFileServing(owners=[])
+    serving.add_request("a", list(range(100)), num_computed_tokens=0)
+
+    def batch(start, count, drafts=0, padded=0, req="a"):
+        return SimpleNamespace(req_ids=[req], num_reqs=1, num_draft_tokens=drafts, num_tokens=count,
+                               num_tokens_after_padding=count + padded,
+                               num_computed_tokens_np=np.array([start]), num_scheduled_tokens=np.array([count]),
+                               query_start_loc_np=np.array([0, count]))
+
+    assert serving.host_ids(batch(100, 1)) is None  # a decode row: its token was sampled on the device
+    assert serving.host_ids(batch(96, 8)) is None  # past the prefill tokens
+    assert serving.host_ids(batch(0, 8, drafts=1)) is None  # MTP drafts
+    assert serving.host_ids(batch(0, 8, padded=8)) is None  # padded to a captured graph's size
+    assert serving.host_ids(batch(0, 8, req="b")) is None  # a request it was not given
+    serving.remove_request("a")
+    assert serving.host_ids(batch(0, 8)) is None

@@ -3,6 +3,7 @@ on the CPU here, and with a real copy stream on the GPU machine (``-m gpu``). vL
 in tests/serving/test_patch_series.py."""
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -48,12 +49,12 @@ def test_blocks_that_differ_are_refused_in_one_line():
 class Model(torch.nn.Module):
     """A model with a vision tower of ``n`` blocks beside its other weights, as vLLM's."""
 
-    def __init__(self, n):
+    def __init__(self, n, width=64):
         super().__init__()
-        self.language_model = torch.nn.Linear(64, 64)
+        self.language_model = torch.nn.Linear(width, width)
         self.visual = torch.nn.Module()
-        self.visual.blocks = blocks(n)
-        self.visual.merger = torch.nn.Linear(64, 8)
+        self.visual.blocks = blocks(n, width=width)
+        self.visual.merger = torch.nn.Linear(width, 8)
 
 
 def test_install_leaves_short_towers_and_the_switch_off_alone(monkeypatch):
@@ -80,6 +81,28 @@ def test_copies_overlap_on_a_side_stream_and_stay_correct():
     want = run(resident, x)
     for _ in range(4):
         assert torch.equal(run(streamed, x), want)
+
+
+@pytest.mark.gpu
+def test_install_returns_the_pinned_copies_of_vllms_post_load_step():
+    """Issue 40 item 4. vLLM's post-load step leaves each CPU-built quantized module's parameters in
+    ``torch.empty_like(pin_memory=True)`` (``device_loading_context``; vLLM cannot run on the GPU
+    machine, so the test makes those copies as it does). Install copies them into the stream's own
+    pinned rows and gives the old ones back: the process holds the tower's bytes once, not twice.
+    Counted as the process's resident memory (torch 2.11 there keeps no host-allocator statistics)."""
+    def resident() -> int:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    model = Model(6, width=2048)
+    model.language_model.to("cuda")
+    for p in model.visual.parameters():
+        p.data = torch.empty_like(p.data, device="cpu", pin_memory=True).copy_(p.data)
+    tower = sum(p.numel() * p.element_size() for p in model.visual.parameters())
+    before = resident()
+    stream = vit_stream.install(model)
+    grown = resident() - before
+    assert stream.host.is_pinned() and stream.host.numel() >= tower * 5 // 6  # the blocks, in its own rows
+    assert grown < tower // 2, f"{grown / 2**20:.1f} MiB more resident for a {tower / 2**20:.1f} MiB tower"
 
 
 @pytest.mark.gpu

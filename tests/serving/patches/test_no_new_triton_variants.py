@@ -13,7 +13,6 @@ Stand-ins: the layer shells (a module holding a flashnext quantization method an
 called as vLLM's linear layers are: ``(output, bias)``); the kernels' SM count is the 3090's (82).
 """
 
-import contextlib
 import types
 
 import pytest
@@ -21,49 +20,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler.compiler import make_backend  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+from support.triton_launches import Launches  # noqa: E402
 
 CAPTURED = (1, 2, 4)  # cudagraph_capture_sizes of the 3x3090 profiles
 SERVED = range(1, 17)  # the decode kernels' token counts (decode_mma.MMA_MAX_TOKENS)
 HIDDEN, EXPERTS, TOP_K, SHARED = 2560, 512, 10, 640  # Qwen3.8-Flash-Next (reference: qwen4exp-upstream.md)
 HC, LOWRANK, VOCAB = 4, 320, 248320
-RTX_3090 = GPUTarget("cuda", 86, 32)
-
-
-class Launches:
-    """Every launch of a Triton kernel inside the context, as ``(kernel, Triton's cache key)``; the
-    kernels are not run (only what the launch passes decides the key)."""
-
-    def __init__(self):
-        self.keys: list[tuple[str, tuple, str]] = []
-        self._binders = {}
-        self._backend = make_backend(RTX_3090)
-
-    def key(self, kernel, args, kwargs):
-        binder = self._binders.get(kernel.fn)
-        if binder is None:
-            jit = JITFunction(kernel.fn, **kernel.kwargs)  # the decorator's do_not_specialize and all
-            binder = self._binders[kernel.fn] = create_function_from_signature(jit.signature, jit.params,
-                                                                               self._backend)
-        _, specialization, options = binder(*args, **kwargs)
-        return kernel.fn.__qualname__, tuple(map(tuple, specialization)), str(options)
-
-    @contextlib.contextmanager
-    def recording(self):
-        recorder = self
-
-        def run(self, *args, grid, warmup, **kwargs):
-            recorder.keys.append(recorder.key(self, args, kwargs))
-
-        original = InterpretedFunction.run
-        InterpretedFunction.run = run
-        try:
-            yield self
-        finally:
-            InterpretedFunction.run = original
 
 
 def keys_by_tokens(step, tokens=SERVED, warm=None) -> tuple[dict[int, set], set]:
@@ -227,6 +189,43 @@ def test_qsa_row_cache_decode_steps_have_one_variant():
 
     found, _ = keys_by_tokens(step)
     assert_no_new_variant(found)
+
+
+def test_qsa_prefill_and_eager_decode_launch_only_what_the_bind_warmed():
+    """Issue 40 item 2. A prefill's staged path (attention, fold and merge) over 1..3 arena windows,
+    for chunks of 1 to 600 rows and mixed batches of several requests, and the uncached path of
+    eager 13..16-row decode steps, launch only the variants ``RowCache.warm`` launched at the KV
+    cache's bind (before CUDA-graph capture), whatever the engine's block-table width. Release
+    dimensions; an arena and host rows of demo size (their sizes are not specialized on)."""
+    from flashnext.quant.kernels import qsa_row_cache as q
+
+    heads, kv_heads, dim, page, host_blocks, topk = 16, 2, 128, 64, 40, 2051
+    cache = q.RowCache(2, 8, page, kv_heads, dim, torch.bfloat16, "cpu")
+    host_kv = bf16(host_blocks, page, kv_heads, 2 * dim)
+    window = q.staged_scratch(600, heads, dim, 8, cache.arena[0].numel() * 2, host_blocks, 3 * 64).window_blocks
+
+    def prefill(rows, requests, width, windows):
+        table = torch.arange(requests * width, dtype=torch.int32).remainder(host_blocks).view(requests, width)
+        lens = torch.full((requests,), min(width, windows * window) * page, dtype=torch.int32)
+        cache.staged(bf16(rows, heads, dim), host_kv, torch.zeros(rows, topk + 1, dtype=torch.int32), table,
+                     torch.arange(rows, dtype=torch.int32).remainder(requests), lens, bf16(rows, heads * dim),
+                     bf16(rows, heads, dim))
+
+    def step(case):
+        rows, requests, width, windows = case
+        if windows:
+            prefill(rows, requests, width, windows)
+        else:  # an eager decode step beyond the row cache's rows
+            q.host_attention(bf16(rows, heads, dim), host_kv, torch.zeros(rows, topk + 1, dtype=torch.int32),
+                             torch.zeros(requests, width, dtype=torch.int32),
+                             torch.zeros(rows, dtype=torch.int32), bf16(rows, heads * dim), bf16(rows, heads, dim))
+
+    cases = [(1, 1, 64, 1), (17, 1, 64, 2), (600, 1, 64, 3), (512, 3, 64, 3), (33, 2, 48, 2)] + [
+        (rows, rows // 2, 33, 0) for rows in range(13, 17)]
+    found, warmed = keys_by_tokens(step, cases, warm=lambda: cache.warm(host_kv, heads, topk))
+    assert {name for name, _, _ in warmed} == {"_attention_kernel", "_fold_kernel", "_merge_kernel"}
+    for case, keys in found.items():
+        assert keys and keys <= warmed, f"{case}: {len(keys - warmed)} variant(s) the warm-up did not launch"
 
 
 def test_the_keys_are_triton_specializations():

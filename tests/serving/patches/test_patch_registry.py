@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from support import ROOT
 
 from flashnext import envs
-from flashnext.serving.patch_series import load_series
+from flashnext.serving.patch_series import load_series, probe_calls
 from flashnext.serving.patches import docs, probes
 from flashnext.serving.patches.series import ABSORBED, PATCH_DIR, SERIES, VLLM_VERSION
 from flashnext.tools.cli import main as cli
@@ -43,9 +43,8 @@ def test_ids_are_unique_and_orders_count_up_in_the_listed_order():
 
 
 def test_the_diffs_and_prose_beside_the_registry_are_exactly_its_patches():
-    ids = {p.id for p in SERIES}
     assert {f.stem for f in PATCH_DIR.glob("*.patch")} == {p.id for p in SERIES if p.verdict == "diff"}
-    assert {f.stem for f in PATCH_DIR.glob("*.md")} - {"README"} == ids
+    assert {f.stem for f in PATCH_DIR.glob("*.md")} - {"README"} == {p.id for p in SERIES if p.verdict == "plugin"}
     for p in SERIES:
         assert p.file == (f"{p.id}.patch" if p.verdict == "diff" else None)
         text = docs.prose(p)
@@ -96,16 +95,38 @@ def test_every_hook_a_patch_names_is_importable(patch):
         assert hook.startswith("flashnext.serving.hooks.")
 
 
-def test_every_probe_is_a_function_of_the_probes_module_used_by_one_patch():
+def test_every_probe_is_a_function_of_the_probes_module_and_each_diffs_is_derived_from_it():
     functions = {name for name, f in inspect.getmembers(probes, inspect.isfunction) if f.__module__ == probes.__name__}
-    used = [p.probe.__name__ for p in (*SERIES, *ABSORBED)]
-    assert sorted(used) == sorted(functions)
+    named = [p.probe.__name__ for p in (*SERIES, *ABSORBED) if p.probe is not None]
+    assert sorted({*named, "lines_in_tree", "diff_files", "diff_hunks"}) == sorted(functions)
+    calls = probe_calls([*SERIES, *ABSORBED])
     for p in (*SERIES, *ABSORBED):
-        assert p.probe.__module__ == probes.__name__ and getattr(probes, p.probe.__name__) is p.probe
+        probe, args = calls[p.id]
+        assert probe.__module__ == probes.__name__ and getattr(probes, probe.__name__) is probe
+        if getattr(p, "verdict", None) == "diff":  # a diff is described once: by itself
+            assert p.probe is None and probe is probes.lines_in_tree and args[0] == p.file, p.id
+            added = [(rel, a) for rel, a, _ in probes.diff_hunks(p.path.read_text())]
+            assert [rel for rel, _ in args[1]] == [rel for rel, _ in added] and set(p.touches) == {r for r, _ in added}
+            assert all(set(kept) <= set(a) for (_, kept), (_, a) in zip(args[1], added)), p.id
+    # what a later patch rewrites is not asked of an earlier one: mtp-02 replaces mtp-01's draft embedding
+    [(_, (_, mtp01))] = [(i, calls[i][1]) for i in ("mtp-01",)]
+    assert not any("self.embed_tokens = VocabParallelEmbedding(" in line for _, kept in mtp01 for line in kept)
+
+
+def test_a_diffs_derived_probe_refuses_the_stock_tree():
+    """The derived probes against a tree the series was not applied to: stock vLLM 0.34.0 as
+    installed (the patched tree passes them all: tests/serving/test_patch_series.py)."""
+    pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
+    for p in SERIES:
+        if p.verdict == "diff":
+            probe, args = probe_calls(SERIES)[p.id]
+            with pytest.raises(AssertionError, match=rf"hunk \d+ of {re.escape(p.file)} is not in the tree"):
+                probe(*args)
 
 
 def test_every_switch_is_a_serving_variable_of_envs_whose_help_names_its_patch():
     declared = {v.name: v for v in envs.DECLARED}
+    assert all(getattr(envs, p.switch.name) is p.switch for p in SERIES)  # read through envs by name
     assert len({p.switch.name for p in SERIES}) == len(SERIES)
     for p in SERIES:
         assert declared[p.switch.name] is p.switch and p.switch in envs.ALL
