@@ -18,7 +18,7 @@ import yaml
 from flashnext import __version__, envs
 from flashnext.errors import FlashnextError
 from flashnext.serving.patches.series import VLLM_VERSION
-from flashnext.serving.profiles import Profile, is_shipped
+from flashnext.serving.profiles import Profile, capabilities_to_grant, is_shipped
 
 # vLLM's own image of the release the series is cut against (serving/Dockerfile's FROM, and
 # manifests/vllm-VERSION.json's "image": tests/test_project.py holds the three to one release).
@@ -133,6 +133,9 @@ def compose_model(req: ServeRequest) -> dict:
     # `serve` on the host ran the preflight before it started the container
     command = ["serve", "--engine", "native", "--profile", profile_arg, "--model", MODEL_DIR,
                "--listen", "0.0.0.0", "--port", str(CONTAINER_PORT), "--no-check"]
+    # the serve inside loads the profile again: what the user granted here, it is granted there
+    for cap in capabilities_to_grant(p):
+        command += ["--grant", cap]
     for i, overlay in enumerate(req.overlays):
         target = f"{OVERLAY_DIR}/{i}"
         volumes.append(_bind(_bind_source("--overlay", overlay), target))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from flashnext.errors import NoGoCode
 from flashnext.serving.host_memory import CGROUP_MEMORY_MAX, MEMINFO, read_host_memory
-from flashnext.serving.profiles import Profile
+from flashnext.serving.profiles import Profile, shm_size_bytes
 from flashnext.sizes import format_size
 
 
@@ -172,14 +172,8 @@ def check_memlock(profile: Profile, engine: str = "native") -> Finding:
                    "file sets `ulimits: {memlock: {soft: -1, hard: -1}}`", NoGoCode.MEMORY)
 
 
-def _parse_size(text: str) -> int:
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    t = text.strip().lower().rstrip("b")
-    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-
-
 def check_shm(profile: Profile, path: str = "/dev/shm") -> Finding:
-    need = _parse_size(profile.container.shm_size)
+    need = shm_size_bytes(profile.container.shm_size)
     try:
         st = os.statvfs(path)
     except OSError:

@@ -31,8 +31,12 @@ STATE_FILE = "compose.yaml"
 
 
 def state_dir(profile: str) -> Path:
-    root = Path(envs.XDG_CACHE_HOME.get() or Path.home() / ".cache") / "flashnext" / "serve" / profile
-    return root
+    """Where serve keeps what it started for the profile named ``profile``: one folder under the
+    cache, never a path the name walks out to."""
+    from flashnext.serving.profiles import require_profile_name
+
+    root = Path(envs.XDG_CACHE_HOME.get() or Path.home() / ".cache") / "flashnext" / "serve"
+    return root / require_profile_name(profile)
 
 
 def find_compose(engine: str | None = None, path: str | None = None) -> list[str]:
@@ -257,11 +261,15 @@ def native_command(profile, model: Path, overlays: tuple[Path, ...], ple_table: 
 
 
 def exec_native(cmd: list[str], env: dict[str, str]) -> None:
-    """Replace this process with ``cmd`` under ``env`` added to the current environment."""
+    """Replace this process with ``cmd`` under ``env`` added to the current environment, less what
+    the planner set in it for itself (``shape.PLANNING_ENV``)."""
     import shutil
+
+    from flashnext.serving.capacity.shape import PLANNING_ENV
 
     if shutil.which(cmd[0]) is None:
         from flashnext.serving import vllm_release
 
         raise FlashnextError(f"{vllm_release.support_line(None)}; or use --engine docker")
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})
+    inherited = {k: v for k, v in os.environ.items() if PLANNING_ENV.get(k) != v}
+    os.execvpe(cmd[0], cmd, {**inherited, **env})

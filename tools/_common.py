@@ -1,14 +1,12 @@
-"""What every command shares: one-line errors, JSON output, ``-h``, a quiet vLLM."""
+"""What every command shares: one-line errors, JSON output, ``-h``, the preflight's report."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
-import os
 import signal
 import sys
-import tempfile
 import threading
 
 import click
@@ -112,40 +110,6 @@ def user_errors(fn):
     return wrapper
 
 
-@contextlib.contextmanager
-def held_back_output():
-    """Hold back what vLLM and torch print while they import and plan (deprecations, "no CUDA
-    runtime", vLLM's platform notes; from Python loggers and from C, on stdout and stderr), so that
-    a command's answer is its first line. With ``FLASHNEXT_DEBUG=1`` a failure replays it first."""
-    from flashnext.envs import FLASHNEXT_DEBUG
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        saved = os.dup(1), os.dup(2)
-    except OSError:  # stdout or stderr closed: nothing to keep clean
-        yield
-        return
-    failed = False
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for fd, copy in zip((1, 2), saved):
-                os.dup2(copy, fd)
-                os.close(copy)
-            if failed and FLASHNEXT_DEBUG.enabled():
-                sink.seek(0)
-                os.write(2, sink.read())
-
-
 def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False))
 
@@ -155,15 +119,16 @@ json_option = click.option("--json", "as_json", is_flag=True,
 
 
 def preflight_report(profile_name: str, model, overlays, ple_table, engine: str, as_json: bool,
-                     err: bool = False) -> None:
-    """Run the preflight (``doctor``, ``serve --check``, ``serve`` before it starts), print go/no-go
-    with each fix (on stderr with ``err``), and raise :class:`~flashnext.errors.NoGo` with the first
-    blocking finding's exit code."""
+                     err: bool = False, grants: tuple[str, ...] = ()) -> None:
+    """Run the preflight (``doctor``, ``serve --check``, ``serve`` before it starts) of the profile
+    loaded with ``grants`` (serve's ``--grant``), print go/no-go with each fix (on stderr with
+    ``err``), and raise :class:`~flashnext.errors.NoGo` with the first blocking finding's exit code."""
     from flashnext.errors import NoGo
+    from flashnext.output import held_back_output
     from flashnext.serving.preflight import preflight, verdict
     from flashnext.serving.profiles import load_profile
 
-    profile = load_profile(profile_name)
+    profile = load_profile(profile_name, grants=grants)
     begin(f"preflight of {profile_name}: GPUs, host memory, limits, the PLE table, overlays, the {engine} engine")
     with held_back_output():
         findings = preflight(profile, model, list(overlays), ple_table, engine)

@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from flashnext.errors import FlashnextError, UsageError
+from flashnext.output import held_back_output
 from flashnext.sizes import format_size
-from flashnext.tools._common import begin, emit_json, held_back_output, json_option, user_errors
+from flashnext.tools._common import begin, emit_json, json_option, user_errors
 
 REFERENCE_HOST_GIB = 125  # the reference rig's host RAM (seed 000)
 GIB = 1 << 30
@@ -151,13 +152,13 @@ def _rig(gpus: int, gpu_memory: float, host_ram: float, mtp: bool, context: int 
          write_profile: Path | None, as_json: bool) -> None:
     begin(f"planning a rig of {gpus} GPU(s) with vLLM's own config classes and KV planner (vLLM loads first)")
     from flashnext.serving.capacity.rig import Rig, plan_rig, rig_profile
-    from flashnext.serving.profiles import PROFILE_NAME, write_profile as write
+    from flashnext.serving.profiles import PROFILE_NAME, PROFILE_NAME_RULE, write_profile as write
 
     if write_profile is not None:  # refused before the plan's seconds, not after
         name = write_profile.name[:-len(".json")] if write_profile.name.endswith(".json") else ""
         if not PROFILE_NAME.fullmatch(name):
-            raise FlashnextError(f"--write-profile {write_profile}: name the file NAME.json, NAME of letters, digits, "
-                                 "'.', '_' and '-' (it is the profile's name)")
+            raise FlashnextError(f"--write-profile {write_profile}: name the file NAME.json, NAME of "
+                                 f"{PROFILE_NAME_RULE} (it is the profile's name)")
         if os.path.lexists(write_profile):
             raise FlashnextError(f"{write_profile} already exists: choose another name (it is never replaced)")
     for flag, value in (("--gpu-memory", gpu_memory), ("--host-ram", host_ram)):

@@ -16,6 +16,16 @@ from flashnext.tools._common import CONTEXT_SETTINGS, preflight_report, user_err
 ENGINES = ("docker", "podman", "native")
 
 
+def _granted_capabilities(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
+    from flashnext.errors import FlashnextError
+    from flashnext.serving.profiles import capability
+
+    try:
+        return tuple(capability(value) for value in values)
+    except FlashnextError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | None, listen: str, port: int,
             dry_run: bool) -> None:
     cmd, env = native_command(profile, model, overlays, ple_table, listen, port, make_view=not dry_run)
@@ -48,12 +58,17 @@ def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | 
 @click.option("--bind", default="127.0.0.1", show_default=True, help="Host address the port is published on.")
 @click.option("--listen", default="127.0.0.1", show_default=True, help="native: the address vLLM listens on.")
 @click.option("--port", type=int, default=None, help="Port (default: the profile's).")
+@click.option("--grant", "grants", multiple=True, callback=_granted_capabilities, metavar="CAPABILITY",
+              help="Grant the container a capability its profile asks for beyond what a profile gets unasked "
+                   "(docs/serving.md; repeatable; SYS_ADMIN or CAP_SYS_ADMIN). A profile asking for one not "
+                   "granted is refused.")
 @click.option("--check", is_flag=True, help="Run the preflight (as `flashnext doctor`) and exit with its verdict.")
 @click.option("--no-check", is_flag=True,
               help="Start without the preflight (by default a NO-GO stops serve before anything starts).")
 @click.pass_context
 @user_errors
-def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen, port, check, no_check) -> None:
+def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen, port, grants, check,
+         no_check) -> None:
     """Start the optimized vLLM system for a profile.
 
     Runs the preflight first (`flashnext doctor`: GPUs, every pinned host byte against RAM, limits,
@@ -75,12 +90,12 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     missing = [flag for flag, given in (("--profile", profile), ("--model", model)) if not given]
     if missing:
         raise UsageError(f"serve needs {' and '.join(missing)} (see `serve --help`)")
-    prof = load_profile(profile)
     if check and no_check:
         raise UsageError("--check and --no-check contradict each other: pass one")
+    prof = load_profile(profile, grants=grants)
     require_ple_table(prof, model, ple_table, tuple(overlays))
     if check:
-        return preflight_report(profile, model, overlays, ple_table, engine or engine_found(), False)
+        return preflight_report(profile, model, overlays, ple_table, engine or engine_found(), False, grants=grants)
     req = ServeRequest(prof, model, tuple(overlays), ple_table, bind, port)
     # rendered first: a path or address no Compose file can carry is refused before the preflight
     document = render_compose(req) if engine != "native" else None
@@ -96,7 +111,7 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     compose = find_compose(engine) if engine != "native" else None
     if not no_check:  # a NO-GO raises here, before anything is written or started
         preflight_report(profile, model, overlays, ple_table, compose_engine(compose) if compose else "native",
-                         False, err=True)
+                         False, err=True, grants=grants)
     elif engine == "native":  # --no-check skips the rig's checks, not whether this vLLM can serve at all
         from flashnext.errors import NoGo
         from flashnext.serving.preflight import check_vllm

@@ -86,12 +86,17 @@ def read_regular_bytes(path: Path, what: str, follow_symlinks: bool = True) -> b
     return read_regular_version(path, what, follow_symlinks)[0]
 
 
-def read_regular_version(path: Path, what: str, follow_symlinks: bool = True) -> tuple[bytes, FileIdentity]:
+def read_regular_version(path: Path, what: str, follow_symlinks: bool = True,
+                         max_bytes: int | None = None) -> tuple[bytes, FileIdentity]:
     """:func:`read_regular_bytes`, and the version of the file that was read: what a writer passes
-    to :func:`check_unchanged` before renaming an output made from it."""
+    to :func:`check_unchanged` before renaming an output made from it. A file of more than
+    ``max_bytes`` is refused before a byte is read, and no more than that is ever read (one that
+    grows meanwhile is a rewrite, which :func:`check_still` refuses)."""
     with open_regular(path, what, follow_symlinks) as f:
         opened = FileIdentity.of_open(f)
-        data = f.read()
+        if max_bytes is not None and opened.size > max_bytes:
+            raise FlashnextError(f"{path}: {opened.size:,} bytes, more than {what} may be ({max_bytes:,} bytes)")
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
         check_still(f, opened, path)
     return data, opened
 

@@ -77,17 +77,19 @@ def parse_json(text: str | bytes, where: str) -> Any:
     return data
 
 
-def read_json(path: Path, what: str, expect: type = dict) -> Any:
-    """The JSON document at ``path`` (``what`` it is, for the message), of type ``expect``."""
-    return read_json_version(path, what, expect)[0]
+def read_json(path: Path, what: str, expect: type = dict, max_bytes: int | None = None) -> Any:
+    """The JSON document at ``path`` (``what`` it is, for the message), of type ``expect``, in a
+    file of at most ``max_bytes``."""
+    return read_json_version(path, what, expect, max_bytes)[0]
 
 
-def read_json_version(path: Path, what: str, expect: type = dict) -> tuple[Any, FileIdentity]:
+def read_json_version(path: Path, what: str, expect: type = dict,
+                      max_bytes: int | None = None) -> tuple[Any, FileIdentity]:
     """:func:`read_json`, and the version of the file it was read from (for
     :func:`~flashnext.quant.records.inputs.check_unchanged` before an output made from it commits)."""
     path = Path(path)
     try:
-        text, version = read_regular_version(path, what)
+        text, version = read_regular_version(path, what, max_bytes=max_bytes)
     except FileNotFoundError:
         raise FlashnextError(f"{path}: missing ({what})") from None
     except IsADirectoryError:
@@ -115,6 +117,9 @@ _MUST_BE = {"int_type": "an integer", "int_parsing": "an integer", "int_from_flo
 _UNKNOWN = ("extra_forbidden", "unexpected_keyword_argument")
 _PLURAL = {"an integer": "integers", "a string": "strings", "a boolean": "booleans", "a number": "numbers",
            "a list": "lists", "a JSON object": "JSON objects"}
+# A range's bound, in get_int's words: pydantic's error kind -> (the words, the bound's key in its ctx).
+_BOUND = {"greater_than_equal": ("at least", "ge"), "less_than_equal": ("at most", "le"),
+          "greater_than": ("more than", "gt"), "less_than": ("less than", "lt")}
 
 
 def _key(loc) -> str:
@@ -167,8 +172,9 @@ def _shown(value) -> str:
 
 def validation_message(error, where: str, model=None) -> str:
     """A pydantic ``ValidationError`` as one line naming ``where`` and the first bad key, in the one
-    style of every flashnext record: ``where: key must be an integer, got '3'``, ``where: unknown
-    keys ['x']``, or ``where: key: <pydantic's message>`` for what is not a type error."""
+    style of every flashnext record: ``where: key must be an integer, got '3'``, ``where: key must
+    be at least 1, got 0``, ``where: unknown keys ['x']``, ``where: key: <a validator's sentence>``,
+    or ``where: key: <pydantic's message>`` for anything else."""
     errors = error.errors()
     first = errors[0]
     loc = tuple(p for p in first.get("loc", ()) if "[" not in str(p))
@@ -184,6 +190,11 @@ def validation_message(error, where: str, model=None) -> str:
         rest = len(errors) - len(same)
         return f"{where}: {at}{'; '.join(parts)}" + (f" (and {rest} more)" if rest else "")
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    if kind in _BOUND and loc:
+        words, bound = _BOUND[kind]
+        return f"{where}: {_key(loc)} must be {words} {first['ctx'][bound]}, got {_shown(first.get('input'))}{more}"
+    if kind == "value_error":  # a validator's own sentence, without pydantic's "Value error, "
+        return f"{where}: {_key(loc) or '(top level)'}: {first['ctx']['error']}{more}"
     must = _MUST_BE.get(kind)
     if must is not None and loc:
         container = _container_at(model, loc[:-1]) if model is not None and len(loc) > 1 else None
@@ -216,9 +227,9 @@ def validate(data: Any, model: type[M], where: str) -> M:
         raise FlashnextError(validation_message(e, where, model)) from None
 
 
-def read_model(path: Path, model: type[M], what: str) -> M:
-    """``path`` read as JSON and validated into ``model``."""
-    return validate(read_json(path, what), model, str(path))
+def read_model(path: Path, model: type[M], what: str, max_bytes: int | None = None) -> M:
+    """``path`` read as JSON (from a file of at most ``max_bytes``) and validated into ``model``."""
+    return validate(read_json(path, what, max_bytes=max_bytes), model, str(path))
 
 
 def get_int(obj: dict, key: str, where: str, minimum: int | None = None, default: int | None = None,

@@ -1,15 +1,20 @@
 """What a serving profile asks of vLLM, read the way vLLM reads it.
 
 This module is the only reader of a profile's vLLM arguments, and it reads them with vLLM 0.34.0's
-own ``EngineArgs`` parser: a hand parse would miss the short forms (``-pp 3``), the ``=`` forms and
-the defaults vLLM applies, and then the plan, the preflight and the served engine would each see a
-different profile.
+own parsers (``EngineArgs``' for what the engine gets, ``vllm serve``'s for the profile loader's
+check of the whole command line): a hand parse would miss the short forms (``-pp 3``), the ``=``
+forms and the defaults vLLM applies, and then the plan, the preflight and the served engine would
+each see a different profile.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+import io
 import os
+import sys
 from pathlib import Path
 from dataclasses import dataclass
 
@@ -25,21 +30,32 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
 
 
-def import_vllm() -> None:
-    """Import vLLM for planning only: no device is used, so any machine can plan for another."""
+# What import_vllm put in this process's environment for planning, and only for planning: a vLLM
+# that `serve --engine native` starts from this process must not inherit it (VLLM_TARGET_DEVICE=cpu
+# would make it serve on the CPU).
+PLANNING_ENV: dict[str, str] = {}
+
+
+def _set_for_planning(name: str, value: str) -> None:
+    if name not in os.environ:
+        os.environ[name] = PLANNING_ENV[name] = value
+
+
+def import_vllm(why: str = "planning asks vLLM for its KV cache rules") -> None:
+    """Import vLLM to plan or to parse only: no device is used, so any machine can plan for another."""
     from flashnext.serving import vllm_release
 
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    _set_for_planning("VLLM_TARGET_DEVICE", "cpu")
+    _set_for_planning("VLLM_LOGGING_LEVEL", "WARNING")
     if not any(Path("/dev").glob("nvidia[0-9]*")):
         # vLLM 0.34.0's CPU platform refuses to configure without Triton, and finds Triton usable
         # with no GPU driver only where CUDA_VISIBLE_DEVICES is set and empty. On a machine with no
-        # NVIDIA device that hides nothing, from this process or the ones it starts.
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+        # NVIDIA device that hides nothing.
+        _set_for_planning("CUDA_VISIBLE_DEVICES", "")
     try:
         importlib.import_module("vllm")
     except ImportError:
-        raise FlashnextError(f"planning asks vLLM for its KV cache rules: {vllm_release.support_line(None)}") from None
+        raise FlashnextError(f"{why}: {vllm_release.support_line(None)}") from None
 
 
 def engine_args(profile):
@@ -52,6 +68,56 @@ def engine_args(profile):
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args, _ = parser.parse_known_args(list(profile.vllm_args))
     return args
+
+
+@functools.cache
+def _serve_parser():
+    import_vllm("reading a profile's vllm_args asks vLLM's own parser")
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+@contextlib.contextmanager
+def _environment_restored():
+    """``os.environ`` as it was once the block ends. What :func:`import_vllm` sets is for reading in
+    this process: `serve --engine native` reads the profile and then execs `vllm serve` with this
+    process's environment, where VLLM_TARGET_DEVICE=cpu would serve on the CPU."""
+    environment = os.environ.copy()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+def parse_serve_command(argv: list[str], where: str) -> None:
+    """Refuse, in one line beginning ``where``, the arguments of ``vllm serve`` that vLLM's own
+    serve parser refuses (the parser ``vllm serve`` itself runs): an option it does not know, a value
+    it does not take, a second model. The arguments only, not ``validate_parsed_serve_args``: that
+    opens the files they name, which are the container's, not this host's."""
+    from flashnext.output import held_back_output
+
+    said = io.StringIO()
+    refusal = None
+    # vLLM and torch bind their log handlers to the streams of the moment as they import: give them
+    # the process's own (a test runner's stand-ins would keep their notes), held back at the descriptors.
+    with _environment_restored(), held_back_output(), contextlib.redirect_stdout(sys.__stdout__), \
+            contextlib.redirect_stderr(sys.__stderr__):
+        parser = _serve_parser()
+        try:
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                parser.parse_args(argv)
+        except SystemExit:
+            errors = [line.partition(": error: ")[2] for line in said.getvalue().splitlines() if ": error: " in line]
+            refusal = errors[-1] if errors else "it stops at them without serving (a help option?)"
+        except (ValueError, TypeError) as e:  # FlexibleArgumentParser's own checks
+            refusal = str(e).strip().splitlines()[0]
+    if refusal is not None:
+        from flashnext.serving.patches.series import VLLM_VERSION
+
+        raise FlashnextError(f"{where}: vLLM {VLLM_VERSION}'s parser refuses them: {refusal}")
 
 
 def extensible_kv_cache(profile) -> bool:

@@ -518,3 +518,23 @@ def test_find_compose_takes_its_path(tmp_path):
     assert find_compose(path=str(tmp_path)) == [str(tmp_path / "docker-compose")]
     with pytest.raises(FlashnextError, match="install a Compose provider for podman"):
         find_compose("podman", path=str(tmp_path))
+
+
+def test_a_native_vllm_does_not_inherit_what_the_planner_set(monkeypatch):
+    """The planner imports vLLM with VLLM_TARGET_DEVICE=cpu (any machine can plan for another); the
+    vLLM that `serve --engine native` then starts from the same process inherited it and would have
+    served on the CPU. A value the user set is theirs, and passed on."""
+    from flashnext.serving import run
+    from flashnext.serving.capacity import shape
+
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    monkeypatch.setattr(shape, "PLANNING_ENV", {})
+    shape.import_vllm()
+    assert os.environ["VLLM_TARGET_DEVICE"] == "cpu" and os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    started = {}
+    monkeypatch.setattr(run.os, "execvpe", lambda file, args, env: started.update(env))
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    run.exec_native(["vllm", "serve", "x"], {"VLLM_PLE_MMAP_PATH": "/t.bin"})
+    assert "VLLM_TARGET_DEVICE" not in started and started["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    assert started["VLLM_PLE_MMAP_PATH"] == "/t.bin"
