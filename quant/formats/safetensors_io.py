@@ -6,11 +6,14 @@ header) plus an optional ``"__metadata__"`` of strings, then the tensor bytes ba
 
 :class:`ShardWriter` lays the header out up front from the tensors' specs and then accepts each
 tensor's bytes in any order (``pwrite`` at its offset), so a shard can be produced while only one
-batch of tensors is in memory.
+batch of tensors is in memory. It records each piece it writes (:class:`WrittenBytes`), with its
+sha256 for a resumable build's journal, and a shard reopened to go on is checked against those
+digests first.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
@@ -208,6 +211,28 @@ def shard_size(specs: list[TensorSpec], metadata: dict[str, str]) -> int:
     return len(prefix) + sum(s.nbytes for s in specs)
 
 
+@dataclass(frozen=True)
+class WrittenBytes:
+    """One piece a :class:`ShardWriter` wrote: ``length`` bytes of ``tensor`` from ``offset`` within
+    it, and, where the writer keeps digests (a resumable build's), their sha256."""
+
+    tensor: str
+    offset: int
+    length: int
+    sha256: str | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def _offset(piece: WrittenBytes) -> int:
+    return piece.offset
+
+
+HASH_READ = 16 << 20  # what a resumed writer reads at a time to check a piece's digest
+
+
 class ShardWriter:
     """Writes a safetensors file whose tensors are known up front and filled in any order.
 
@@ -217,43 +242,97 @@ class ShardWriter:
     """
 
     def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None,
-                 written: set[str] | None = None):
-        """``written``: reopen the shard an interrupted build made at ``path`` (never through a
-        link, never truncated) to go on writing it; those tensors were written in full then."""
+                 digests: bool = False, resumed: list[WrittenBytes] | None = None, shown: Path | None = None):
+        """``digests``: keep the sha256 of every piece written (:attr:`written`, what a journal
+        records). ``resumed``: reopen the shard an interrupted build made at ``path`` (never through
+        a link, never truncated) to go on writing it, with the pieces its journal records; each is
+        checked against the file's bytes first, a FlashnextError naming the first that differs.
+        ``shown``: the path messages name, where ``path`` goes through a held directory's descriptor."""
         self.path = Path(path)
+        self.shown = Path(shown or path)
         self.specs = {s.name: s for s in specs}
         prefix, offsets = _encode_header(specs, metadata or {})
         self._base = len(prefix)
         self._offsets = offsets
-        # A 0-element tensor (safetensors allows them) has no bytes for anyone to write.
-        self._pending = {s.name for s in specs if s.nbytes}
         self.size = len(prefix) + sum(s.nbytes for s in specs)
-        if written is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._digests = digests or resumed is not None
+        # Per tensor, the pieces whose bytes are in the file as written: sorted, never overlapping.
+        self._pieces: dict[str, list[WrittenBytes]] = {s.name: [] for s in specs}
+        if resumed is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         else:
-            self._fd = self._reopen(written)
+            self._fd = self._reopen(resumed)
         os.pwrite(self._fd, prefix, 0)
         os.ftruncate(self._fd, self.size)
 
-    def _reopen(self, written: set[str]) -> int:
-        unknown = written - set(self.specs)
-        if unknown:
-            raise FlashnextError(f"{self.path}: has no tensor {sorted(unknown)[0]!r}")
+    def _reopen(self, resumed: list[WrittenBytes]) -> int:
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
-            raise FlashnextError(f"{self.path}: cannot be opened again ({e.strerror})") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != self.size:
+            raise FlashnextError(f"{self.shown}: cannot be opened again ({e.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != self.size:
+                raise FlashnextError(f"{self.shown} is not the {self.size}-byte shard this build began")
+            for piece in resumed:
+                spec = self.specs.get(piece.tensor)
+                if spec is None:
+                    raise FlashnextError(f"{self.shown}: has no tensor {piece.tensor!r}")
+                if piece.end > spec.nbytes:
+                    raise FlashnextError(f"{self.shown}: {piece.tensor} has no bytes {piece.offset}..{piece.end}")
+                if self._digest(fd, piece) != piece.sha256:
+                    raise FlashnextError(f"{self.shown}: bytes {piece.offset}..{piece.end} of {piece.tensor} are not "
+                                         "those written there")
+                self._record(piece)
+        except BaseException:
             os.close(fd)
-            raise FlashnextError(f"{self.path} is not the {self.size}-byte shard this build began")
-        self._pending -= written
+            raise
         return fd
 
+    def _digest(self, fd: int, piece: WrittenBytes) -> str:
+        digest = hashlib.sha256()
+        at = self._base + self._offsets[piece.tensor] + piece.offset
+        for start in range(at, at + piece.length, HASH_READ):
+            digest.update(os.pread(fd, min(HASH_READ, at + piece.length - start), start))
+        return digest.hexdigest()
+
+    def _record(self, piece: WrittenBytes) -> None:
+        """``piece`` is in the file now; the pieces it overwrote, wholly or in part, no longer are."""
+        pieces = self._pieces[piece.tensor]
+        i = bisect.bisect_right(pieces, piece.offset, key=_offset)
+        first = i - 1 if i and pieces[i - 1].end > piece.offset else i
+        last = i
+        while last < len(pieces) and pieces[last].offset < piece.end:
+            last += 1
+        pieces[first:last] = [piece]
+
     @property
-    def written(self) -> set[str]:
-        """The tensors written in full so far."""
-        return {name for name, spec in self.specs.items() if spec.nbytes and name not in self._pending}
+    def written(self) -> list[WrittenBytes]:
+        """Every piece whose bytes are in the file as written, tensor by tensor."""
+        return [piece for pieces in self._pieces.values() for piece in pieces]
+
+    def holds(self, tensor: str, offset: int, length: int) -> bool:
+        """Whether pieces written (or checked, when resumed) cover ``length`` bytes of ``tensor``
+        from ``offset``."""
+        pieces = self._pieces.get(tensor, [])
+        i = bisect.bisect_right(pieces, offset, key=_offset) - 1
+        at, end = offset, offset + length
+        while at < end:
+            if not 0 <= i < len(pieces) or not pieces[i].offset <= at < pieces[i].end:
+                return False
+            at, i = pieces[i].end, i + 1
+        return True
+
+    def read_bytes(self, tensor: str, offset: int, length: int) -> bytearray:
+        """``length`` bytes of ``tensor`` from ``offset``, as the file holds them."""
+        at = self._base + self._offsets[tensor] + offset
+        data = bytearray()
+        while len(data) < length:
+            chunk = os.pread(self._fd, length - len(data), at + len(data))
+            if not chunk:
+                raise FlashnextError(f"{self.shown}: truncated inside tensor {tensor}")
+            data += chunk
+        return data
 
     def sync(self) -> None:
         """Make what was written so far durable (before a journal says it was)."""
@@ -275,25 +354,26 @@ class ShardWriter:
     def write_bytes(self, name: str, data, offset: int = 0) -> None:
         """Write raw bytes of a tensor (possibly in pieces, at ``offset`` within the tensor)."""
         spec = self.specs[name]
-        if offset + len(data) > spec.nbytes:
+        view = memoryview(data).cast("B")
+        if offset + len(view) > spec.nbytes:
             raise ValueError(f"{name}: write past the end of the tensor")
+        if not view:
+            return
+        piece = WrittenBytes(name, offset, len(view), hashlib.sha256(view).hexdigest() if self._digests else None)
         at = self._base + self._offsets[name] + offset
-        view = memoryview(data)
         while view:
             n = os.pwrite(self._fd, view, at)
             view, at = view[n:], at + n
-        if offset + len(data) == spec.nbytes:
-            self._pending.discard(name)
+        self._record(piece)
 
     def close(self) -> None:
         """fsync and close; every tensor must have been written in full."""
         if self._fd < 0:
             return
         try:
-            if self._pending:
-                missing = sorted(self._pending)[:3]
-                raise RuntimeError(f"{self.path}: {len(self._pending)} tensors never written, "
-                                   f"e.g. {missing}")
+            missing = sorted(name for name, spec in self.specs.items() if not self.holds(name, 0, spec.nbytes))
+            if missing:
+                raise RuntimeError(f"{self.shown}: {len(missing)} tensors never written, e.g. {missing[:3]}")
             os.fsync(self._fd)
         finally:
             os.close(self._fd)

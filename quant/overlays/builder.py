@@ -9,10 +9,10 @@ rewritten shard copied byte for byte, the shards closed only when complete, the 
 
 A builder whose fill takes hours opts into resuming (``resumable = True``): it says what a resume
 must find unchanged (:meth:`OverlayBuilder.resume_identity`), gives its progress as JSON
-(:meth:`OverlayBuilder.resume_state`) and takes it back (:meth:`OverlayBuilder.restore`), and calls
-:meth:`OverlayBuilder.checkpoint` in ``fill`` after each unit of work. The skeleton then builds in a
-partial overlay that an interruption keeps, with its journal (:mod:`~flashnext.quant.overlays.resume`),
-and the next run of the same build continues it.
+(:meth:`OverlayBuilder.resume_state`) and takes it back only as far as it checks out
+(:meth:`OverlayBuilder.restore`), and calls :meth:`OverlayBuilder.checkpoint` in ``fill`` after each
+unit of work. The skeleton then builds in a partial overlay that an interruption keeps, with its
+journal (:mod:`~flashnext.quant.overlays.resume`), and the next run of the same build continues it.
 
 :data:`OVERLAY_KINDS` is the one table of overlay kinds: for each, the builder as a ``"module:Class"``
 path (imported only when the kind is asked for, as vLLM's model registry does, so that reading a
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,9 +140,14 @@ class OverlayBuilder(ABC):
         sums). Floats come back exactly."""
         raise NotImplementedError
 
-    def restore(self, state: dict) -> None:
-        """For a resumable builder: go on from ``state`` (a :meth:`resume_state` of this very build's);
-        raise FlashnextError or ValueError, changing nothing, on one it cannot take."""
+    def restore(self, state: dict, writers: dict[str, ShardWriter], progress: bool) -> None:
+        """For a resumable builder: go on from ``state`` (what the journal gives as this build's
+        :meth:`resume_state`) in ``writers``, the partial's shards reopened, each piece the journal
+        records checked against their bytes. Nothing in ``state`` is taken on trust: a unit of work it
+        says is done must be among those pieces (:meth:`ShardWriter.holds`), and every value the
+        overlay or the report depends on is recomputed (from the source, and from the bytes written:
+        :meth:`ShardWriter.read_bytes`) or checked against what is recomputed. Raise FlashnextError or
+        ValueError, changing nothing, on anything that does not check out."""
         raise NotImplementedError
 
     def checkpoint(self) -> None:
@@ -164,8 +168,7 @@ class OverlayBuilder(ABC):
         manifest = OverlayManifest.new(self.kind, self.tool, snap.origin)
         inputs = {"the source snapshot": snap.root, **self.inputs()}
         if self.resumable:
-            return self._build_resumable(out, force, progress, notice or _to_stderr, plans, metadata, needed,
-                                         manifest, inputs)
+            return self._build_resumable(out, force, progress, notice, plans, metadata, needed, manifest, inputs)
         check_free_space(existing_ancestor(out), needed, f"the overlay {out}")
         # Written through the partial directory's descriptor: a swap of it, or of its parent, for a
         # link into the snapshot changes nothing.
@@ -173,15 +176,15 @@ class OverlayBuilder(ABC):
             writers = {f: ShardWriter(output_file(tmp, f), specs, metadata[f]) for f, specs in plans.items()}
             return self._write_overlay(tmp, writers, plans, manifest, progress)
 
-    def _build_resumable(self, out: Path, force: bool, progress: bool, notice: Callable[[str], None],
+    def _build_resumable(self, out: Path, force: bool, progress: bool, notice: Callable[[str], None] | None,
                          plans: dict[str, list[TensorSpec]], metadata: dict[str, dict], needed: int,
                          manifest: OverlayManifest, inputs: dict[str, Path]) -> dict:
-        from flashnext.quant.overlays.resume import ResumableOutput
+        from flashnext.quant.overlays.resume import ResumableOutput, notice_on_stderr
 
         source = {"overlay kind": self.kind, **self.resume_identity()}
         with output_directory(out, force, inputs, self.tool) as output, \
-                ResumableOutput(output, self.tool, source, notice) as run:
-            resumed = run.resume(plans, metadata, self.restore)
+                ResumableOutput(output, self.tool, source, notice or notice_on_stderr) as run:
+            resumed = run.resume(plans, metadata, lambda state, writers: self.restore(state, writers, progress))
             check_free_space(existing_ancestor(out), max(0, needed - run.allocated()), f"the overlay {out}")
             if not resumed:
                 run.start(plans, metadata, self.resume_state())
@@ -268,6 +271,3 @@ def _total_size(snap: Snapshot, weight_map: dict[str, str], plans: dict[str, lis
             total += sum(e.nbytes for e in snap.header(filename).entries.values())
     return total
 
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

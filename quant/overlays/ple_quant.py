@@ -14,10 +14,17 @@ order, every untouched tensor byte for byte and each table shard's ``weight`` wi
 report gives the relative squared error against the BF16 rows, and for NVFP4 that of plain absmax
 block scales over the same rows.
 
-The build is resumable (the skeleton's ``resumable`` mode): after every chunk of either pass the
-journal records the chunks done, the running largest magnitude and the error sums, so an
-interrupted build goes on at the next chunk, and its overlay and report are those of an
-uninterrupted one, byte for byte.
+The build is resumable (the skeleton's ``resumable`` mode): after every chunk of the quantize pass
+the journal records the bytes written, with their digests, the chunks done and the largest magnitude
+their global scale came from. A resume takes none of it on trust (:meth:`PleQuantize.restore`):
+every piece's digest is checked against the partial's bytes; each chunk said done must be among
+those pieces; the first pass is done again, read-only, and must find the very largest magnitude
+(so a written chunk's scale is the table's); and the error sums are not in the journal at all but
+recomputed from the source rows and the bytes written. It then quantizes only the chunks not done,
+and its overlay and report are those of an uninterrupted build on the same device, byte for byte.
+What it still trusts: that bytes whose digest checks out are the encoding of their rows (searching
+the block scales again is the build's cost); the report then states the error of the bytes the
+overlay holds, whatever they are.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-from pydantic import Field
 
 from flashnext.errors import FlashnextError
 from flashnext.progress import Progress
@@ -46,15 +54,29 @@ CHUNK_ROWS = 1 << 16
 ABSMAX_SAMPLE_EVERY = 8
 
 
-class _Errors(StrictRecord):
-    """The report's error sums of one table, as the journal holds them."""
+@dataclass
+class _Errors:
+    """The report's error sums of one table, over the chunks written, in order."""
 
     squared: float = 0.0
     reference: float = 0.0
-    sample_rows: Count = 0
+    sample_rows: int = 0
     sample_squared: float = 0.0
     sample_absmax_squared: float = 0.0
     sample_reference: float = 0.0
+
+    def add(self, n: int, rows: torch.Tensor, decoded: torch.Tensor, nvfp4: bool, scale: float) -> None:
+        """Chunk ``n``: its BF16 ``rows`` and the rows its written bytes decode to."""
+        x = rows.float()
+        squared, reference = float(((decoded.float() - x) ** 2).sum()), float((x ** 2).sum())
+        self.squared += squared
+        self.reference += reference
+        if nvfp4 and n % ABSMAX_SAMPLE_EVERY == 0:
+            plain = float_rows.nvfp4_decode(*float_rows.nvfp4_encode(rows, scale, search=False), scale)
+            self.sample_rows += rows.shape[0]
+            self.sample_squared += squared
+            self.sample_reference += reference
+            self.sample_absmax_squared += float(((plain.float() - x) ** 2).sum())
 
     @staticmethod
     def _ratio(value: float, reference: float) -> float | None:
@@ -70,12 +92,10 @@ class _Errors(StrictRecord):
 
 
 class _TableProgress(StrictRecord):
-    """How far the build of one table got: what an interrupted build goes on from."""
+    """How far the build of one table got, as the journal holds it (checked by a resume)."""
 
-    amax_chunks: Count = 0  # chunks of the first pass done
-    amax: float = 0.0  # the largest magnitude in them
-    chunks: Count = 0  # chunks quantized and written
-    errors: _Errors = Field(default_factory=_Errors)  # over the chunks written
+    chunks: Count = 0  # chunks quantized and written, the first ones in order
+    amax: float | None = None  # the table's largest magnitude, which their global scale comes from
 
 
 def _chunks(source: PleSource):
@@ -93,6 +113,11 @@ def _bytes_of_chunks(source: PleSource, chunks: int) -> int:
     """The BF16 bytes of the first ``chunks`` chunks of ``source``."""
     return sum((stop - start) * source.row_elements * 2
                for _, (_, start, stop) in zip(range(chunks), _chunks(source)))
+
+
+def _block_scales_name(shard) -> str:
+    """The NVFP4 block scales' tensor of a table shard's ``weight``."""
+    return shard.name.removesuffix(".weight") + ".weight_scale"
 
 
 def _tables(snap: Snapshot) -> list[PleSource]:
@@ -130,6 +155,7 @@ class PleQuantize(OverlayBuilder):
             raise FlashnextError(f"config.json already says ple_embedding_dtype "
                                  f"{snap.text_config['ple_embedding_dtype']!r}: build from the BF16 snapshot")
         self.table_progress = {t.prefix: _TableProgress() for t in self.tables}
+        self.errors = {t.prefix: _Errors() for t in self.tables}
         self.scales: dict[str, float] = {}
 
     @property
@@ -139,11 +165,27 @@ class PleQuantize(OverlayBuilder):
     def _scale_name(self, table: PleSource) -> str:
         return f"{table.prefix}.ngram_embedding." + ("weight_scale_2" if self.fmt == "nvfp4" else "weight_scale")
 
+    def _scale(self, amax: float) -> float:
+        return float_rows.nvfp4_global_scale(amax) if self.fmt == "nvfp4" else float_rows.fp8_scale(amax)
+
+    def _chunk_parts(self, shard, start: int, stop: int, d: int) -> list[tuple[str, int, int, torch.dtype]]:
+        """Where rows ``start:stop`` of ``shard`` go: per tensor written, the offset and length of
+        their bytes in it, and the dtype they are read back as."""
+        if self.fmt == "nvfp4":
+            half, blocks = d // 2, d // float_rows.NVFP4_BLOCK
+            return [(shard.name, start * half, (stop - start) * half, torch.uint8),
+                    (_block_scales_name(shard), start * blocks, (stop - start) * blocks, torch.float8_e4m3fn)]
+        return [(shard.name, start * d, (stop - start) * d, torch.float8_e4m3fn)]
+
+    def _decode(self, parts: list[torch.Tensor], scale: float) -> torch.Tensor:
+        if self.fmt == "nvfp4":
+            return float_rows.nvfp4_decode(*parts, scale)
+        return float_rows.fp8_decode(*parts, scale)
+
     def _specs(self, shard, d: int) -> list[TensorSpec]:
         if self.fmt == "nvfp4":
             return [TensorSpec(shard.name, "U8", (shard.rows, d // 2)),
-                    TensorSpec(shard.name.removesuffix(".weight") + ".weight_scale", "F8_E4M3",
-                               (shard.rows, d // float_rows.NVFP4_BLOCK))]
+                    TensorSpec(_block_scales_name(shard), "F8_E4M3", (shard.rows, d // float_rows.NVFP4_BLOCK))]
         return [TensorSpec(shard.name, "F8_E4M3", (shard.rows, d))]
 
     def plan(self) -> dict[str, list[TensorSpec]]:
@@ -195,73 +237,100 @@ class PleQuantize(OverlayBuilder):
     def resume_state(self) -> dict:
         return {prefix: p.model_dump(mode="json") for prefix, p in self.table_progress.items()}
 
-    def restore(self, state: dict) -> None:
-        from flashnext.quant.records.jsonfile import validate
-
+    def restore(self, state: dict, writers: dict[str, ShardWriter], progress: bool) -> None:
         if set(state) != set(self.table_progress):
             raise FlashnextError(f"its journal is of the tables {sorted(state)}, not {sorted(self.table_progress)}")
-        restored = {}
-        for table in self.tables:
-            p = validate(state[table.prefix], _TableProgress, f"the journal's {table.prefix}")
-            n = _chunk_count(table)
-            if p.amax_chunks > n or p.chunks > n or (p.chunks and p.amax_chunks < n):
-                raise FlashnextError(f"its journal's chunk counts for {table.prefix} do not fit its {n} chunks")
-            restored[table.prefix] = p
-        self.table_progress = restored
+        claimed = {t.prefix: self._claimed(t, state[t.prefix], writers) for t in self.tables}
+        errors = {t.prefix: _Errors() for t in self.tables}
+        checked = [t for t in self.tables if claimed[t.prefix].chunks]
+        if checked:
+            with Progress(sum(s.entry.nbytes for t in checked for s in t.shards), progress,
+                          f"{self.tool} --format {self.fmt}: checking the interrupted build") as bar:
+                for table in checked:
+                    p = claimed[table.prefix]
+                    amax = self._first_pass(table, bar.update,
+                                            self._error_of_written(table, p, writers, errors[table.prefix]))
+                    if amax != p.amax:
+                        raise FlashnextError(f"its journal gives {table.prefix} the largest magnitude {p.amax!r}, "
+                                             f"its source has {amax!r}")
+        self.table_progress, self.errors = claimed, errors
+
+    def _claimed(self, table: PleSource, state, writers: dict[str, ShardWriter]) -> _TableProgress:
+        """The journal's progress of ``table``, once each chunk it says is done is among the pieces
+        checked; the largest magnitude it gives is the resume's pass to check."""
+        from flashnext.quant.records.jsonfile import validate
+
+        p = validate(state, _TableProgress, f"the journal's {table.prefix}")
+        n = _chunk_count(table)
+        if p.chunks > n or (p.chunks and p.amax is None):
+            raise FlashnextError(f"its journal's progress of {table.prefix} does not fit its {n} chunks")
+        for k, (shard, start, stop) in zip(range(p.chunks), _chunks(table)):
+            writer = writers[self.snap.weight_map[shard.name]]
+            parts = self._chunk_parts(shard, start, stop, table.row_elements)
+            if not all(writer.holds(tensor, offset, length) for tensor, offset, length, _ in parts):
+                raise FlashnextError(f"its journal says {p.chunks} chunks of {table.prefix} were written, but records "
+                                     f"no bytes of chunk {k}")
+        # Of a build stopped in its first pass nothing is kept: that pass writes nothing to check.
+        return p if p.chunks else _TableProgress()
+
+    def _error_of_written(self, table: PleSource, p: _TableProgress, writers: dict[str, ShardWriter],
+                          errors: _Errors) -> Callable:
+        """What a resume's first pass does with each chunk: one already written is decoded from its
+        bytes as the partial holds them, and its error added to ``errors``."""
+        scale = self._scale(p.amax)
+
+        def add(n: int, shard, start: int, stop: int, rows: torch.Tensor) -> None:
+            if n >= p.chunks:
+                return
+            writer = writers[self.snap.weight_map[shard.name]]
+            parts = [torch.frombuffer(writer.read_bytes(tensor, offset, length), dtype=torch.uint8)
+                     .view(dtype).view(stop - start, -1).to(self.device)
+                     for tensor, offset, length, dtype in self._chunk_parts(shard, start, stop, table.row_elements)]
+            errors.add(n, rows, self._decode(parts, scale), self.fmt == "nvfp4", scale)
+
+        return add
+
+    def _first_pass(self, table: PleSource, advance: Callable[[int], None],
+                    each: Callable | None = None) -> float:
+        """The table's largest magnitude, read chunk by chunk (each also handed to ``each``)."""
+        amax = 0.0
+        for n, (shard, start, stop) in enumerate(_chunks(table)):
+            rows = read_rows(shard.path, shard.entry, start, stop).to(self.device)
+            require_finite(rows, f"{table.prefix} ({shard.path.name})", (start,))
+            if rows.numel():
+                amax = max(amax, float(rows.float().abs().max()))
+            if each is not None:
+                each(n, shard, start, stop, rows)
+            advance(rows.numel() * 2)
+        return amax
 
     def fill(self, writers: dict[str, ShardWriter], progress: bool) -> None:
         total = 2 * sum(s.entry.nbytes for t in self.tables for s in t.shards)
-        done = sum(_bytes_of_chunks(t, self.table_progress[t.prefix].amax_chunks)
-                   + _bytes_of_chunks(t, self.table_progress[t.prefix].chunks) for t in self.tables)
+        # A resume did the first pass of each table it found chunks of, as it checked them.
+        done = sum(_bytes_of_chunks(t, _chunk_count(t)) + _bytes_of_chunks(t, self.table_progress[t.prefix].chunks)
+                   for t in self.tables if self.table_progress[t.prefix].chunks)
         with Progress(total, progress, f"{self.tool} --format {self.fmt}", initial=done) as bar:
             for table in self.tables:
                 state = self.table_progress[table.prefix]
-                for n, (shard, start, stop) in enumerate(_chunks(table)):
-                    if n < state.amax_chunks:
-                        continue
-                    rows = read_rows(shard.path, shard.entry, start, stop).to(self.device)
-                    require_finite(rows, f"{table.prefix} ({shard.path.name})", (start,))
-                    state.amax = max(state.amax, float(rows.float().abs().max())) if rows.numel() else state.amax
-                    state.amax_chunks = n + 1
-                    bar.update(rows.numel() * 2)
-                    self.checkpoint()
+                if state.amax is None:
+                    state.amax = self._first_pass(table, bar.update)
                 self._write_table(table, writers, bar)
 
     def _write_table(self, table: PleSource, writers: dict[str, ShardWriter], bar) -> None:
         state = self.table_progress[table.prefix]
-        errors = state.errors
-        if self.fmt == "nvfp4":
-            scale = float_rows.nvfp4_global_scale(state.amax)
-        else:
-            scale = float_rows.fp8_scale(state.amax)
-        self.scales[table.prefix] = scale
-        d = table.row_elements
+        scale = self.scales[table.prefix] = self._scale(state.amax)
         for n, (shard, start, stop) in enumerate(_chunks(table)):
             if n < state.chunks:
                 continue
             rows = read_rows(shard.path, shard.entry, start, stop).to(self.device)
-            x = rows.float()
-            writer = writers[self.snap.weight_map[shard.name]]
             if self.fmt == "nvfp4":
-                weight, block_scales = float_rows.nvfp4_encode(rows, scale)
-                decoded = float_rows.nvfp4_decode(weight, block_scales, scale)
-                writer.write_bytes(shard.name.removesuffix(".weight") + ".weight_scale",
-                                   block_scales.view(torch.uint8).cpu().numpy().tobytes(),
-                                   start * (d // float_rows.NVFP4_BLOCK))
-                writer.write_bytes(shard.name, weight.cpu().numpy().tobytes(), start * (d // 2))
+                parts = list(float_rows.nvfp4_encode(rows, scale))
             else:
-                weight = float_rows.fp8_encode(rows, scale)
-                decoded = float_rows.fp8_decode(weight, scale)
-                writer.write_bytes(shard.name, weight.view(torch.uint8).cpu().numpy().tobytes(), start * d)
-            squared, reference = float(((decoded.float() - x) ** 2).sum()), float((x ** 2).sum())
-            errors.squared += squared
-            errors.reference += reference
-            if self.fmt == "nvfp4" and n % ABSMAX_SAMPLE_EVERY == 0:
-                plain = float_rows.nvfp4_decode(*float_rows.nvfp4_encode(rows, scale, search=False), scale)
-                errors.sample_rows += rows.shape[0]
-                errors.sample_squared += squared
-                errors.sample_reference += reference
-                errors.sample_absmax_squared += float(((plain.float() - x) ** 2).sum())
+                parts = [float_rows.fp8_encode(rows, scale)]
+            writer = writers[self.snap.weight_map[shard.name]]
+            for (tensor, offset, _, _), part in zip(self._chunk_parts(shard, start, stop, table.row_elements), parts):
+                writer.write_bytes(tensor, part.view(torch.uint8).cpu().numpy().tobytes(), offset)
+            self.errors[table.prefix].add(n, rows, self._decode(parts, scale), self.fmt == "nvfp4", scale)
             state.chunks = n + 1
             bar.update(rows.numel() * 2)
             self.checkpoint()
@@ -280,7 +349,7 @@ class PleQuantize(OverlayBuilder):
         for t in self.tables:
             tables.append({"prefix": t.prefix, "rows": t.layout.padded_rows, "row_elements": t.row_elements,
                            "global_scale": self.scales.get(t.prefix),
-                           **self.table_progress[t.prefix].errors.as_report(self.fmt == "nvfp4")})
+                           **self.errors[t.prefix].as_report(self.fmt == "nvfp4")})
         return {"tool": self.tool, "format": self.fmt, "ple_embedding_dtype": float_rows.FORMATS[self.fmt],
                 "device": str(self.device),
                 "block_scales": "least squared error per block of 16" if self.fmt == "nvfp4" else None,

@@ -7,7 +7,12 @@ BF16 rows straddle 4 KiB pages). Where the shards come from is ``source.py``'s; 
 the file, the sidecar ``FILE.json``, is ``sidecar.py``'s.
 
 ``build`` streams shard by shard with bounded memory, fsyncs each shard, and keeps a journal
-(``FILE.partial.json``) so that an interrupted build resumes at the first unfinished shard. The
+(``FILE.partial.json``) so that an interrupted build resumes at the first unfinished shard. A resume
+hashes again the partial's bytes of each shard the journal says is done: each must be a shard of the
+source and hash exactly as recorded (a bit flipped or a block zeroed since, a hash edited, a shard
+claimed that was never copied: it starts over, saying why in one line). What it still trusts: that
+bytes hashing as recorded are the source's (a copy is as dear as checking that; the source itself is
+pinned by the sampled identity below, as for the overlay builds). The
 output rules (the lock, leftovers, ``--force`` only over a table flashnext made, the rename) are
 ``fsutil.atomic_file``'s, the same as every writer's; only the journal and the resumable partial,
 which no other output has, are this module's.
@@ -22,7 +27,7 @@ import random
 import stat
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from flashnext.errors import FlashnextError, VerificationMismatch
 from flashnext.progress import Progress
@@ -30,6 +35,7 @@ from flashnext.quant.checkpoint.fsutil import (HeldDirectory, OutputFile, atomic
                                                write_text_at)
 from flashnext.quant.checkpoint.snapshot import Snapshot
 from flashnext.quant.formats.safetensors_io import copy_tensor_bytes, header_sha256
+from flashnext.quant.overlays.resume import notice_on_stderr, starting_over
 from flashnext.quant.ple.sidecar import (BLOCK_BYTES, BUILDER, CopyStats, Sidecar, SidecarShard, checked_text,
                                          read_sidecar, sidecar_path)
 from flashnext.quant.ple.source import PleSource, TableShard, find_ple_source
@@ -98,6 +104,11 @@ class _BlockHashes:
     def block_hashes(self) -> list[str]:
         return self.blocks + ([self._block.hexdigest()] if self._in_block else [])
 
+    def record(self, shard: TableShard) -> SidecarShard:
+        """The sidecar's (and the journal's) record of ``shard`` with these hashes."""
+        return SidecarShard(index=shard.index, name=shard.name, first_row=shard.first_row, rows=shard.rows,
+                            sha256=self.whole.hexdigest(), block_sha256=self.block_hashes())
+
 
 class _TableWriter:
     """The table file as ``copy_tensor_bytes`` writes into it: a tensor's bytes land at its first row."""
@@ -123,8 +134,27 @@ def _copy_shard(shard: TableShard, fd: int, row_bytes: int, progress) -> Sidecar
     copy_tensor_bytes(shard.path, shard.entry, _TableWriter(fd, shard.first_row * row_bytes), COPY_CHUNK,
                       on_chunk=copied)
     os.fsync(fd)
-    return SidecarShard(index=shard.index, name=shard.name, first_row=shard.first_row, rows=shard.rows,
-                        sha256=hashes.whole.hexdigest(), block_sha256=hashes.block_hashes())
+    return hashes.record(shard)
+
+
+def _held_shard(fd: int, shard: TableShard, row_bytes: int) -> SidecarShard:
+    """The record of ``shard`` as the partial table ``fd`` holds its rows now."""
+    hashes = _BlockHashes()
+    begin, end = shard.first_row * row_bytes, (shard.first_row + shard.rows) * row_bytes
+    for at in range(begin, end, COPY_CHUNK):
+        hashes.update(memoryview(os.pread(fd, min(COPY_CHUNK, end - at), at)))
+    return hashes.record(shard)
+
+
+def _unheld(fd: int, source: PleSource, shards: dict[int, SidecarShard]) -> str | None:
+    """Why the partial table ``fd`` does not hold the shards its journal says it does; None: it does."""
+    by_index = {s.index: s for s in source.shards}
+    for index, recorded in sorted(shards.items()):
+        if index not in by_index:
+            return f"its journal names a shard {index}, which the source does not have"
+        if _held_shard(fd, by_index[index], source.row_bytes) != recorded:
+            return f"its shard {index} ({by_index[index].name}) is not what its journal recorded"
+    return None
 
 
 def _flashnext_table(out: Path) -> bool:
@@ -165,13 +195,15 @@ def _start_over(parent: HeldDirectory, partial: Path) -> tuple[None, dict[int, S
     return None, {}
 
 
-def _resume(parent: HeldDirectory, out: Path, identity: list, force: bool) -> tuple[int | None, dict[int, SidecarShard]]:
+def _resume(parent: HeldDirectory, out: Path, source: PleSource, identity: list, force: bool,
+            notice: Callable[[str], None]) -> tuple[int | None, dict[int, SidecarShard]]:
     """The partial file an interrupted build of ``out`` left, opened for writing, and the shards it
     already holds; (None, {}) to start over. It resumes only a build from this very source, into the
     very file that build created (the journal has its device and inode; a regular file with one
     link). A build from another source, a damaged journal, or a partial that is not the journal's
     (a link to a source shard, a swapped file) is refused and never written; ``force`` starts over
-    instead."""
+    instead. The very partial whose bytes are not the shards the journal says it holds starts over,
+    after one line to ``notice``."""
     partial, journal_path = _partial_path(out), _journal_path(out)
     if parent.lstat(journal_path.name) is None:
         if parent.lstat(partial.name) is not None:
@@ -201,7 +233,12 @@ def _resume(parent: HeldDirectory, out: Path, identity: list, force: bool) -> tu
     if fd is not None:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and recorded == _file_identity(fd):
-            return fd, shards
+            why = _unheld(fd, source, shards)
+            if why is None:
+                return fd, shards
+            os.close(fd)
+            notice(starting_over(partial, why))
+            return _start_over(parent, partial)
         os.close(fd)
     if force or (recorded is None and not shards):  # killed before the partial was recorded: none of it is ours
         return _start_over(parent, partial)
@@ -221,9 +258,10 @@ def _sidecar(source: PleSource, stats: CopyStats | None, out: Path) -> tuple[Sid
 
 
 def build_table(src: Path, out: Path, dense_layer_id: int = 0, force: bool = False,
-                progress: bool = True) -> dict:
+                progress: bool = True, notice: Callable[[str], None] = notice_on_stderr) -> dict:
     """Write the table file ``out`` and its sidecar from snapshot ``src``; resumes an interrupted
-    build from the same source. Only one build of ``out`` runs at a time."""
+    build from the same source (``notice`` takes the line it says when it cannot). Only one build of
+    ``out`` runs at a time."""
     snap = Snapshot.open(src)
     source = find_ple_source(snap, dense_layer_id)
     out = Path(out).absolute()
@@ -239,10 +277,11 @@ def build_table(src: Path, out: Path, dense_layer_id: int = 0, force: bool = Fal
     with atomic_file(out, force, inputs, is_ours=_flashnext_table,
                      maker=f"`{BUILDER}` (no valid {sidecar_path(out).name})",
                      companions=(sidecar_path(out), _journal_path(out)), what="the table file") as output:
-        return _build_locked(snap, source, output, force, progress)
+        return _build_locked(snap, source, output, force, progress, notice)
 
 
-def _build_locked(snap: Snapshot, source: PleSource, output: OutputFile, force: bool, progress: bool) -> dict:
+def _build_locked(snap: Snapshot, source: PleSource, output: OutputFile, force: bool, progress: bool,
+                  notice: Callable[[str], None]) -> dict:
     # Every name below is opened, created, renamed and removed through the held parent: swapping
     # the output's folder, or any name in it, for a link afterwards changes nothing.
     out, parent = output.path, output.parent
@@ -255,7 +294,7 @@ def _build_locked(snap: Snapshot, source: PleSource, output: OutputFile, force: 
                                  "choose another --out") from None
     partial, journal_path = _partial_path(out), _journal_path(out)
     identity = source_identity(source)
-    fd, done = _resume(parent, out, identity, force)
+    fd, done = _resume(parent, out, source, identity, force, notice)
     bar = None
 
     def journal_text() -> str:

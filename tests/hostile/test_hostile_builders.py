@@ -210,8 +210,8 @@ CASES = [
     Case("fp8-scale-two-values", fp8_scale(torch.tensor([0.5, 0.25])), "has shape [2]"),
     Case("fp8-scale-u64", fp8_scale(torch.tensor([1], dtype=torch.int64), dtype="U64"), "is U64"),
     Case("fp8-scale-int32", fp8_scale(torch.tensor([1], dtype=torch.int32)), "is I32"),
-    Case("sidecar-fp8-scale-minus-zero", fp8_table_sidecar("-0.0"), "scale: Input should be greater than 0"),
-    Case("sidecar-fp8-scale-negative", fp8_table_sidecar("-1.5"), "scale: Input should be greater than 0"),
+    Case("sidecar-fp8-scale-minus-zero", fp8_table_sidecar("-0.0"), "scale must be more than 0.0"),
+    Case("sidecar-fp8-scale-negative", fp8_table_sidecar("-1.5"), "scale must be more than 0.0"),
     Case("sidecar-fp8-scale-missing", fp8_table_sidecar("null"), "needs its global scale"),
 ]
 

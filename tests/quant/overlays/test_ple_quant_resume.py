@@ -1,11 +1,14 @@
 """``ple build --format nvfp4|fp8`` resumes: interrupted after k chunks (an exception at the k-th
-checkpoint, or a SIGKILL), the next run quantizes only the chunks not done, skips a global scale pass
-already done, and makes the overlay and report of an uninterrupted build, byte for byte. A resume
-continues only the same source, kind and chunking, in the very partial the build made; otherwise it
-starts over with one line saying why, removing only what flashnext made."""
+checkpoint, or a SIGKILL), the next run checks what it found (the first pass read again, the chunks
+done decoded from their bytes), quantizes only the chunks not done, and makes the overlay and report
+of an uninterrupted build, byte for byte. A resume continues only the same source, kind and chunking,
+in the very partial the build made, from a journal whose every piece and value checks out; otherwise
+it starts over with one line saying why, removing only what flashnext made. (What a changed journal
+or partial shard does is ``tests/hostile/test_hostile_resume.py``'s.)"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,10 +21,11 @@ import pytest
 
 import flashnext.quant.overlays.ple_quant as pq
 from flashnext.errors import FlashnextError
+from flashnext.quant.formats.safetensors_io import read_header
 from flashnext.quant.overlays.ple_quant import PleQuantize, quantize_ple_table
 from support.hostile import tree_state
 
-# 4 shards of 4224 rows: 3 chunks each, 12 a pass, 24 checkpoints a build
+# 4 shards of 4224 rows: 3 chunks each, 12 a pass; a checkpoint after each chunk of the quantize pass
 CHUNK_ROWS = 2048
 CHUNKS = 12
 
@@ -53,6 +57,19 @@ def interrupt_at(monkeypatch, k: int, error: type[BaseException] = KeyboardInter
             raise error()
 
     monkeypatch.setattr(PleQuantize, "checkpoint", checkpoint)
+
+
+def interrupt_at_read(monkeypatch, k: int) -> None:
+    """Ctrl-C as the k-th chunk is read (from the first pass on)."""
+    real, count = pq.read_rows, [0]
+
+    def read_rows(*a):
+        count[0] += 1
+        if count[0] == k:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(pq, "read_rows", read_rows)
 
 
 def count_reads(monkeypatch) -> list:
@@ -93,35 +110,58 @@ def assert_as_straight(out: Path, report: dict, straight_build) -> None:
     assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
 
 
-@pytest.mark.parametrize("fmt, k", [("nvfp4", 5), ("nvfp4", CHUNKS + 5), ("nvfp4", 2 * CHUNKS), ("fp8", CHUNKS + 1)],
-                         ids=["in-the-scale-pass", "in-the-quantize-pass", "after-the-last-chunk", "fp8"])
+class Bars:
+    """Every progress bar a build makes: (total, initial) of each."""
+
+    def __init__(self, monkeypatch):
+        self.made = []
+        made = self.made
+
+        class Bar(pq.Progress):
+            def __init__(self, total, enabled, desc, unit="B", initial=0):
+                made.append((total, initial))
+                super().__init__(total, False, desc, unit, initial)
+
+        monkeypatch.setattr(pq, "Progress", Bar)
+
+
+@pytest.mark.parametrize("fmt, k", [("nvfp4", 5), ("nvfp4", CHUNKS), ("fp8", 1)],
+                         ids=["in-the-quantize-pass", "after-the-last-chunk", "fp8"])
 def test_an_interrupted_build_resumes_where_it_stopped(fmt, k, demo_snapshot, straight, tmp_path, monkeypatch):
     out = tmp_path / "o"
     interrupted(demo_snapshot, out, fmt, k)
     reads = count_reads(monkeypatch)
-    bars = []
-
-    class Bar(pq.Progress):
-        def __init__(self, total, enabled, desc, unit="B", initial=0):
-            bars.append((total, initial))
-            super().__init__(total, False, desc, unit, initial)
-
-    monkeypatch.setattr(pq, "Progress", Bar)
+    bars = Bars(monkeypatch)
     report, lines = build(demo_snapshot, out, fmt)
     assert lines == [f"resuming the interrupted build in {tmp_path / '.o.partial'}"]
-    scale_pass, quantize_pass = min(k, CHUNKS), max(0, k - CHUNKS)
-    # neither the global scale pass nor the chunks already quantized are done again
-    assert len(reads) == (CHUNKS - scale_pass) + (CHUNKS - quantize_pass)
-    ((total, initial),) = bars  # the bar starts at the work done before
+    # The first pass again (it checks the journal), then only the chunks not yet quantized.
+    assert len(reads) == CHUNKS + (CHUNKS - k)
     source = pq.find_ple_source(pq.Snapshot.open(demo_snapshot))
-    assert initial == pq._bytes_of_chunks(source, scale_pass) + pq._bytes_of_chunks(source, quantize_pass) > 0
+    table = pq._bytes_of_chunks(source, CHUNKS)
+    (checked, _), (total, initial) = bars.made  # the build's bar starts at the work done before
+    assert checked == table and total == 2 * table
+    assert initial == table + pq._bytes_of_chunks(source, k)
     assert_as_straight(out, report, straight[fmt])
+
+
+def test_a_build_interrupted_in_its_first_pass(demo_snapshot, straight, tmp_path):
+    """The first pass writes nothing a resume could check: the resumed build does it again."""
+    out = tmp_path / "o"
+    with pytest.MonkeyPatch.context() as m:
+        interrupt_at_read(m, 5)
+        with pytest.raises(KeyboardInterrupt):
+            quantize_ple_table(demo_snapshot, out, "nvfp4", progress=False)
+    with pytest.MonkeyPatch.context() as m:
+        reads = count_reads(m)
+        report, lines = build(demo_snapshot, out, "nvfp4")
+    assert lines[0].startswith("resuming") and len(reads) == 2 * CHUNKS
+    assert_as_straight(out, report, straight["nvfp4"])
 
 
 def test_a_build_interrupted_twice(demo_snapshot, straight, tmp_path):
     out = tmp_path / "o"
     interrupted(demo_snapshot, out, "nvfp4", 3)
-    interrupted(demo_snapshot, out, "nvfp4", CHUNKS + 6)  # counted from the resume: chunk 9 of the second pass
+    interrupted(demo_snapshot, out, "nvfp4", 6)  # counted from the resume: chunk 9
     report, _ = build(demo_snapshot, out, "nvfp4")
     assert_as_straight(out, report, straight["nvfp4"])
 
@@ -176,11 +216,39 @@ def drop_the_partial(partial: Path, snapshot: Path) -> None:
     shutil.rmtree(partial)
 
 
+def edit_the_journal(edit):
+    def change(partial: Path, snapshot: Path) -> None:
+        journal = partial.with_name(partial.name + ".json")
+        data = json.loads(journal.read_text())
+        edit(data)
+        journal.write_text(json.dumps(data))
+    return change
+
+
+def each_table(edit):
+    return edit_the_journal(lambda journal: [edit(p) for p in journal["state"].values()])
+
+
+def a_shard_it_does_not_write(journal: dict) -> None:
+    journal["written"]["model-00001-of-00005.safetensors"] = []
+
+
 STARTS_OVER = {
     "another-partial": (swap_for_a_copy, "is not the directory that build made"),
     "a-link": (link_into_the_snapshot, "is not the directory that build made"),
     "damaged-journal": (damage_the_journal, "its journal is unreadable"),
     "no-partial": (drop_the_partial, "is not the directory that build made"),
+    "older-journal": (edit_the_journal(lambda j: j.update(format="flashnext.overlay-journal/1")),
+                      "not a flashnext.overlay-journal/2 journal"),
+    "another-shard": (edit_the_journal(a_shard_it_does_not_write),
+                      "records writes into model-00001-of-00005.safetensors, which this build does not write"),
+    "chunks-past-the-end": (each_table(lambda p: p.update(chunks=CHUNKS + 1)), "does not fit its 12 chunks"),
+    "chunks-without-maximum": (each_table(lambda p: p.update(amax=None)), "does not fit its 12 chunks"),
+    "a-piece-dropped": (edit_the_journal(lambda j: [pieces.pop() for pieces in j["written"].values()]),
+                        "records no bytes of chunk 3"),
+    # It would stand for no bytes, in place of the piece it lies in.
+    "an-empty-piece": (edit_the_journal(lambda j: [pieces.append(dict(pieces[0], offset=8, length=0))
+                                                   for pieces in j["written"].values()]), "length must be more than 0"),
 }
 
 
@@ -195,6 +263,31 @@ def test_a_resume_starts_over_when_the_partial_is_not_the_one_it_made(case, demo
     assert len(lines) == 1 and lines[0].startswith("starting over: ") and why in lines[0], lines
     assert_as_straight(out, report, straight["fp8"])
     assert tree_state(demo_snapshot) == snapshot  # a link is removed, never what it points at
+
+
+def test_what_a_resume_still_trusts(demo_snapshot, straight, tmp_path):
+    """Bytes rewritten together with their digest in the journal are resumed into: the journal is
+    the build's own record, not a signature. The report then states the error of the bytes the
+    overlay holds, as it recomputes that from them."""
+    out, partial = tmp_path / "o", tmp_path / ".o.partial"
+    interrupted(demo_snapshot, out, "fp8", 4)
+    journal_path = tmp_path / ".o.partial.json"
+    journal = json.loads(journal_path.read_text())
+    (filename, pieces), = journal["written"].items()
+    source = pq.find_ple_source(pq.Snapshot.open(demo_snapshot))
+    piece = next(p for p in pieces if p["tensor"] == source.shards[0].name)
+    path = partial / filename
+    begin = read_header(path).entries[piece["tensor"]].begin + piece["offset"]
+    forged = bytes(piece["length"])
+    with open(path, "r+b") as f:
+        f.seek(begin)
+        f.write(forged)
+    piece["sha256"] = hashlib.sha256(forged).hexdigest()
+    journal_path.write_text(json.dumps(journal))
+    report, lines = build(demo_snapshot, out, "fp8")
+    assert lines[0].startswith("resuming")
+    _, expected = straight["fp8"]
+    assert report["tables"][0]["relative_mse"] > expected["tables"][0]["relative_mse"]
 
 
 def test_a_resume_starts_over_for_another_format(demo_snapshot, straight, tmp_path):
@@ -217,7 +310,7 @@ def test_a_resume_starts_over_when_the_source_changed(snapshot_copy, tmp_path):
     from support.shards import rewrite_shard
 
     out = tmp_path / "o"
-    interrupted(snapshot_copy, out, "fp8", CHUNKS + 2)
+    interrupted(snapshot_copy, out, "fp8", 2)
     source = pq.find_ple_source(pq.Snapshot.open(snapshot_copy))
     name = source.shards[1].name
 
@@ -290,7 +383,7 @@ def test_a_crash_keeps_the_partial(demo_snapshot, tmp_path, monkeypatch, straigh
         with pytest.raises(RuntimeError):
             build(demo_snapshot, out, "fp8")
     journal = json.loads((tmp_path / ".o.partial.json").read_text())
-    assert journal["state"][next(iter(journal["state"]))]["amax_chunks"] == 6
+    assert journal["state"][next(iter(journal["state"]))]["chunks"] == 6
     report, lines = build(demo_snapshot, out, "fp8")
     assert lines[0].startswith("resuming")
     assert_as_straight(out, report, straight["fp8"])
