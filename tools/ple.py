@@ -113,6 +113,8 @@ def build(src: Path, out: Path, fmt: str, device: str, dense_layer_id: int, forc
 
     An interrupted build, of either kind, resumes where it stopped when run again with the same
     arguments."""
+    if fmt != "bf16" and click.get_current_context().get_parameter_source("dense_layer_id").name != "DEFAULT":
+        raise UsageError("--layer is for the bf16 table file; --format nvfp4|fp8 quantizes every PLE layer's table")
     begin(f"building the PLE table of {src} as {fmt} into {out}")
     if fmt != "bf16":
         from flashnext.quant.overlays.ple_quant import quantize_ple_table

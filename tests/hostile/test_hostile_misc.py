@@ -419,3 +419,12 @@ def test_the_int8_modules_hook_matches_through_the_bounded_matcher():
     assert int8_group_size(plain, "language_model.model.mtp.embed_tokens", mapper=mapper) == 128
     assert int8_group_size(plain, "mtp.embed_tokens", mapper=mapper) is None  # ignored
     assert int8_group_size(plain, "language_model.model.layers.0.mlp.gate_proj", mapper=mapper) is None
+
+
+@pytest.mark.parametrize("argv", [["--format", "nvfp4", "--layer", "0"], ["--format", "fp8", "--layer", "1"],
+                                  ["--format", "bf16", "--device", "cuda"]], ids=["nvfp4-layer", "fp8-layer", "bf16-device"])
+def test_a_ple_build_option_its_format_ignores_is_refused(argv, work: Work):
+    """Issue 42 item 6: `ple build --format nvfp4|fp8` quantizes every PLE layer's table and silently
+    ignored --layer, even --layer 0 given explicitly; refused before anything is read or written."""
+    result, line = invoke_expecting_one_line(["ple", "build", "--src", str(work.snap), "--out", str(work.root / "o"), *argv])
+    assert result.exit_code == 2 and " is for " in line and not (work.root / "o").exists()
