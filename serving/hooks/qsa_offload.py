@@ -21,8 +21,10 @@ limits the 3x3090 system to about 122k tokens of context (seed 000 §1). With
   (:mod:`flashnext.quant.kernels.qsa_row_cache`): decode-shaped steps through the row cache in the
   staging arena (decode-07, ``VLLM_QSA_ROW_CACHE=0`` turns it off), prefill steps window by window
   through the arena;
-* nothing is allocated by a step. The arena (VRAM, the busiest rank's QSA layers x block_size
-  rows on every rank) is allocated when the first QSA layer is built, inside vLLM's
+* a step allocates only what ``flashnext plan``'s memory ledger lists (decode partials, each
+  token's host-row slot; tests/serving/test_engine_ledger.py holds the engine to it). The arena
+  (VRAM, the busiest rank's QSA layers x block_size rows on every rank) is allocated when the
+  first QSA layer is built, inside vLLM's
   ``GPUModelRunner.load_model`` and its ``DeviceMemoryProfiler``: it counts as model memory,
   before ``Worker.determine_available_memory`` profiles. The host rows are sized by the KV cache
   config, so they are allocated when vLLM binds the compressed-key cache

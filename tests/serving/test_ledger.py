@@ -228,7 +228,7 @@ built for SNAPSHOT on the meta device, its block size aligned and its KV cache s
 Runner V2 takes them (get_kv_cache_spec); rank 0 lays out every rank's specs with the engine core's
 own planner (resolve_kv_cache_layout, get_global_kv_cache_groups, get_kv_cache_configs). Prints JSON.
 Stood in for: the quantization config (dropped: the specs do not read it, the CPU has no kernels for
-it) and FlashAttention's availability probe; and, on the last rank, what patch qsa-offload asks of the
+it); and, on the last rank, what patch qsa-offload asks of the
 draft's model class (recorded first, then answered with the target's state specs)."""
 import dataclasses, importlib, json, sys
 import torch
@@ -265,7 +265,6 @@ with set_current_vllm_config(config):
     torch.set_default_dtype(torch.bfloat16)
     importlib.import_module("vllm.models.qwen4_exp.nvidia.model")
     qsa = importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa")
-    qsa.is_flash_attn_varlen_func_available = lambda: True
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.model_executor.models import ModelRegistry
 

@@ -16,8 +16,7 @@ model for the demo checkpoint with MTP speculative decoding, as ``vllm serve --s
 ``python pp_ranks_scenario.py RANK PORT SNAPSHOT WORLD`` prints the rank's result as JSON; values
 are compared with the checkpoint's words dequantized here by compressed-tensors' own unpacker.
 
-Stood in for, because it cannot exist on the CPU: FlashAttention's availability probe, and the
-routed experts' post-load kernel set-up (this vLLM build has no CPU MoE kernels; the experts are
+Stood in for, because it cannot exist on the CPU: the routed experts' post-load kernel set-up (this vLLM build has no CPU MoE kernels; the experts are
 never run here). The quantization config keeps its INT8 groups (the rest have no CPU kernel);
 the PLE and indexer projections, which vLLM quantizes itself through Marlin, are dropped from them.
 """
@@ -88,7 +87,6 @@ with set_current_vllm_config(config):
     initialize_model_parallel(1, world)
     torch.set_default_dtype(torch.bfloat16)
     importlib.import_module("vllm.models.qwen4_exp.nvidia.model")
-    importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa").is_flash_attn_varlen_func_available = lambda: True
     from vllm.model_executor.model_loader.utils import initialize_model
 
     target = initialize_model(vllm_config=config)

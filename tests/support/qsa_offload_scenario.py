@@ -15,15 +15,17 @@ Stood in for, because it cannot exist here: the quantization config is dropped (
 kernels for the release's INT6 weights; KV cache specs do not depend on it) and the layer's weights
 are seeded random numbers rather than loaded (so their projection GEMM is torch's); the scheduler's
 block allocation is a hand-written block table (the KV cache manager is not part of what is tested);
-the QSA indexer, the reshape_and_cache_flash op and the device capability query (CUDA-only, named
-where they are stood in for below).
+the QSA indexer, the reshape_and_cache_flash op and the device capability query (CUDA-only:
+support/vllm_demo.py's ``stand_in_qsa_indexer``, ``stand_in_cache_writer`` and ``a_3090``).
 """
 import json, sys
-from unittest import mock
 import torch
 from vllm.config import CacheConfig
 
-from support.vllm_demo import build_model, demo_vllm
+from support.vllm_demo import (
+    QSASideMetadata, a_3090, allocate_kv_cache, build_model, demo_vllm, plan_kv_cache, stand_in_cache_writer,
+    stand_in_qsa_indexer,
+)
 
 snapshot, port, kv_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -64,20 +66,11 @@ with demo_vllm(snapshot, port, drop_quantization,
     out["block_size"] = config.cache_config.block_size
     out["mamba_page_size_padded"] = config.cache_config.mamba_page_size_padded
 
-    # The engine core's KV cache planning, step by step (EngineCore._initialize_kv_caches).
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-    specs = get_kv_cache_spec(config)
+    specs, layout, kv_config = plan_kv_cache(config, kv_bytes)
     out["specs"] = {name.split("layers.")[-1]: type(spec).__name__ for name, spec in specs.items()}
-    layouts = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))]
-    layout = resolve_kv_cache_layout(config, [layouts], list(specs.values()))
     out["layout"] = layout.name
-    groups = get_global_kv_cache_groups(config, [specs])
-    (kv_config,) = get_kv_cache_configs(config, [specs], [kv_bytes], groups)
     out["num_blocks"] = kv_config.num_blocks
     out["groups"] = sorted(type(g.kv_cache_spec).__name__ for g in kv_config.kv_cache_groups)
     out["concurrency"] = get_max_concurrency_for_kv_cache_config(config, kv_config)
@@ -88,16 +81,7 @@ with demo_vllm(snapshot, port, drop_quantization,
     if patched and out["offloaded_layers"]:
         out["before_kv_allocation"] = {"arena_bytes": arena_bytes(runtime), "host_bytes": host_pool_bytes()}
         layer, hook = layers[0], offloads[0]
-        # Model Runner V2's GPUModelRunner.initialize_kv_cache: backends, metadata builders, allocation
-        # and binding, all vLLM's own.
-        from vllm.v1.worker.gpu.attn_utils import init_attn_backend, init_kv_cache
-
-        config.cache_config.kv_cache_layout = layout.name
-        device = torch.device("cpu")
-        attn_groups, _, kernel_block_sizes = init_attn_backend(kv_config, config, device)
-        kv_caches = init_kv_cache(config.compilation_config.static_forward_context, kv_config, device,
-                                  kernel_block_sizes, config,
-                                  attn_groups=(g for groups_ in attn_groups for g in groups_))
+        attn_groups = allocate_kv_cache(config, kv_config, layout)
         host = hook.host_kv
         out["after_kv_allocation"] = {"arena_bytes": arena_bytes(runtime), "host_bytes": host_pool_bytes()}
         out["host_rows"] = list(host.shape)
@@ -109,7 +93,6 @@ with demo_vllm(snapshot, port, drop_quantization,
         # One prefill step of two requests and then one decode step, each through the patched
         # _run_qsa with the metadata vLLM's own builders make for the QSA side groups.
         from vllm.forward_context import set_forward_context
-        from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -119,28 +102,10 @@ with demo_vllm(snapshot, port, drop_quantization,
         prompt = [37, 21]
         # The scheduler's blocks for each request (stand-in): request 0 has blocks 5 and 2, request 1 block 7.
         req_blocks = [[5, 2], [7, 0]]
-        side_groups = [i for i, grp in enumerate(kv_config.kv_cache_groups)
-                       if any(".layers.3.self_attn.indexer" in n for n in grp.layer_names)]
-        only_side = [gs if i in side_groups else [] for i, gs in enumerate(attn_groups)]
+        side_metadata = QSASideMetadata(config, kv_config, attn_groups, layer)
 
         def run_step(query_lens, computed):
-            num_reqs = len(query_lens)
-            positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, computed)])
-            qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-            seq_lens = torch.tensor([c + q for q, c in zip(query_lens, computed)], dtype=torch.int32)
-            token_req = torch.arange(num_reqs).repeat_interleave(torch.tensor(query_lens))
-            tables, slots = [], []
-            for i, grp in enumerate(kv_config.kv_cache_groups):
-                gbs = grp.kv_cache_spec.block_size
-                width = -(-4096 // gbs)
-                table = torch.zeros((num_reqs, width), dtype=torch.int32)
-                for r in range(num_reqs):
-                    table[r, :len(req_blocks[r])] = torch.tensor(req_blocks[r][:width])
-                tables.append(table)
-                slots.append((table[token_req, positions // gbs].long() * gbs + positions % gbs)
-                             if gbs > 1 else table[token_req, 0].long())
-            metadata = build_attn_metadata(only_side, num_reqs, len(positions), qsl, qsl, max(query_lens), seq_lens,
-                                           int(seq_lens.max()), tables, slots, kv_config, positions=positions)
+            metadata, positions, token_req, _ = side_metadata(req_blocks, query_lens, computed)
             hidden = (torch.randn(len(positions), config.model_config.hf_text_config.hidden_size, generator=g)
                       ).to(torch.bfloat16)
             with set_forward_context(metadata, config, num_tokens=len(positions)):
@@ -156,39 +121,19 @@ with demo_vllm(snapshot, port, drop_quantization,
                 value = v.view(n, layer.num_kv_heads, layer.head_dim)
                 output = qkv.new_empty(n, layer.num_heads, layer.head_dim)
                 fused = layer.use_fused_qsa_prepare
-                # the Triton writer asks for the device's compute capability to size its tiles: a 3090's
-                with mock.patch("torch.cuda.get_device_capability", return_value=(8, 6)):
+                with a_3090():
                     layer._run_qsa(projected_qk, positions, None if fused else query, None if fused else key,
                                    None if fused else value, output, None if fused else gate, qkv)
             # Independently: where each token's row lives, from the request's blocks and its position.
             expected_slots = [req_blocks[r][p // bs] * bs + p % bs for r, p in zip(token_req.tolist(),
                                                                                   positions.tolist())]
             return dict(positions=positions, token_req=token_req, key=key, value=value, query=query, gate=gate,
-                        output=output, slots=expected_slots, table=tables[side_groups[0]],
+                        output=output, slots=expected_slots,
                         selection=layer.topk_indices_buffer[:n].clone(), metadata=metadata)
 
-        # Stood in for, on the CPU: the QSA indexer, whose kernels refuse non-CUDA tensors
-        # (vllm/models/qwen4_exp/nvidia/ops/qsa.py checks `raw_keys.is_cuda`). Its output is the
-        # selection, which the stand-in writes as the indexer does (each row's chosen logical
-        # positions, causal, and the count in the last column); the rest of _run_qsa is vLLM's.
-        # The demo's 32-dim indexer is outside the fused qsa_prepare kernel's shapes, so on CUDA
-        # too the main K/V is stored by Qwen4ExpQSAImpl.do_kv_cache_update, whose CUDA op
-        # (vllm._custom_ops.reshape_and_cache_flash, which needs vllm._C) is stood in for by vLLM's
-        # own Triton twin of the same signature.
-        from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
-
-        qsa.ops.reshape_and_cache_flash = triton_reshape_and_cache_flash
-        topk = layer.indexer.packed_output_width - 1
-
-        def indexer_stand_in(projected_qk, positions, out, attn=None, qkv=None, slot_mapping=None):
-            out.fill_(-1)
-            for row, pos in enumerate(positions.tolist()):
-                chosen = torch.randperm(pos + 1, generator=g)[:topk]
-                out[row, :len(chosen)] = chosen.int()
-                out[row, -1] = len(chosen)
-            return out, None
-
-        layer.indexer.forward = indexer_stand_in
+        # The rest of _run_qsa is vLLM's: the K/V stored by Qwen4ExpQSAImpl.do_kv_cache_update.
+        stand_in_qsa_indexer(layer, g)
+        stand_in_cache_writer(qsa)
         out["fused_writer"] = bool(layer.use_fused_qsa_prepare)
         # What the patched _run_qsa hands the indexer and the attention in place of the
         # metadata[layer_name] vLLM builds no more (recorded, not replaced).

@@ -21,11 +21,10 @@ class Launches:
     """Every launch of a Triton kernel inside :meth:`recording`, as ``(kernel, specialization,
     options)``, Triton's cache key; the kernels are not run (only what the launch passes decides
     the key), but for those whose name is in ``run`` (run by the interpreter after being
-    recorded). ``modules`` holds each recorded kernel's Python module."""
+    recorded)."""
 
     def __init__(self, run: frozenset[str] = frozenset()):
         self.keys: list[tuple[str, tuple, str]] = []
-        self.modules: dict[str, str] = {}
         self.run = run
         self._binders = {}
         self._backend = make_backend(RTX_3090)
@@ -46,7 +45,6 @@ class Launches:
         def run(self, *args, grid, warmup, **kwargs):
             key = recorder.key(self, args, kwargs)
             recorder.keys.append(key)
-            recorder.modules[key[0]] = self.fn.__module__
             if key[0] in recorder.run:
                 return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 

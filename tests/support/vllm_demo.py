@@ -1,8 +1,8 @@
-"""vLLM 0.33.0's own ``qwen4_exp`` model for the demo checkpoint, built on the CPU by the scenario
+"""vLLM 0.34.0's own ``qwen4_exp`` model for the demo checkpoint, built on the CPU by the scenario
 scripts (run in their own processes against stock and patched vLLM trees).
 
-What cannot exist on the CPU is stood in for, and only that: FlashAttention's availability probe
-(QSA never runs flash-attn over its cache; the probe only guards the import).
+What cannot exist on the CPU is stood in for, and only that, where each scenario does it (vLLM
+0.34.0's QSA no longer asks FlashAttention's availability, which 0.33.0's did at build).
 """
 import importlib
 import json
@@ -48,9 +48,7 @@ def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheCo
         initialize_model_parallel(1, 1)
         torch.set_default_dtype(torch.bfloat16)
         importlib.import_module("vllm.models.qwen4_exp.nvidia.model")
-        qsa = importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa")
-        qsa.is_flash_attn_varlen_func_available = lambda: True
-        yield config, qsa
+        yield config, importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa")
 
 
 def build_model(config):
