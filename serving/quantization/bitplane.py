@@ -18,6 +18,7 @@ from flashnext.quant.formats.packing import dequantize_groups
 from flashnext.quant.kernels._common import can_launch
 from flashnext.quant.kernels.decode_mma import bitplane_matmul, warm_bitplane_matmul
 from flashnext.serving.hooks.vllm_bases import linear_method_base, loads_with_weight_loader_v2
+from flashnext.serving.quantization.load_pattern import reallocate_as_repacked
 
 
 def _compiles_kernels(weights: torch.Tensor) -> bool:
@@ -71,6 +72,8 @@ class BitplaneLinearMethod(linear_method_base()):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.planes_kept:
+            # both planes in one region of the dense words' size, moved once as a repack would
+            reallocate_as_repacked(layer)
             if _compiles_kernels(layer.weight_packed):
                 warm_bitplane_matmul(layer.weight_packed, layer.weight_scale)
             return

@@ -14,6 +14,7 @@ import torch
 
 from flashnext import envs
 from flashnext.quant.kernels.decode_mma import int8_matmul, int8_weights
+from flashnext.serving.quantization.load_pattern import reallocate_as_repacked
 from flashnext.serving.hooks.vllm_bases import (linear_method_base, loads_with_weight_loader_v2,
                                                 quantization_config_base, quantize_method_base)
 
@@ -59,6 +60,9 @@ class Int8LinearMethod(_Int8Matmul, linear_method_base()):
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
         _int8_parameters(layer, sum(output_partition_sizes), input_size_per_partition, self.group_size,
                          params_dtype, extra_weight_attrs.get("weight_loader"))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        reallocate_as_repacked(layer)  # the words stay as loaded, and move once as a repack would
 
 
 def vllm_lm_head_scheme(group_size: int, input_size_per_partition: int, output_partition_sizes: list[int],
