@@ -1,4 +1,4 @@
-"""Issue 40: the engine held to the memory ledger (serving/capacity/ledger.py), on the CPU at PP=1.
+"""Issue 40: the engine held to the memory ledger (serving/capacity/ledger.py), on the CPU at PP=1 and 2.
 
 vLLM 0.34.0's own ``qwen4_exp`` model for the demo checkpoint, with the patched tree and patch
 qsa-offload on, goes through start-up (the model built: the QSA arena; the KV cache planned by
@@ -25,16 +25,19 @@ interpreter takes seconds a query row; what they compute is held by test_qsa_off
 test_ledger.py); the scheduler (written-out requests, blocks and chunks); the layer's weights
 (seeded; no quantization config: the CPU has no kernels for it); the QSA indexer and the
 ``reshape_and_cache_flash`` CUDA op (CUDA-only; vLLM's Triton twin writes, and its launches are
-not held: on a GPU it is no Triton kernel). Not covered: vLLM's profile run, EngineCore and its
-scheduler, PP=2, MTP and structured output, decode-05's MoE block, the PLE and ViT paths.
+not held: on a GPU it is no Triton kernel). At PP=2 (two gloo ranks, vLLM's own pipeline groups
+and joint KV planning) each rank is held to its own ledger. Not covered: vLLM's profile run,
+EngineCore and its scheduler, MTP and structured output, decode-05's MoE block, the PLE and ViT
+paths.
 """
 
 import dataclasses
 import json
+import os
 
 import pytest
 
-from support import SUPPORT_DIR, free_port, run_scenario
+from support import SUPPORT_DIR, free_port, run_scenario, two_ranks
 
 from flashnext.serving import capacity
 from flashnext.serving.capacity import ledger as ledgers
@@ -60,26 +63,35 @@ SITES = {
 }
 
 
-def demo_shape() -> capacity.ServingShape:
+def demo_shape(world: int = 1) -> capacity.ServingShape:
     profile = capacity.ServingShape.from_profile(load_profile("3x3090"))
     return capacity.ServingShape(
-        1, 4096, KV_BYTES, True, 0, None, True, True, images=False, engram_cpu_offload=False,
+        world, 4096, KV_BYTES, True, 0, None, True, True, images=False, engram_cpu_offload=False,
         max_num_batched_tokens=profile.max_num_batched_tokens, max_num_seqs=MAX_NUM_SEQS,
         cudagraph_capture_sizes=profile.cudagraph_capture_sizes)
 
 
-def demo_ledger(demo_snapshot) -> ledgers.RankLedger:
+def demo_ledgers(demo_snapshot, world: int = 1) -> list[ledgers.RankLedger]:
     text = capacity.load_text_config(demo_snapshot)
-    shape = demo_shape()
-    (rank,) = ledgers.ledger(text, shape, capacity.plan(text, shape), model=demo_snapshot).ranks
+    shape = demo_shape(world)
+    return ledgers.ledger(text, shape, capacity.plan(text, shape), model=demo_snapshot).ranks
+
+
+def demo_ledger(demo_snapshot) -> ledgers.RankLedger:
+    (rank,) = demo_ledgers(demo_snapshot)
     return rank
 
 
+def scenario_args(demo_snapshot, world: int, warm_up: bool = True) -> tuple:
+    """engine_ledger_scenario.py's arguments after RANK and PORT."""
+    shape = demo_shape(world)
+    return (world, demo_snapshot, KV_BYTES, shape.max_num_batched_tokens, MAX_NUM_SEQS,
+            ",".join(map(str, shape.cudagraph_capture_sizes)), 1 if warm_up else 0)
+
+
 def serve(tree, demo_snapshot, warm_up: bool) -> dict:
-    shape = demo_shape()
     script = (SUPPORT_DIR / "engine_ledger_scenario.py").read_text()
-    args = (str(demo_snapshot), free_port(), str(KV_BYTES), str(shape.max_num_batched_tokens), str(MAX_NUM_SEQS),
-            ",".join(map(str, shape.cudagraph_capture_sizes)), "1" if warm_up else "0")
+    args = ("0", free_port(), *map(str, scenario_args(demo_snapshot, 1, warm_up)))
     return run_scenario(script, args, str(tree), ENV)
 
 
@@ -195,3 +207,32 @@ def test_without_the_warm_up_the_staged_prefill_compiles_while_serving(patched_t
     assert new[f"prefill {MAX_NUM_SEQS} x 24"] == {"_attention_kernel", "_fold_kernel", "_merge_kernel"}
     assert all(new[f"decode {rows}"] == {"_attention_kernel"} for rows in range(13, 17))
     assert not any(f"decode {rows}" in new for rows in range(1, 13))  # the capture's
+
+
+@pytest.fixture(scope="module")
+def served_pp2(patched_tree, demo_snapshot) -> list[dict]:
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(patched_tree), str(SUPPORT_DIR.parent)])}
+    return two_ranks(env, "engine_ledger_scenario.py", scenario_args(demo_snapshot, 2))
+
+
+def test_each_rank_at_pp2_holds_its_own_ledger(served_pp2, demo_snapshot):
+    """PP=2 over gloo, the engine's own layer split and joint KV planning: the rank without a QSA
+    layer allocates nothing of flashnext's at start-up and its ledger lists no QSA entry; the rank
+    with it holds its arena, row-cache state and host rows exactly as its ledger says, and serves
+    the same steps as at PP=1 inside that ledger, compiling nothing."""
+    first, last = served_pp2
+    ranks = demo_ledgers(demo_snapshot, 2)
+    assert [r["qsa_layers"] for r in served_pp2] == [0, 1]
+    assert first["num_blocks"] == last["num_blocks"] and first["block_size"] == last["block_size"] == 1024
+    assert not [a for s in first["steps"] for a in s["allocations"]]
+    assert first["arena_bytes"] == first["host_rows_bytes"] == 0
+    assert not [e.name for e in ranks[0].entries if e.owner.startswith("qsa-offload")]
+    by_name = {e.name: e for e in ranks[1].entries}
+    load = next(s for s in last["steps"] if s["name"] == "load")
+    assert sum(a["bytes"] for a in load["allocations"] if a["outlived"]) == (
+        by_name["QSA staging arena"].gpu_startup + by_name["decode-07 row-cache state"].gpu_startup)
+    assert last["arena_bytes"] == by_name["QSA staging arena"].gpu_startup
+    assert last["host_rows_bytes"] == by_name["QSA K/V host rows"].pinned_host
+    assert not outside_the_ledger(last, ranks[1])
+    assert not new_variants(last)
+    assert [s["name"] for s in serving(last)][-1] == f"decode {MAX_NUM_SEQS} with the long prompt"

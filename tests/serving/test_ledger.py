@@ -230,11 +230,12 @@ own planner (resolve_kv_cache_layout, get_global_kv_cache_groups, get_kv_cache_c
 Stood in for: the quantization config (dropped: the specs do not read it, the CPU has no kernels for
 it); and, on the last rank, what patch qsa-offload asks of the
 draft's model class (recorded first, then answered with the target's state specs)."""
-import dataclasses, importlib, json, sys
+import dataclasses, json, sys
 import torch
-from vllm.config import (CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, replace,
-                         set_current_vllm_config)
-from vllm.distributed import get_pp_group, init_distributed_environment, initialize_model_parallel
+from vllm.config import CacheConfig, replace, set_current_vllm_config
+from vllm.distributed import get_pp_group
+
+from support.vllm_demo import demo_vllm, plan_kv_caches
 
 rank, port, snapshot, world, kv_bytes = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 
@@ -249,25 +250,13 @@ def described(spec) -> dict:
     return {"type": type(spec).__name__, "page_size_bytes": spec.page_size_bytes, **fields}
 
 
-model_config = ModelConfig(model=snapshot, max_model_len=262144, skip_tokenizer_init=True, dtype="bfloat16",
-                           hf_overrides=drop_quantization)
-parallel = ParallelConfig(pipeline_parallel_size=world)
-speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model_config,
-                                target_parallel_config=parallel)
-config = VllmConfig(model_config=model_config, parallel_config=parallel, speculative_config=speculative,
-                    cache_config=CacheConfig(mamba_cache_mode="align", enable_prefix_caching=True))
-config.engram_config.cpu_offload = False
 out = {"rank": rank}
-with set_current_vllm_config(config):
-    init_distributed_environment(world_size=world, rank=rank, distributed_init_method="tcp://127.0.0.1:" + port,
-                                 local_rank=rank, backend="gloo")
-    initialize_model_parallel(1, world)
-    torch.set_default_dtype(torch.bfloat16)
-    importlib.import_module("vllm.models.qwen4_exp.nvidia.model")
-    qsa = importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa")
+with demo_vllm(snapshot, port, drop_quantization, CacheConfig(mamba_cache_mode="align", enable_prefix_caching=True),
+               mtp=True, rank=rank, world=world, max_model_len=262144) as (config, qsa):
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.model_executor.models import ModelRegistry
 
+    model_config, speculative = config.model_config, config.speculative_config
     with torch.device("meta"):
         initialize_model(vllm_config=config)
         if get_pp_group().is_last_rank:
@@ -290,24 +279,9 @@ with set_current_vllm_config(config):
 
     Platform._align_hybrid_block_size(config, qsa.Qwen4ExpQSABackend)
     out["block_size"] = config.cache_config.block_size
-    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
-
-    specs = get_kv_cache_spec(config)
+    specs, _, layout, configs, groups = plan_kv_caches(config, kv_bytes)
     out["specs"] = {name: described(spec) for name, spec in specs.items()}
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-
-    layouts = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))]
-    everyone, every_layout = [None] * world, [None] * world
-    torch.distributed.all_gather_object(everyone, specs, group=get_pp_group().cpu_group)
-    torch.distributed.all_gather_object(every_layout, layouts, group=get_pp_group().cpu_group)
     if rank == 0:
-        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-
-        layout = resolve_kv_cache_layout(config, every_layout, [s for ss in everyone for s in ss.values()])
-        config.cache_config.kv_cache_layout = layout.name
-        groups = get_global_kv_cache_groups(config, everyone)
-        configs = get_kv_cache_configs(config, everyone, [kv_bytes] * world, groups)
         out["num_blocks"] = [c.num_blocks for c in configs]
         out["block_bytes"] = [sorted({t.block_stride for t in c.kv_cache_tensors}) for c in configs]
         out["groups"] = sorted(sorted(g.layer_names) for g in groups)

@@ -36,7 +36,7 @@ def free_port() -> str:
 def two_ranks(extra_env: dict, scenario: str = "pp_ranks_scenario.py", args: tuple = ()) -> list[dict]:
     """Run ``scenario RANK PORT *args`` as both ranks of a two-rank gloo group; their JSON results."""
     script = SUPPORT_DIR / scenario
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", **extra_env)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", **extra_env}
     port = free_port()
     procs = [fork_server.start([sys.executable, str(script), str(rank), port, *map(str, args)], env=env)
              for rank in range(2)]

@@ -1,17 +1,20 @@
 """Start and serve vLLM 0.34.0's own ``qwen4_exp`` model for the demo checkpoint on the CPU with the
-patched tree (patch qsa-offload on), recording what flashnext's code allocates and which Triton
-variants it launches; prints JSON. Run by tests/serving/test_engine_ledger.py:
-``python engine_ledger_scenario.py SNAPSHOT PORT KV_BYTES MAX_NUM_BATCHED_TOKENS MAX_NUM_SEQS
-CAPTURE_SIZES WARM_UP`` (CAPTURE_SIZES comma-separated; WARM_UP 0 runs ``OffloadedQSA.bind``
-without ``RowCache.warm``, as the tree was before it).
+patched tree (patch qsa-offload on) as one rank of a pipeline of WORLD gloo ranks, recording what
+flashnext's code allocates and which Triton variants it launches; prints JSON. Run by
+tests/serving/test_engine_ledger.py: ``python engine_ledger_scenario.py RANK PORT WORLD SNAPSHOT
+KV_BYTES MAX_NUM_BATCHED_TOKENS MAX_NUM_SEQS CAPTURE_SIZES WARM_UP`` (CAPTURE_SIZES
+comma-separated; WARM_UP 0 runs ``OffloadedQSA.bind`` without ``RowCache.warm``, as the tree was
+before it).
 
 Start-up, in the engine's order: the model built (``GPUModelRunner.load_model``: the QSA arena
-appears), the block size set, the KV cache planned (``EngineCore._initialize_kv_caches``) and
+appears), the block size set, the KV cache planned (``EngineCore._initialize_kv_caches``: every
+rank's specs gathered and laid out together, each rank taking its own) and
 allocated and bound (Model Runner V2's ``init_attn_backend`` and ``init_kv_cache``: the host rows
 and the prefill kernels' warm-up), then one decode step of each CUDA-graph capture size through
 the QSA layer. Serving: a prefill of MAX_NUM_SEQS short prompts, decode steps of 1..MAX_NUM_SEQS
 rows, a long prompt in chunks of MAX_NUM_BATCHED_TOKENS over more arena windows than three, the
-chunks batched with decodes. Every step is the QSA layer's own ``forward`` (its projections,
+chunks batched with decodes. A rank that holds no QSA layer has start-up only: its other layers'
+steps run no flashnext code this scenario reaches. Every step is the QSA layer's own ``forward`` (its projections,
 ``_run_qsa``, ``o_proj``) under a forward context holding the metadata vLLM's
 ``QSAIndexerMetadataBuilder`` built.
 
@@ -44,9 +47,10 @@ from support.vllm_demo import (
     stand_in_cache_writer, stand_in_qsa_indexer,
 )
 
-snapshot, port, kv_bytes, batched_tokens, max_seqs = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-capture_sizes = [int(n) for n in sys.argv[6].split(",")]
-warm_up = sys.argv[7] == "1"
+rank, port, world, snapshot = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+kv_bytes, batched_tokens, max_seqs = map(int, sys.argv[5:8])
+capture_sizes = [int(n) for n in sys.argv[8].split(",")]
+warm_up = sys.argv[9] == "1"
 LONG_PROMPT = 3_300  # tokens: over four blocks of the demo's 1,024, a window each in its one-block arena
 SHORT_PROMPT = 24  # tokens: MAX_NUM_SEQS of them fit one step's budget
 
@@ -61,7 +65,7 @@ recorder = Allocations(code, code[0].parent)
 # vLLM's metadata builder runs its kernel: the step reads what it writes
 launches = Launches(run=frozenset({"_build_qsa_metadata_kernel"}))
 steps = []
-out = {}
+out = {"rank": rank}
 
 
 @contextmanager
@@ -82,7 +86,8 @@ if not warm_up:
     RowCache.warm = lambda self, host_kv, q_heads, topk: None
 
 with demo_vllm(snapshot, port, drop_quantization, CacheConfig(mamba_cache_mode="align", enable_prefix_caching=True),
-               scheduler={"max_num_seqs": max_seqs, "max_num_batched_tokens": batched_tokens}) as (config, qsa), \
+               scheduler={"max_num_seqs": max_seqs, "max_num_batched_tokens": batched_tokens}, rank=rank,
+               world=world) as (config, qsa), \
         recorder, launches.recording(), torch.no_grad():
     from vllm.forward_context import set_forward_context
     from vllm.platforms.interface import Platform
@@ -91,16 +96,22 @@ with demo_vllm(snapshot, port, drop_quantization, CacheConfig(mamba_cache_mode="
 
     with recorded("load", "start-up"):
         model = build_model(config)
-    (layer,) = [m for m in model.modules() if isinstance(m, qsa.Qwen4ExpQSAAttention)]
-    out["arena_bytes"] = runtime.ARENA.cache.nbytes
+    layers = [m for m in model.modules() if isinstance(m, qsa.Qwen4ExpQSAAttention)]
+    out["qsa_layers"] = len(layers)
+    out["arena_bytes"] = runtime.ARENA.cache.nbytes if runtime.ARENA.cache is not None else 0
     Platform._align_hybrid_block_size(config, qsa.Qwen4ExpQSABackend)
     block_size = config.cache_config.block_size
     with recorded("KV cache", "start-up"):
         _, layout, kv_config = plan_kv_cache(config, kv_bytes)
         attn_groups = allocate_kv_cache(config, kv_config, layout)
-    host_kv = layer.qsa_offload.host_kv
-    out["host_rows_bytes"] = host_kv.numel() * host_kv.element_size()
     out["num_blocks"], out["block_size"] = kv_config.num_blocks, block_size
+    host_kv = layers[0].qsa_offload.host_kv if layers else None
+    out["host_rows_bytes"] = host_kv.numel() * host_kv.element_size() if layers else 0
+    out["steps"] = steps
+    if not layers:
+        print(json.dumps(out))
+        sys.exit(0)
+    (layer,) = layers
 
     g = torch.Generator().manual_seed(0)
     for p in layer.parameters():

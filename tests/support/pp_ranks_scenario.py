@@ -1,4 +1,4 @@
-"""One rank of a pipeline of WORLD gloo ranks on the CPU building vLLM 0.33.0's own ``qwen4_exp``
+"""One rank of a pipeline of WORLD gloo ranks on the CPU building vLLM 0.34.0's own ``qwen4_exp``
 model for the demo checkpoint with MTP speculative decoding, as ``vllm serve --speculative-config
 '{"method": "mtp"}'`` configures it, and loading the release's INT8 ``embed_tokens`` and ``lm_head``
 (patches mtp-01, mtp-02, int8-modules; mem-01's placement is vLLM 0.34.0's own):
@@ -20,7 +20,6 @@ Stood in for, because it cannot exist on the CPU: the routed experts' post-load 
 never run here). The quantization config keeps its INT8 groups (the rest have no CPU kernel);
 the PLE and indexer projections, which vLLM quantizes itself through Marlin, are dropped from them.
 """
-import importlib
 import json
 import os
 import sys
@@ -28,9 +27,9 @@ import sys
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 from safetensors import safe_open
-from vllm.config import (CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig,
-                         set_current_vllm_config)
-from vllm.distributed import get_pp_group, init_distributed_environment, initialize_model_parallel
+from vllm.distributed import get_pp_group
+
+from support.vllm_demo import demo_vllm
 
 rank, port, snapshot, world = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 TEXT = "model.language_model."
@@ -72,21 +71,8 @@ def method(module) -> str:
     return type(getattr(module, "quant_method", None)).__name__ if hasattr(module, "quant_method") else "-"
 
 
-model_config = ModelConfig(model=snapshot, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16",
-                           hf_overrides=int8_embedding_and_mixers)
-parallel = ParallelConfig(pipeline_parallel_size=world)
-speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model_config,
-                                target_parallel_config=parallel)
-config = VllmConfig(model_config=model_config, cache_config=CacheConfig(), parallel_config=parallel,
-                    speculative_config=speculative)
-config.engram_config.cpu_offload = False
 out = {"rank": rank}
-with set_current_vllm_config(config):
-    init_distributed_environment(world_size=world, rank=rank, distributed_init_method="tcp://127.0.0.1:" + port,
-                                 local_rank=rank, backend="gloo")
-    initialize_model_parallel(1, world)
-    torch.set_default_dtype(torch.bfloat16)
-    importlib.import_module("vllm.models.qwen4_exp.nvidia.model")
+with demo_vllm(snapshot, port, int8_embedding_and_mixers, mtp=True, rank=rank, world=world) as (config, _):
     from vllm.model_executor.model_loader.utils import initialize_model
 
     target = initialize_model(vllm_config=config)

@@ -18,8 +18,10 @@ from vllm.distributed import init_distributed_environment, initialize_model_para
 
 @contextmanager
 def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheConfig | None = None,
-              mtp: bool = False, text_only: bool = False, scheduler: dict | None = None):
-    """A current ``VllmConfig`` for the demo checkpoint with one gloo rank (``mtp``: with MTP
+              mtp: bool = False, text_only: bool = False, scheduler: dict | None = None, rank: int = 0,
+              world: int = 1, max_model_len: int = 4096):
+    """A current ``VllmConfig`` for the demo checkpoint as rank ``rank`` of a pipeline of ``world``
+    gloo ranks, vLLM's own pipeline groups initialised (``mtp``: with MTP
     speculative decoding, as ``--speculative-config '{"method": "mtp"}'`` sets it; ``text_only``: no
     image or video per prompt, as ``--limit-mm-per-prompt`` sets it, which vLLM's scheduler needs
     here: its multimodal budget needs a tokenizer, and the demo has none; ``scheduler``: the
@@ -30,22 +32,23 @@ def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheCo
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    model_config = ModelConfig(model=snapshot, max_model_len=4096, skip_tokenizer_init=True, dtype="bfloat16",
-                               hf_overrides=hf_overrides if hf_overrides is not None else {},
+    model_config = ModelConfig(model=snapshot, max_model_len=max_model_len, skip_tokenizer_init=True,
+                               dtype="bfloat16", hf_overrides=hf_overrides if hf_overrides is not None else {},
                                limit_mm_per_prompt={"image": 0, "video": 0} if text_only else None)
+    parallel = ParallelConfig(pipeline_parallel_size=world)
     speculative = None
     if mtp:
         speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model_config,
-                                        target_parallel_config=ParallelConfig())
+                                        target_parallel_config=parallel)
     scheduled = {} if scheduler is None else {
         "scheduler_config": SchedulerConfig.default_factory(max_model_len=model_config.max_model_len, **scheduler)}
     config = VllmConfig(model_config=model_config, cache_config=cache_config or CacheConfig(),
-                        speculative_config=speculative, **scheduled)
+                        parallel_config=parallel, speculative_config=speculative, **scheduled)
     config.engram_config.cpu_offload = False  # the PLE table in (CPU) device memory, not pinned
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:" + port,
-                                     local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
+        init_distributed_environment(world_size=world, rank=rank, distributed_init_method="tcp://127.0.0.1:" + port,
+                                     local_rank=rank, backend="gloo")
+        initialize_model_parallel(1, world)
         torch.set_default_dtype(torch.bfloat16)
         importlib.import_module("vllm.models.qwen4_exp.nvidia.model")
         yield config, importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa")
@@ -119,9 +122,12 @@ def finish_layers(root, skip=None) -> None:
             method.process_weights_after_loading(module)
 
 
-def plan_kv_cache(config, kv_bytes: int):
-    """The engine core's KV cache planning for this one rank, step by step
-    (``EngineCore._initialize_kv_caches``): ``(the layers' specs, the layout, the KV cache config)``."""
+def plan_kv_caches(config, kv_bytes: int):
+    """The engine core's KV cache planning, step by step (``EngineCore._initialize_kv_caches``): every
+    rank's specs gathered over the pipeline group as the executor collects its workers', then
+    grouped and laid out together. ``(this rank's specs, every rank's, the layout, every rank's KV
+    cache config, the global groups)``; each rank computes the same."""
+    from vllm.distributed import get_pp_group
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
@@ -129,9 +135,23 @@ def plan_kv_cache(config, kv_bytes: int):
 
     specs = get_kv_cache_spec(config)
     layouts = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))]
-    layout = resolve_kv_cache_layout(config, [layouts], list(specs.values()))
-    (kv_config,) = get_kv_cache_configs(config, [specs], [kv_bytes], get_global_kv_cache_groups(config, [specs]))
-    return specs, layout, kv_config
+    world = config.parallel_config.pipeline_parallel_size
+    everyone, every_layout = [specs], [layouts]
+    if world > 1:
+        everyone, every_layout = [None] * world, [None] * world
+        torch.distributed.all_gather_object(everyone, specs, group=get_pp_group().cpu_group)
+        torch.distributed.all_gather_object(every_layout, layouts, group=get_pp_group().cpu_group)
+    layout = resolve_kv_cache_layout(config, every_layout, [s for ss in everyone for s in ss.values()])
+    groups = get_global_kv_cache_groups(config, everyone)
+    return specs, everyone, layout, get_kv_cache_configs(config, everyone, [kv_bytes] * world, groups), groups
+
+
+def plan_kv_cache(config, kv_bytes: int):
+    """:func:`plan_kv_caches` for this rank: ``(its layers' specs, the layout, its KV cache config)``."""
+    from vllm.distributed import get_pp_group
+
+    specs, _, layout, configs, _ = plan_kv_caches(config, kv_bytes)
+    return specs, layout, configs[get_pp_group().rank_in_group]
 
 
 def allocate_kv_cache(config, kv_config, layout):

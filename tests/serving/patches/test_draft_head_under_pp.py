@@ -29,14 +29,15 @@ HEAD_BYTES = 4096 * 256 + 4096 * 2 * 2 + 16
 def pp2(tree, snapshot, **switches) -> list[dict]:
     """Both ranks' results; ``tree`` None: the installed (stock) vLLM."""
     path = [str(tree)] if tree else []
-    env = {**ENV, **switches, "PYTHONPATH": os.pathsep.join([*path, str(SUPPORT_DIR.parent)])}
+    stock = {} if tree else {"VLLM_PLUGINS": ""}  # vLLM alone: flashnext's plugin left out
+    env = {**ENV, **stock, **switches, "PYTHONPATH": os.pathsep.join([*path, str(SUPPORT_DIR.parent)])}
     return two_ranks(env, "pp_ranks_scenario.py", (snapshot, 2))
 
 
 def pp1(tree, snapshot, **switches) -> dict:
     script = (SUPPORT_DIR / "pp_ranks_scenario.py").read_text()
     return run_scenario(script, ("0", free_port(), str(snapshot), "1"), str(tree) if tree else None,
-                        {**ENV, "VLLM_TARGET_DEVICE": "cpu", **switches})
+                        {**ENV, "VLLM_TARGET_DEVICE": "cpu", **({} if tree else {"VLLM_PLUGINS": ""}), **switches})
 
 
 @pytest.fixture(scope="module")
