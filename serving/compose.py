@@ -1,4 +1,5 @@
-"""Rendering a serving profile as a Compose file, and the vLLM command line it runs.
+"""Rendering a serving profile as a Compose file (the vLLM command line it runs is the profile's:
+:func:`flashnext.serving.profiles.vllm_command`).
 
 The container runs ``flashnext serve --engine native`` (the image installs flashnext), which makes
 a view of the snapshot with the overlays applied (symlinks, ``flashnext.quant.overlays.view``) and
@@ -18,15 +19,14 @@ import yaml
 from flashnext import __version__, envs
 from flashnext.errors import FlashnextError
 from flashnext.serving.patches.series import VLLM_VERSION
-from flashnext.serving.profiles import Profile, capabilities_to_grant, is_shipped
+from flashnext.serving.profiles import CONTAINER_PORT, MODEL_DIR, Profile, capabilities_to_grant, is_shipped
+from flashnext.serving.profiles import vllm_command  # noqa: F401  (the profile's: load_profile checks it)
 
 # vLLM's own image of the release the series is cut against (serving/Dockerfile's FROM, and
 # manifests/vllm-VERSION.json's "image": tests/test_project.py holds the three to one release).
 BASE_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 IMAGE = f"flashnext/vllm-openai:v{VLLM_VERSION}-flashnext{__version__}"
 SERVICE = "vllm"
-CONTAINER_PORT = 8000
-MODEL_DIR = "/models/snapshot"
 OVERLAY_DIR = "/models/overlays"
 PLE_PATH = "/models/ple/table.bin"
 PROFILE_DIR_IN_CONTAINER = "/models/profile"  # where a profile file that is not shipped is mounted
@@ -47,11 +47,6 @@ class ServeRequest:
     @property
     def host_port(self) -> int:
         return self.port or self.profile.container.port
-
-
-def vllm_command(profile: Profile, model: str, listen: str, port: int) -> list[str]:
-    """``vllm serve MODEL`` with the profile's arguments."""
-    return ["vllm", "serve", model, *profile.vllm_args, "--host", listen, "--port", str(port)]
 
 
 def runtime_env(profile: Profile, ple_table: str | None) -> dict[str, str]:

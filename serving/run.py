@@ -247,7 +247,8 @@ def native_command(profile, model: Path, overlays: tuple[Path, ...], ple_table: 
     """``vllm serve`` and the environment that run ``profile`` on this host, every path absolute
     (vLLM and its workers may run from another directory). With overlays, the model is the view of
     the snapshot with them applied (:func:`view_dir`), made here unless ``make_view`` is False."""
-    from flashnext.serving.compose import runtime_env, vllm_command
+    from flashnext.serving.compose import runtime_env
+    from flashnext.serving.profiles import vllm_command
 
     model_dir = Path(model).absolute()
     if overlays:

@@ -24,8 +24,7 @@ from flashnext.quant.records.inputs import open_regular
 from flashnext.quant.records.jsonfile import validate
 from flashnext.quant.records.strict import StrictRecord
 from flashnext.serving.bench.client import LOGPROB_FLOOR, LOGPROB_SLACK, Malformed, parse_strict, redact_url
-from flashnext.serving.bench.phases.images import DEFAULTS as IMAGES
-from flashnext.serving.bench.phases.multiturn import DEFAULTS as MULTITURN
+from flashnext.serving.bench.defaults import IMAGES, MULTITURN
 
 SCHEMA_VERSION = 2
 # Schema 1 named the sides "A" and "B" (the baseline A in one place, this run A in another).

@@ -4,6 +4,6 @@ Split the way vLLM splits ``layers/quantization/`` from its model files: a metho
 weight format (its parameters, how it loads, which kernel multiplies by it) and nothing about
 which layer gets it; the patches' adapters in :mod:`flashnext.serving.hooks` decide that, per
 switch and per checkpoint. vLLM's base classes are fetched when a method class is first imported
-(:mod:`flashnext.serving.hooks.vllm_bases`), which only a patched vLLM does: the command lines
+(:mod:`flashnext.serving.quantization.vllm_bases`), which only a patched vLLM does: the command lines
 never import vLLM.
 """

@@ -17,8 +17,8 @@ from flashnext.quant.formats.bitplane import bitplane_to_codes, bitplane_to_dens
 from flashnext.quant.formats.packing import dequantize_groups
 from flashnext.quant.kernels._common import can_launch
 from flashnext.quant.kernels.decode_mma import bitplane_matmul, warm_bitplane_matmul
-from flashnext.serving.hooks.vllm_bases import linear_method_base, loads_with_weight_loader_v2
 from flashnext.serving.quantization.load_pattern import reallocate_as_repacked
+from flashnext.serving.quantization.vllm_bases import linear_method_base, loads_with_weight_loader_v2
 
 
 def _compiles_kernels(weights: torch.Tensor) -> bool:

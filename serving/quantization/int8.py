@@ -15,8 +15,8 @@ import torch
 from flashnext import envs
 from flashnext.quant.kernels.decode_mma import int8_matmul, int8_weights
 from flashnext.serving.quantization.load_pattern import reallocate_as_repacked
-from flashnext.serving.hooks.vllm_bases import (linear_method_base, loads_with_weight_loader_v2,
-                                                quantization_config_base, quantize_method_base)
+from flashnext.serving.quantization.vllm_bases import (linear_method_base, loads_with_weight_loader_v2,
+                                                       quantization_config_base, quantize_method_base)
 
 
 def _int8_parameters(layer: torch.nn.Module, rows: int, cols: int, group: int, dtype: torch.dtype,

@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the report's types sit below the phases; the runner, above them, is not imported
     from flashnext.serving.bench.report import BenchReport, EndpointReport, Settings, Summary
-    from flashnext.serving.bench.runner import Bench
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,11 @@ class Phase(Protocol):
     def planned_requests(self, settings: Settings) -> int:
         """The requests it sends to each endpoint."""
 
-    async def run(self, bench: Bench) -> None: ...
+    async def run(self, bench) -> None:
+        """Send its requests through ``bench``, the runner's
+        :class:`~flashnext.serving.bench.runner.Bench` (``bench.body``, ``bench.send``,
+        ``bench.endpoints``, ``bench.settings``), and keep its results in each endpoint's
+        ``results[report_field]``."""
 
     def problems(self, e: EndpointReport) -> list[str]:
         """What went wrong in its answers, one line each (failed requests are counted apart)."""

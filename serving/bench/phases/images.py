@@ -18,15 +18,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flashnext.serving.bench import plots
+from flashnext.serving.bench.defaults import IMAGES as DEFAULTS  # seed 000 section 6's; Settings' defaults too
 from flashnext.serving.bench.phases.base import Int, Option, PhaseDefaults, Size, summary_of
 from flashnext.serving.bench.plots import Column, ms, table
 
 if TYPE_CHECKING:
     from flashnext.serving.bench.report import ImagesResult
-
-# Seed 000 section 6: 45 images of 2 MP (2048 x 1024 = 2,097,152 pixels, its max_pixels).
-DEFAULTS = {"images": 45, "image_size": [2048, 1024], "image_concurrency": 4, "image_prefill_tokens": 65536,
-            "image_max_tokens": 16}
 
 
 class Images(PhaseDefaults):

@@ -20,16 +20,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flashnext.serving.bench import plots
+from flashnext.serving.bench.defaults import MULTITURN as DEFAULTS  # seed 004's; Settings' defaults too
 from flashnext.serving.bench.phases.base import Int, Ints, Option, PhaseDefaults, summary_of
 from flashnext.serving.bench.plots import Column, ms, table
 
 if TYPE_CHECKING:
     from flashnext.serving.bench.client import Completion
     from flashnext.serving.bench.report import MultiturnPoint, TurnStats
-
-# Seed 004: 13 turns, the first 74,160 tokens, later turns 753 in and 753 out.
-DEFAULTS = {"multiturn_sessions": [1, 2, 4, 8], "multiturn_turns": 13, "multiturn_first_tokens": 74160,
-            "multiturn_turn_tokens": 753, "multiturn_output_tokens": 753}
 
 
 class Multiturn(PhaseDefaults):

@@ -1,6 +1,8 @@
-"""vLLM's base classes for the quantization methods the hooks define. A hook module is imported from
-inside a patched vLLM; fetching the bases through these functions keeps vLLM out of the import of
-anything else in flashnext (the command lines never import it)."""
+"""vLLM's base classes for the quantization methods of this folder, which the hooks choose. A method
+module is imported from inside a patched vLLM; fetching the bases through these functions keeps
+vLLM out of the import of anything else in flashnext (the command lines never import it). It sits
+here, under the hooks, so that both the methods and the hooks import it downward
+(docs/architecture.md, "The layers")."""
 
 from __future__ import annotations
 
