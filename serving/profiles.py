@@ -46,6 +46,11 @@ MAX_WAIT_S = 3600
 MAX_START_PERIOD_S = 24 * 3600
 MAX_RETRIES = 100
 MAX_SHM_BYTES = 64 << 40  # /dev/shm is a tmpfs in host RAM: more than any host has
+# A GPU's memory in GiB, as nvidia-smi reports it (24 for an RTX 3090): `plan` reads each rank's
+# VRAM against it. At least 1 GiB (what the driver keeps, 0.44 GiB on a 3090, must leave room), and
+# at most 1 TiB, several times the largest card made.
+MIN_GPU_MEMORY_GIB = 1
+MAX_GPU_MEMORY_GIB = 1024
 # Docker's size grammar, in its lowercase whole-number form: 16gb, 16g, 512m, 1048576.
 SHM_SIZE = re.compile(r"([1-9][0-9]{0,15})([kmgt]?)b?")
 _SHM_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -63,6 +68,10 @@ IPC_MODES = ("host", "private")
 # Where vLLM listens and what it serves are flashnext's: vllm_command puts serve's --listen and
 # --port, and the model (or its view with the overlays), after the profile's arguments.
 FLASHNEXT_OPTIONS = ("--host", "--port", "--uds", "--model")
+# Inside the serving container (serving/compose.py): the port vLLM listens on and the snapshot's
+# mount. Here because load_profile checks the very command line the container runs.
+CONTAINER_PORT = 8000
+MODEL_DIR = "/models/snapshot"
 # A file of further arguments, which could set those out of sight, and which vLLM's parser would
 # open on this host while the profile is checked.
 ARGUMENTS_FILE_OPTIONS = ("--config",)
@@ -154,6 +163,7 @@ Port = Annotated[int, Field(ge=1, le=MAX_PORT)]
 WaitSeconds = Annotated[int, Field(ge=1, le=MAX_WAIT_S)]
 StartPeriodSeconds = Annotated[int, Field(ge=1, le=MAX_START_PERIOD_S)]
 Retries = Annotated[int, Field(ge=1, le=MAX_RETRIES)]
+GpuMemoryGiB = Annotated[float, Field(ge=MIN_GPU_MEMORY_GIB, le=MAX_GPU_MEMORY_GIB)]
 
 
 @strict_dataclass
@@ -187,6 +197,10 @@ class Profile:
     container: ContainerSettings
     uses_ple_table: bool
     healthcheck: Healthcheck
+    # Each GPU's memory in GiB, where the profile is for one kind of card: `plan` shows each rank's
+    # VRAM against it (`plan --gpu-memory` overrides it). Optional: a profile without it is planned
+    # without the card's columns.
+    gpu_memory_gib: GpuMemoryGiB | None = None
     # Where it was read from, set by load_profile: not a key of the file.
     path: SkipJsonSchema[Path] = field(default=PROFILE_DIR, compare=False)
 
@@ -268,9 +282,14 @@ def _parse_with_vllm(profile: Profile) -> None:
     if not vllm_release.supported(vllm_release.installed_version()):
         return
     from flashnext.serving.capacity.shape import parse_serve_command
-    from flashnext.serving.compose import CONTAINER_PORT, MODEL_DIR, vllm_command
 
     parse_serve_command(vllm_command(profile, MODEL_DIR, "0.0.0.0", CONTAINER_PORT)[2:], f"{profile.path}: vllm_args")
+
+
+def vllm_command(profile: Profile, model: str, listen: str, port: int) -> list[str]:
+    """``vllm serve MODEL`` with the profile's arguments: what serve runs, natively or in the
+    container (serving/compose.py), and what :func:`load_profile` has vLLM's parser check."""
+    return ["vllm", "serve", model, *profile.vllm_args, "--host", listen, "--port", str(port)]
 
 
 def profile_name(arg: str) -> str:
@@ -307,6 +326,9 @@ def profile_text(profile: Profile) -> str:
     data = {f.name: getattr(profile, f.name) for f in dataclasses.fields(Profile) if f.name != "path"}
     data["container"] = dataclasses.asdict(profile.container)
     data["healthcheck"] = dataclasses.asdict(profile.healthcheck)
+    memory = data.pop("gpu_memory_gib")
+    if memory is not None:  # left out where unset; a whole number of GiB as one (24, not 24.0)
+        data["gpu_memory_gib"] = int(memory) if float(memory).is_integer() else memory
     return json.dumps(data, indent=2) + "\n"
 
 

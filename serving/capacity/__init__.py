@@ -5,8 +5,10 @@ The package is split by concern, each module importing only those before it: ``m
 and vision configs), ``vision`` (the tower's memory and vit-stream's slot rule), ``shape`` (the one
 reader of a profile's vLLM arguments), ``rules`` (host headroom and pinned-allocation rounding),
 ``kv`` (the KV cache specs, vLLM's grouping and the block-size rule the engine shares),
-``qwen4_exp`` (that family's plan) and ``ledger`` (every byte the patches hold per rank, and the
-pinned host terms the preflight counts; imported where it is used).
+``qwen4_exp`` (that family's plan), ``ledger`` (every byte the patches hold per rank, and the
+pinned host terms the preflight counts), ``vram`` (each rank's memory in one table, the one
+``flashnext plan`` leads with, and the seed's measured weights and runtime it reads) and ``rig`` (a
+rig's profile, decided by that table); the last three imported where they are used.
 
 :data:`FAMILIES` is the one table of the model families that can be planned. ``flashnext plan``,
 ``serve``'s plan line and the preflight's host-RAM check all look a profile's family up in it, so a

@@ -58,6 +58,14 @@ class LedgerEntry:
     within: str | None = None  # the entry whose bytes these are: listed, not added again
     term: str | None = None  # the preflight's host-RAM term that counts these pinned bytes
     note: str = ""
+    # The checkpoint's own tensors laid out anew (the bytes vLLM loaded for them, replaced): plan's
+    # VRAM table counts them in its weights column, not again as flashnext's (capacity/vram.py).
+    checkpoint: bool = False
+
+    @property
+    def vllms(self) -> bool:
+        """vLLM's own allocation (its KV pool, its vision tower), listed beside flashnext's."""
+        return self.owner.startswith("vLLM")
 
 
 @dataclass
@@ -351,7 +359,7 @@ def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range]
                 blocks * per_block, blocks * per_block, 0, WEIGHTS, "hooks/moe_decode.router_rows_shape",
                 note=f"{blocks} MoE blocks x [{experts}, {hidden}] bf16, made by each block's post-load hook "
                      "(vLLM's finalize_model_weights) from the router's and shared gate's weights, which it "
-                     "replaces: the bytes vLLM holds for them, in one allocation a block"))
+                     "replaces: the bytes vLLM holds for them, in one allocation a block", checkpoint=True))
     vision = plan.vision
     if vision is not None:
         tower = None

@@ -15,11 +15,11 @@ head with one draft token. What changes with the rig is decided here, by these r
   the fused decode kernels and the graphs cover 4 tokens, and seed 000 §9 measured 8 sequences
   slower than 4. On the reference rig this gives the seed's own choices: 4 x 61 = 244 blocks
   (783,000,000 B) and, with MTP, 2 x 85 = 170 (550,000,000 B).
-- **VRAM per rank:** weights + the KV pool + the QSA arena (+ the tower on the first rank) + the
-  runtime's own memory, against the GPU's memory less what the driver keeps.
+- **VRAM per rank:** the rank's row of ``plan``'s VRAM table (:mod:`.vram`): weights + KV cache +
+  runtime + flashnext's own, against the GPU's memory less what the driver keeps.
 
 The weights and the runtime's memory are seed 000's measurements of the release checkpoint
-(below); a rig plan is for that checkpoint, not for ``--model``.
+(:mod:`.vram`); a rig plan is for that checkpoint, not for ``--model``.
 """
 
 from __future__ import annotations
@@ -33,29 +33,10 @@ from flashnext.serving.capacity.model import load_text_config, load_vision_confi
 from flashnext.serving.capacity.qwen4_exp import Plan, plan_profile
 from flashnext.serving.capacity.shape import PP_LAYER_PARTITION, ServingShape, engine_args
 from flashnext.serving.capacity.vision import vision_plan
+from flashnext.serving.capacity.vram import (LAYER_WEIGHT_BYTES, RUNTIME_BYTES, SEED_WEIGHTS, VramTable, base_weights,
+                                             check_gpu_memory, seed_weights, usable_bytes, vram_table)
 
 GIB = 1 << 30
-MIB = 1 << 20
-
-# Seed 000 §6 (after patch mem-01, which vLLM 0.34.0 does itself: embed_tokens on the first rank
-# only, lm_head on the last; weights as vLLM loaded them on 16/16/16): rank 1 holds 16 decoder
-# layers and nothing else, 20.44 GiB; rank 0 holds 20.98 (its extra: embed_tokens and the PLE
-# projections), rank 2 21.05 (its extra: lm_head).
-LAYER_WEIGHT_BYTES = round(20.44 * GIB / 16)
-FIRST_RANK_WEIGHT_BYTES = round((20.98 - 20.44) * GIB)
-LAST_RANK_WEIGHT_BYTES = round((21.05 - 20.44) * GIB)
-# Seed 000 §7: the MTP head on the last rank, its routed experts INT4 g128 (make-mtp-int4) 1.17 GiB
-# and its dense part 0.17 GiB; its embedding is pinned on the host (mtp-02) and counted there.
-DRAFT_WEIGHT_BYTES = round((1.17 + 0.17) * GIB)
-# What a rank holds beyond weights, KV pool and arena at its peak (CUDA context, NCCL, activations
-# of a 512-token step, CUDA graphs, allocator slack): seed 000 §3.5's peaks, [24,022, 24,090, 24,038]
-# MiB with 4 x 247k tokens held at 783,000,000 B, less the weights then ([21.58, 21.55, 21.55] GiB),
-# the KV pool and the arena: [1,082, 1,181, 1,129] MiB; the largest
-# (tests/serving/test_rig_plan.py derives it again).
-RUNTIME_BYTES = 1181 * MIB
-# What a GPU's driver keeps out of reach: a 3090's 24,576 MiB allow 24,124 (seed 000 §3.5, where
-# 24,126 failed).
-DEVICE_RESERVED_BYTES = (24_576 - 24_124) * MIB
 
 # The profiles a rig's profile is made from: the seed's system, without and with MTP. Only the
 # rig's own settings (RIG_ARGS, the partition, the PLE table's home) differ from these.
@@ -76,9 +57,7 @@ class Rig:
     def __post_init__(self):
         if self.gpus < 1:
             raise FlashnextError(f"--gpus must be at least 1, got {self.gpus}")
-        if self.gpu_memory_bytes <= DEVICE_RESERVED_BYTES:
-            raise FlashnextError(f"--gpu-memory must be more than {DEVICE_RESERVED_BYTES / GIB:.2f} GiB, "
-                                 f"got {self.gpu_memory_bytes / GIB:g}")
+        check_gpu_memory(self.gpu_memory_bytes / GIB, "--gpu-memory")  # a profile's gpu_memory_gib holds it
         if self.host_ram_bytes <= 0:
             raise FlashnextError(f"--host-ram must be positive, got {self.host_ram_bytes / GIB:g}")
         if self.context < 1:
@@ -88,20 +67,22 @@ class Rig:
 
     @property
     def usable_vram_bytes(self) -> int:
-        return self.gpu_memory_bytes - DEVICE_RESERVED_BYTES
+        return usable_bytes(self.gpu_memory_bytes)
 
 
 @dataclass
 class RankMemory:
-    """One rank's device memory at its peak, in bytes."""
+    """One rank's device memory at its peak, in bytes: some of its parts, and its total, the
+    rank's row of the VRAM table (``RigPlan.table``)."""
 
     layers: int
-    weights: int  # decoder layers + the first/last rank's extras + the MTP draft
+    weights: int  # decoder layers + the first/last rank's extras + the MTP draft (the tower: ``vision``)
     kv_pool: int
     qsa_arena: int
-    vision: int
-    runtime: int
-    total: int
+    vision: int  # the tower's weights and its activations
+    runtime: int  # the seed's measurement
+    total: int  # the table's: weights + KV cache + runtime + flashnext's own
+    flashnext: int = 0  # the table's flashnext column (the arena among it)
 
 
 @dataclass
@@ -121,6 +102,7 @@ class RigPlan:
     largest_context_that_fits: int | None = None  # when the asked context does not fit
     fewest_gpus_that_fit: int | None = None  # when these GPUs cannot hold the weights
     profile: object = field(default=None, repr=False)  # the Profile of this plan
+    table: VramTable | None = field(default=None, repr=False)  # each rank's memory, as plan prints it
 
     @property
     def plan_num_seqs(self) -> int:
@@ -128,8 +110,10 @@ class RigPlan:
         return max(self.max_num_seqs, 1)
 
     def to_json(self) -> dict:
-        data = {k: v for k, v in asdict(self).items() if k not in ("profile", "plan")}
+        data = {k: v for k, v in asdict(dataclasses.replace(self, plan=None, profile=None, table=None)).items()
+                if k not in ("profile", "plan", "table")}
         data["plan"] = {**self.plan.to_json(), "num_seqs": self.plan_num_seqs}  # not max_num_seqs' 0
+        data["vram"] = self.table.to_json() if self.table is not None else None
         return data
 
 
@@ -143,9 +127,8 @@ def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
 def fixed_loads(rig: Rig, pp: int, vision_bytes: int) -> list[int]:
     """Each rank's device memory besides its decoder layers, KV pool and arena: the first rank's
     extras and the tower, the last rank's LM head and draft, the runtime on every rank."""
-    loads = [RUNTIME_BYTES] * pp
-    loads[0] += FIRST_RANK_WEIGHT_BYTES + vision_bytes
-    loads[-1] += LAST_RANK_WEIGHT_BYTES + (DRAFT_WEIGHT_BYTES if rig.mtp else 0)
+    loads = [RUNTIME_BYTES + w for w in seed_weights([0] * pp, rig.mtp)]
+    loads[0] += vision_bytes
     return loads
 
 
@@ -174,18 +157,22 @@ def _profile(template, rig: Rig, partition: list[int], even: bool, seqs: int, kv
     if not even:
         env[PP_LAYER_PARTITION] = ",".join(map(str, partition))
     return dataclasses.replace(template, gpus=rig.gpus, vllm_args=args, env=env,
-                               uses_ple_table=rig.ple_format == "file")
+                               uses_ple_table=rig.ple_format == "file", gpu_memory_gib=rig.gpu_memory_bytes / GIB)
 
 
-def _memory(rig: Rig, plan: Plan, partition: list[int], loads: list[int]) -> list[RankMemory]:
+def _memory(rig: Rig, profile, plan: Plan, partition: list[int]) -> tuple[list[RankMemory], VramTable]:
+    """Each rank's memory: the VRAM table ``plan`` prints (:mod:`.vram`), from the profile's ledger."""
+    from flashnext.serving.capacity.ledger import profile_ledger
+
+    ledger = profile_ledger(profile, plan, ple_format=rig.ple_format)
+    table = vram_table(ledger, partition, base_weights(partition, rig.mtp, ledger), rig.gpu_memory_bytes,
+                       SEED_WEIGHTS)
     ranks = []
-    for r, layers in enumerate(partition):
+    for r, (layers, weights, row) in enumerate(zip(partition, seed_weights(partition, rig.mtp), table.ranks)):
         vision = plan.vram_bytes_total[r] - plan.vram_bytes[r] - plan.qsa_arena_bytes[r]
-        weights = layers * LAYER_WEIGHT_BYTES + loads[r] - RUNTIME_BYTES - vision
-        total = weights + plan.vram_bytes_total[r] + RUNTIME_BYTES
         ranks.append(RankMemory(layers, weights, plan.vram_bytes[r], plan.qsa_arena_bytes[r], vision, RUNTIME_BYTES,
-                                total))
-    return ranks
+                                row.total, row.flashnext))
+    return ranks, table
 
 
 def _host(profile, plan: Plan, rig: Rig) -> dict:
@@ -200,16 +187,16 @@ def _host(profile, plan: Plan, rig: Rig) -> dict:
             "fits": fits, "largest_kv_cache_memory_bytes_that_fits": kv_fits}
 
 
-def _attempt(template, rig: Rig, partition, even, loads, seqs: int, context: int):
+def _attempt(template, rig: Rig, partition, even, seqs: int, context: int):
     """The plan, memory and host of ``seqs`` full-context requests (their blocks exactly)."""
     probe = _profile(template, rig, partition, even, 1, 1, context)
     shape_plan = plan_profile(probe)  # 0 blocks: one request's blocks and a block's bytes
     kv_bytes = seqs * shape_plan.blocks_per_request * max(shape_plan.bytes_per_block)
     profile = _profile(template, rig, partition, even, seqs, kv_bytes, context)
     plan = plan_profile(profile)
-    ranks = _memory(rig, plan, partition, loads)
+    ranks, table = _memory(rig, profile, plan, partition)
     host = _host(profile, plan, rig)
-    return profile, plan, ranks, host, kv_bytes
+    return profile, plan, ranks, host, kv_bytes, table
 
 
 def _fits(rig: Rig, ranks: list[RankMemory], host: dict) -> bool:
@@ -220,17 +207,18 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def _reasons(rig: Rig, ranks: list[RankMemory], host: dict, plan: Plan, context: int) -> list[str]:
+def _reasons(rig: Rig, table: VramTable, host: dict, plan: Plan, context: int) -> list[str]:
+    """Why the rig does not fit, in the VRAM table's columns and the host's terms."""
     out = []
-    for r, m in enumerate(ranks):
-        if m.total > rig.usable_vram_bytes:
-            parts = (f"weights {_gib(m.weights)} ({m.layers} layers x {_gib(LAYER_WEIGHT_BYTES)}"
-                     f"{' + embedding' if r == 0 else ''}{' + LM head' if r == len(ranks) - 1 else ''}"
-                     f"{' + MTP draft' if rig.mtp and r == len(ranks) - 1 else ''})")
-            out.append(f"rank {r} needs {_gib(m.total)}: {parts} + KV pool {_gib(m.kv_pool)} ({plan.blocks} blocks "
-                       f"for one {context:,}-token request) + QSA arena {_gib(m.qsa_arena)}"
-                       f"{f' + vision tower {_gib(m.vision)}' if m.vision else ''} + runtime {_gib(m.runtime)}; "
-                       f"a {_gib(rig.gpu_memory_bytes)} GPU gives {_gib(rig.usable_vram_bytes)}")
+    last = len(table.ranks) - 1
+    for r, row in enumerate(table.ranks):
+        if row.free < 0:
+            parts = (f"weights {_gib(row.weights)} ({row.layers} layers x {_gib(LAYER_WEIGHT_BYTES)}"
+                     f"{' + embedding' if r == 0 else ''}{' + vision tower' if r == 0 and plan.vision else ''}"
+                     f"{' + LM head' if r == last else ''}{' + MTP draft' if rig.mtp and r == last else ''})")
+            out.append(f"rank {r} needs {_gib(row.total)}: {parts} + KV cache {_gib(row.kv_cache)} ({plan.blocks} "
+                       f"blocks for one {context:,}-token request) + runtime {_gib(row.runtime)} + flashnext "
+                       f"{_gib(row.flashnext)}; a {_gib(rig.gpu_memory_bytes)} GPU gives {_gib(row.card)}")
     if not host["fits"]:
         terms = " + ".join(f"{name} {_gib(n)}" for name, n in host["pinned"].items())
         out.append(f"pinned host memory {terms} + {_gib(host['headroom_bytes'])} headroom = "
@@ -257,18 +245,18 @@ def plan_rig(rig: Rig, search: bool = True) -> RigPlan:
 
     best = None
     for seqs in range(limit, 0, -1):
-        attempt = _attempt(template, rig, partition, even, loads, seqs, rig.context)
+        attempt = _attempt(template, rig, partition, even, seqs, rig.context)
         if _fits(rig, attempt[2], attempt[3]):
             best = (seqs, attempt)
             break
-    seqs, (profile, plan, ranks, host, kv_bytes) = best or (0, attempt)
-    result = RigPlan(rig, best is not None, [] if best else _reasons(rig, ranks, host, plan, rig.context),
+    seqs, (profile, plan, ranks, host, kv_bytes, table) = best or (0, attempt)
+    result = RigPlan(rig, best is not None, [] if best else _reasons(rig, table, host, plan, rig.context),
                      partition, even, seqs, limit, kv_bytes, rig.usable_vram_bytes, ranks, host, plan,
-                     profile=profile)
+                     profile=profile, table=table)
     if best is None and search:
         weights_fit = all(m.total - m.kv_pool <= rig.usable_vram_bytes for m in ranks)
         if weights_fit:
-            result.largest_context_that_fits = _largest_context(template, rig, partition, even, loads)
+            result.largest_context_that_fits = _largest_context(template, rig, partition, even)
         else:
             result.fewest_gpus_that_fit = _fewest_gpus(rig, text.num_hidden_layers)
     return result
@@ -277,9 +265,9 @@ def plan_rig(rig: Rig, search: bool = True) -> RigPlan:
 CONTEXT_STEP = 1024  # the largest context that fits is searched in steps of this many tokens
 
 
-def _largest_context(template, rig: Rig, partition, even, loads) -> int | None:
+def _largest_context(template, rig: Rig, partition, even) -> int | None:
     def fits(context: int) -> bool:
-        _, _, ranks, host, _ = _attempt(template, rig, partition, even, loads, 1, context)
+        _, _, ranks, host, _, _ = _attempt(template, rig, partition, even, 1, context)
         return _fits(rig, ranks, host)
 
     low, high = 0, rig.context // CONTEXT_STEP  # fits(low * step) holds (0: vacuously), fits(high * step) does not

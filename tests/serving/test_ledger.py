@@ -54,10 +54,14 @@ def test_the_docs_show_the_ledger_the_code_computes(name):
 
 
 def test_plan_prints_the_ledger_and_emits_it_in_json():
-    text = CliRunner().invoke(cli, ["plan", "--profile", "3x3090-mtp"])
+    text = CliRunner().invoke(cli, ["plan", "--profile", "3x3090-mtp", "--ledger"])
     assert text.exit_code == 0, text.output
     assert "memory ledger" in text.stdout and "  | decode-05 router rows |" in text.stdout
     assert all(line in text.stdout for line in ledgers.markdown(ledger_of("3x3090-mtp")).splitlines() if line)
+    # without --ledger the VRAM table's flashnext column stands for it (issue 41: one table at a glance)
+    short = CliRunner().invoke(cli, ["plan", "--profile", "3x3090-mtp"])
+    assert short.exit_code == 0 and "memory ledger (MiB" not in short.stdout and "| decode-05" not in short.stdout
+    assert "`--ledger`" in short.stdout
     out = CliRunner().invoke(cli, ["plan", "--profile", "3x3090-mtp", "--json"])
     assert json.loads(out.stdout)["ledger"] == ledger_of("3x3090-mtp").to_json()
     rig = CliRunner().invoke(cli, ["plan", "--gpus", "3", "--gpu-memory", "24", "--host-ram", "125", "--mtp", "--json"])

@@ -164,6 +164,8 @@ def rules_table() -> str:
         ("the file", f"a regular file of at most {p.MAX_PROFILE_BYTES:,} bytes, strict JSON, every key known"),
         ("`name`", f"the file's name without `.json`: {p.PROFILE_NAME_RULE}"),
         ("`gpus`", f"1 to {p.MAX_GPUS}"),
+        ("`gpu_memory_gib`", f"optional: each GPU's memory, {p.MIN_GPU_MEMORY_GIB} to {p.MAX_GPU_MEMORY_GIB:,} GiB "
+         "(`plan`'s card)"),
         ("`container.port`", f"1 to {p.MAX_PORT}"),
         ("`container.stop_grace_period_s`, `healthcheck.interval_s`, `healthcheck.timeout_s`",
          f"1 to {p.MAX_WAIT_S:,}"),
