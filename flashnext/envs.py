@@ -60,6 +60,16 @@ XDG_CACHE_HOME = EnvVar(
     "XDG_CACHE_HOME", "",
     "The XDG base directory for caches; `serve` keeps each profile's state under it (default ~/.cache).",
     THIRD_PARTY_READ)
+HF_HOME = EnvVar(
+    "HF_HOME", "",
+    "huggingface_hub's home (default $XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface): its hub/ is the "
+    "download cache when HF_HUB_CACHE is unset.",
+    THIRD_PARTY_READ)
+HF_HUB_CACHE = EnvVar(
+    "HF_HUB_CACHE", "",
+    "huggingface_hub's download cache (default $HF_HOME/hub): no flashnext output goes into a repository's "
+    "blobs/, snapshots/ or refs/ there (nor in any cache laid out as one).",
+    THIRD_PARTY_READ)
 CUDA_VISIBLE_DEVICES = EnvVar(
     "CUDA_VISIBLE_DEVICES", "",
     "CUDA's: the GPUs a process sees; the patch probes' interpreter inherits it (none when unset).",

@@ -11,7 +11,8 @@ import threading
 
 import click
 
-from flashnext.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, FlashnextError, Terminated, exit_code
+from flashnext.errors import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, FlashnextError, Terminated, UsageError,
+                              exit_code)
 
 
 # -h as well as --help. Click hands help_option_names down from the root context, so this is set on
@@ -72,8 +73,9 @@ def sigterm_as_interrupt():
 
 def user_errors(fn):
     """Every failure as one line on stderr and a non-zero exit from ``flashnext.errors.EXIT_CODES``:
-    a :class:`FlashnextError` (bad input, a bad environment, a verdict already printed) and an OS
-    error; anything else is a flashnext bug, reported in one line with exit 70
+    a :class:`FlashnextError` (bad input, a bad environment, a verdict already printed), a click
+    usage error the command raises itself (exit 2, as :class:`~flashnext.errors.UsageError`) and an
+    OS error; anything else is a flashnext bug, reported in one line with exit 70
     (``FLASHNEXT_DEBUG=1`` shows the traceback). Ctrl-C and SIGTERM end it after its cleanup, with
     exit 130 and 143."""
 
@@ -86,6 +88,10 @@ def user_errors(fn):
             if e.printed:
                 sys.exit(exit_code(e))
             raise UserError(e) from None
+        except click.UsageError as e:
+            # A usage error the command found itself (click's raised in its body, not while click
+            # parsed the line): one line, as UsageError's, not click's usage block.
+            raise UserError(UsageError(e.format_message())) from None
         except OSError as e:  # a permission, a full disk, a vanished file: one line, not a traceback
             from flashnext.quant.checkpoint.fsutil import display_path
 

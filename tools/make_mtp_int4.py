@@ -109,14 +109,13 @@ def main(src: Path, out: Path, group_size: str, quantizer: str | None, positive_
 
 
 def _check_report_path(report: Path, src: Path, out: Path) -> None:
-    """``--report`` may not write into the source or the overlay, nor replace a file that is not an
-    earlier report (checked before the work starts, so a bad path costs nothing)."""
-    from flashnext.quant.checkpoint.fsutil import refuse_overlap
+    """``--report`` may not write into the source or the overlay, nor where no file can be written, nor
+    replace a file that is not an earlier report (checked before the work starts, so a bad path costs
+    nothing)."""
+    from flashnext.quant.checkpoint.fsutil import check_file_destination
     from flashnext.quant.records.jsonfile import read_json
 
-    refuse_overlap(report, {"the source snapshot": src, "--out": out})
-    if report.is_dir():
-        raise FlashnextError(f"--report {report} is a directory; name a file")
+    check_file_destination(report, "--report", {"the source snapshot": src, "--out": out})
     if report.exists() or report.is_symlink():
         try:
             earlier = read_json(report, "a make-mtp-int4 report")

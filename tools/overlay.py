@@ -66,7 +66,8 @@ def main() -> None:
 @click.argument("target", type=click.Path(path_type=Path))
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="The base snapshot (not needed when TARGET is a view made by `overlay apply`).")
-@click.option("--full", is_flag=True, help="Hash base files' whole content, not only their safetensors headers.")
+@click.option("--full", is_flag=True, help="Hash base files' whole content, not only their safetensors headers, "
+                                           "and read the header of every other base shard (a view links them as they are).")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="With --full: show a progress bar of the bytes hashed on stderr.")
 @json_option
@@ -77,7 +78,8 @@ def verify(target: Path, base: Path | None, full: bool, progress: bool, as_json:
     an edited merged file).
 
     Overlay files are always checked by content hash; base files by their safetensors header hash
-    (by content with --full). Each mismatch is one line; exit status 3 if there is any."""
+    (by content with --full, which also checks that every other shard of the base is a whole
+    safetensors file). Each mismatch is one line; exit status 3 if there is any."""
     from flashnext.quant.overlays.view import read_view, verify_overlay, verify_view
 
     if not target.exists():

@@ -5,7 +5,8 @@ Every writer goes through this module, so that the rules hold for every command:
 * a path read from a file (an index's shard name, a manifest's file path) is untrusted and must stay
   inside its root (:func:`confined`);
 * an output never is, contains or lies inside an input (:func:`refuse_overlap` on the paths before
-  any work, :func:`refuse_overlap_open` on the directories actually opened);
+  any work, :func:`refuse_overlap_open` on the directories actually opened), nor lies inside the
+  part of a Hugging Face hub cache that huggingface_hub alone writes (:func:`refuse_hub_cache`);
 * ``--force`` replaces only what flashnext made, and only the same command's: a directory holding
   :data:`OUTPUT_MARKER` whose ``made_by`` is that command (:func:`require_flashnext_output`);
 * one writer per output at a time (:func:`output_lock`), and the output appears whole or not at all
@@ -192,9 +193,43 @@ class HeldDirectory:
 
 # --- overlap of outputs and inputs ----------------------------------------------------------------
 
+# A Hugging Face hub cache holds one folder per repository (``models--ORG--NAME``, ``datasets--…``,
+# ``spaces--…``); in it, what huggingface_hub alone writes: the content-addressed files, the
+# snapshots that link to them, the refs naming the snapshots.
+HUB_REPO_FOLDER = re.compile(r"(?:models|datasets|spaces)--.+")
+HUB_OWN_FOLDERS = ("blobs", "snapshots", "refs")
+
+
+def hub_caches() -> list[Path]:
+    """Where huggingface_hub keeps its download cache, as it finds it: HF_HUB_CACHE, else
+    HF_HOME/hub, else XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    from flashnext.envs import HF_HOME, HF_HUB_CACHE, XDG_CACHE_HOME
+
+    home = HF_HOME.get() or os.path.join(XDG_CACHE_HOME.get() or os.path.join("~", ".cache"), "huggingface")
+    return [Path(os.path.expanduser(HF_HUB_CACHE.get() or os.path.join(home, "hub"))).resolve()]
+
+
+def refuse_hub_cache(out: Path) -> None:
+    """Refuse an output that is or lies inside a Hugging Face hub cache repository's ``blobs/``,
+    ``snapshots/`` or ``refs/``: a snapshot there is huggingface_hub's (its files are links into
+    ``blobs/``, shared by every revision), so a file written there changes or shadows the model
+    everyone loads from it, and ``hf cache`` deletes it with the revision. The cache is known by its
+    layout wherever it is (``models--*/snapshots/...``), and in the configured cache
+    (:func:`hub_caches`) whatever its repository folders are called."""
+    o = Path(out).resolve()
+    caches = hub_caches()
+    for here in (o, *o.parents):
+        repo = here.parent
+        if here.name in HUB_OWN_FOLDERS and (HUB_REPO_FOLDER.fullmatch(repo.name) or repo.parent in caches):
+            raise FlashnextError(f"{out} lies inside the Hugging Face cache's {repo.name}/{here.name}, which "
+                                 "only huggingface_hub writes; write somewhere else")
+
+
 def refuse_overlap(out: Path, inputs: dict[str, Path | None]) -> None:
     """Refuse an output that is, contains or lies inside one of the named inputs (by path, before
-    any work; :func:`refuse_overlap_open` checks again what is actually opened)."""
+    any work; :func:`refuse_overlap_open` checks again what is actually opened), or that lies in a
+    Hugging Face hub cache's own folders (:func:`refuse_hub_cache`): the one check of every output's
+    path, which every writer makes before its work."""
     o = Path(out).resolve()
     for label, path in inputs.items():
         if path is None:
@@ -208,6 +243,7 @@ def refuse_overlap(out: Path, inputs: dict[str, Path | None]) -> None:
         if o in r.parents:
             raise FlashnextError(f"{out} contains {label} {path}; replacing it would delete the input: "
                                  "write somewhere else")
+    refuse_hub_cache(out)
 
 
 def _ancestry(fd: int) -> set[tuple[int, int]]:
@@ -349,6 +385,7 @@ def refuse_existing_output(out: Path, force: bool, inputs: dict[str, Path | None
     refuse_overlap(out, inputs or {})
     if out.exists() or out.is_symlink():
         if not force:
+            remove_stale_lock(out)
             raise _already_exists(out.absolute())
         require_flashnext_output(out, made_by)
 
@@ -498,6 +535,36 @@ def _open_lock(parent: HeldDirectory, name: str, lock: Path) -> int | None:
     return fd
 
 
+def remove_stale_lock(out: Path) -> None:
+    """Remove the lock of ``out`` that a writer left when it was killed between finishing ``out``
+    and unlinking its lock, if no one holds it: a command that finds ``out`` made and refuses to
+    replace it takes no lock, so nothing else would."""
+    out = Path(out).absolute()
+    name = f".{out.name}.lock"
+    try:
+        parent = HeldDirectory.open(out.parent)
+    except OSError:
+        return
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent.fd)
+    except OSError:
+        parent.close()
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+            return  # not flashnext's lock: _open_lock says so when a writer meets it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return  # a live writer holds it
+        if parent.holds(name, _identity(st)):
+            os.unlink(name, dir_fd=parent.fd)
+    finally:
+        os.close(fd)
+        parent.close()
+
+
 @contextmanager
 def output_lock(out: Path) -> Iterator[HeldDirectory]:
     """Hold an exclusive lock on ``out`` (a sibling ``.NAME.lock``); a second writer is refused.
@@ -524,12 +591,20 @@ def output_lock(out: Path) -> Iterator[HeldDirectory]:
             if parent.holds(name, mine):
                 break
             os.close(fd)
+        def release() -> None:
+            if parent.holds(name, mine):
+                os.unlink(name, dir_fd=parent.fd)
+
         try:
             yield parent
         finally:
-            if parent.holds(name, mine):
-                os.unlink(name, dir_fd=parent.fd)
-            os.close(fd)
+            try:
+                release()
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM as the lock was let go (a second SIGTERM is ignored)
+                release()
+                raise
+            finally:
+                os.close(fd)
     finally:
         parent.close()
 
@@ -909,6 +984,36 @@ def write_new_file(path: Path, text: str) -> None:
         finally:
             if parent.holds(tmp, mine):
                 os.unlink(tmp, dir_fd=parent.fd)
+
+
+def check_file_destination(path: Path, option: str, inputs: dict[str, Path | None] | None = None) -> None:
+    """Refuse up front, before any work, a file output (``option`` names it: ``--report``) that could
+    only fail once the work is done, minutes of it on the real model: one that is, contains or lies
+    inside one of ``inputs`` (:func:`refuse_overlap`), a directory, or one whose nearest existing
+    folder is no directory or takes no new file (read-only, not permitted): that is found as the write
+    will find it, by creating the file's temporary name there exclusively and removing it at once.
+    The folders missing on the way are made when it is written (:func:`make_parents`)."""
+    path = Path(path)
+    refuse_overlap(path, inputs or {})
+    if path.is_dir():
+        raise FlashnextError(f"{option} {path} is a directory; name a file")
+    where = path.absolute().parent
+    while not os.path.lexists(where):
+        where = where.parent
+    try:
+        held = HeldDirectory.open(where)
+    except FlashnextError as e:
+        raise FlashnextError(f"{option} {path} cannot be written: {e}; choose another file") from None
+    with held:
+        try:
+            tmp, fd = _create_temporary(held, path.name)
+        except OSError as e:
+            raise FlashnextError(f"{option} {path} cannot be written: cannot create a file in {where} "
+                                 f"({e.strerror}); choose another file") from None
+        try:
+            os.close(fd)
+        finally:
+            os.unlink(tmp, dir_fd=held.fd)
 
 
 def write_text_atomic(path: Path, text: str, inputs: dict[str, Path | None] | None = None) -> None:

@@ -34,7 +34,7 @@ from flashnext.quant.formats.ct_config import quantization_config_of
 from flashnext.quant.records.jsonfile import read_json, validate
 from flashnext.quant.records.strict import Count, Sha256, StrictRecord
 from flashnext.quant.overlays.manifest import MANIFEST_FILE, OverlayManifest
-from flashnext.quant.formats.safetensors_io import header_sha256
+from flashnext.quant.formats.safetensors_io import header_sha256, read_header
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot, read_config, read_index
 
 VIEW_RECORD = ".flashnext-view.json"
@@ -144,14 +144,43 @@ def base_file_problems(base: Path, manifest: OverlayManifest, full: bool = False
     return problems
 
 
+def _kept_shard_problems(base: Path, manifests: list[OverlayManifest], found: list[Mismatch]) -> list[Mismatch]:
+    """``--full``: the shards of the base that no overlay of ``manifests`` replaces (the base index
+    names them), which a view links as they are and vLLM reads whole. No hash of them is recorded,
+    so each is read as the safetensors library reads it: a regular file of the size its header
+    claims (one truncated, or replaced by a directory or a FIFO, is a mismatch; one that cannot be
+    opened at all is the command's one-line error). Not when the base index is among the problems
+    ``found`` already."""
+    base = Path(base)
+    if INDEX_FILE in {p.path for p in found}:
+        return []
+    replaced = {entry.path for manifest in manifests for entry in manifest.replaces}
+    index = base / INDEX_FILE
+    problems = []
+    for name in dict.fromkeys(read_index(index)["weight_map"].values()):
+        if name in replaced:
+            continue
+        shard = confined(base, name, str(index))
+        if not os.path.lexists(shard):
+            problems.append(Mismatch(name, f"missing from the base snapshot {base}"))
+            continue
+        try:
+            read_header(shard)
+        except FlashnextError as e:
+            problems.append(Mismatch(name, f"base file is not a valid safetensors file ({e})"))
+    return problems
+
+
 def verify_overlay(base: Path, overlay: Path, full: bool = False, progress: bool = False) -> list[Mismatch]:
     """Every problem found, one per file: overlay files by content hash; base files by safetensors
-    header hash (``full``: by content hash, with a bar of the bytes hashed when ``progress``)."""
+    header hash (``full``: by content hash, with a bar of the bytes hashed when ``progress``, and the
+    base's other shards by :func:`_kept_shard_problems`)."""
     if not Path(base).is_dir():
         raise FlashnextError(f"{base}: the base snapshot is not a directory")
     manifest = OverlayManifest.load(overlay)
     with _hash_bar(_bytes_hashed(manifest, full), full and progress) as bar:
-        return _overlay_problems(base, overlay, manifest, full, bar.update)
+        problems = _overlay_problems(base, overlay, manifest, full, bar.update)
+    return (problems + _kept_shard_problems(base, [manifest], problems)) if full else problems
 
 
 def _overlay_problems(base: Path, overlay: Path, manifest: OverlayManifest, full: bool,
@@ -403,6 +432,8 @@ def _view_problems(view: Path, record: ViewRecord, manifests: list[tuple[Path, O
             if entry.path not in MERGED and entry.path in record.links and record.links[entry.path] != want:
                 problems.append(Mismatch(entry.path, f"the view record links it to {record.links[entry.path]}, "
                                                      f"but the overlay {overlay} replaces it"))
+    if full and manifests:
+        problems += _kept_shard_problems(Path(record.base), [m for _, m in manifests], problems)
     names = set(record.links) | set(record.files) | {e.name for e in os.scandir(view)}
     for name in sorted(names - {VIEW_RECORD, OUTPUT_MARKER}):
         problem = _entry_problem(view, name, record)

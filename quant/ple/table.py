@@ -32,7 +32,7 @@ from typing import Any, Callable, Literal
 from flashnext.errors import FlashnextError, VerificationMismatch
 from flashnext.progress import Progress
 from flashnext.quant.checkpoint.fsutil import (HeldDirectory, OutputFile, atomic_file, check_free_space, refuse_overlap,
-                                               write_text_at)
+                                               remove_stale_lock, write_text_at)
 from flashnext.quant.checkpoint.snapshot import Snapshot
 from flashnext.quant.formats.safetensors_io import copy_tensor_bytes, header_sha256
 from flashnext.quant.overlays.resume import notice_on_stderr, starting_over
@@ -273,6 +273,7 @@ def build_table(src: Path, out: Path, dense_layer_id: int = 0, force: bool = Fal
         size = out.stat().st_size
         what = "has the right size" if size == source.file_size else \
             f"is {size} bytes, not the {source.file_size} this table needs"
+        remove_stale_lock(out)
         raise FlashnextError(f"{out} already exists and {what}; pass --force to rebuild it")
     with atomic_file(out, force, inputs, is_ours=_flashnext_table,
                      maker=f"`{BUILDER}` (no valid {sidecar_path(out).name})",

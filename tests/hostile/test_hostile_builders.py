@@ -324,3 +324,95 @@ def test_empty_tensors_pass_through_a_rewrite(shard, shape, command, work: Work)
     assert CliRunner().invoke(cli, ["overlay", "apply", str(work.root / "out"), "--base", str(work.snap),
                                     "--out", str(view)]).exit_code == 0
     assert CliRunner().invoke(cli, ["overlay", "verify", str(view)]).exit_code == 0
+
+
+# --- a full disk at the PLE table's sidecar (issue 42) ----------------------------------------------
+
+SIDECAR_TMP = ".new.bin.json.tmp-"  # the sidecar's temporary name (fsutil.write_text_at), beside new.bin
+
+
+def _is_sidecar(fd: int) -> bool:
+    import os
+
+    return SIDECAR_TMP in os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _enospc():
+    import errno
+    import os
+
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def full_at_the_sidecar_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidecar's file takes half its text, then the disk is full (a short write, then ENOSPC)."""
+    import os
+
+    real = os.fdopen
+
+    class HalfThenFull:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            self.f.write(text[:len(text) // 2])
+            self.f.flush()
+            raise _enospc()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fdopen(fd, *args, **kwargs):
+        f = real(fd, *args, **kwargs)
+        return HalfThenFull(f) if _is_sidecar(fd) else f
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+
+
+def full_at_the_sidecar_fsync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidecar's text is taken, and the full disk is reported only at its fsync (delayed allocation)."""
+    import os
+
+    real = os.fsync
+
+    def fsync(fd):
+        if _is_sidecar(fd):
+            raise _enospc()
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+DISK_FULL = {"write": full_at_the_sidecar_write, "fsync": full_at_the_sidecar_fsync}
+
+
+@pytest.mark.parametrize("replacing", [False, True], ids=["new", "force-over-a-table"])
+@pytest.mark.parametrize("where", sorted(DISK_FULL))
+def test_a_full_disk_at_the_ple_sidecar_leaves_no_finished_looking_output(where: str, replacing: bool, work: Work,
+                                                                          monkeypatch):
+    """Issue 42 item 6: the table and its sidecar are one output. A full disk while the sidecar is
+    written is one line and exit 1; no new table and sidecar appear (not even half a sidecar), a
+    table --force was replacing stays as it was, with its own sidecar; only the resumable partial and
+    its journal are left, and the next run finishes."""
+    argv = ple_build(work, *(["--force"] if replacing else []))
+    if replacing:
+        assert CliRunner().invoke(cli, ple_build(work)).exit_code == 0
+    before = {k: v for k, v in tree_state(work.root).items() if k.startswith("new.bin")}
+    DISK_FULL[where](monkeypatch)
+    result, line = invoke_expecting_one_line(argv)
+    monkeypatch.undo()
+    assert result.exit_code == 1 and line.startswith("Error: ") and "No space left on device" in line, line
+    after = tree_state(work.root)
+    assert sorted(k for k in after if k.lstrip(".").startswith("new.bin") and k not in before) == \
+        ["new.bin.partial", "new.bin.partial.json"], sorted(after)
+    assert {k: after[k] for k in before} == before, "the table or the sidecar it replaces changed"
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
+    verify = CliRunner().invoke(cli, ["ple", "verify", "--full", "--no-progress", str(work.root / "new.bin")])
+    assert verify.exit_code == 0, verify.output

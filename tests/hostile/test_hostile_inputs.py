@@ -6,7 +6,9 @@ this folder is one class of attack.
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -31,6 +33,7 @@ from support.hostile import (
     huge_header_length,
     invoke_expecting_one_line,
     manifest_case,
+    modes_bind,
     mtp,
     negative_offset,
     non_string_metadata,
@@ -50,6 +53,25 @@ from support.hostile import (
     unrelated_folder,
     view_record_case,
 )
+
+
+def a_file(w: Work) -> Path:
+    """A regular file of the user's, where a command line names a folder."""
+    path = w.root / "notes.txt"
+    path.write_text("mine")
+    return path
+
+
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(w: Work, *inside: str) -> Path:
+    """A Hugging Face hub cache under the work tree, laid out as huggingface_hub lays one out (one
+    repository: its blobs, refs and one snapshot); the path ``inside`` its repository folder."""
+    repo = w.root / "hf" / "hub" / "models--org--name"
+    for folder in ("blobs", "refs", f"snapshots/{REV}"):
+        (repo / folder).mkdir(parents=True, exist_ok=True)
+    return repo.joinpath(*inside)
 
 
 def snapshot_at_out(w: Work) -> None:
@@ -128,6 +150,39 @@ CASES = [
     Case("report-over-unrelated-file", lambda w: ((w.root / "notes.json").write_text("{}"),
                                                   mtp(w, "--report", str(w.root / "notes.json")))[1],
          "is not a make-mtp-int4 report"),
+    # Where --report goes is checked before the build, not after minutes of it (issue 42).
+    Case("report-folder-is-a-file", lambda w: mtp(w, "--report", str(a_file(w) / "report.json")),
+         "cannot be written: cannot open the directory"),
+    Case("report-folders-under-a-file", lambda w: mtp(w, "--report", str(a_file(w) / "new" / "report.json")),
+         "cannot be written: cannot open the directory"),
+    Case("report-folder-a-dangling-link", lambda w: (os.symlink(w.root / "nowhere", w.root / "gone"),
+                                                     mtp(w, "--report", str(w.root / "gone" / "report.json")))[1],
+         "cannot be written: cannot open the directory"),
+    # No output goes into what huggingface_hub alone writes in its cache (issue 42).
+    Case("mtp-out-in-a-hub-snapshot", lambda w: ["make-mtp-int4", "--src", str(w.snap), "--out",
+                                                 str(hub_cache(w, "snapshots", REV, "mtp-int4")), "--no-progress"],
+         "lies inside the Hugging Face cache's models--org--name/snapshots"),
+    Case("mtp-out-a-new-hub-revision", lambda w: ["make-mtp-int4", "--src", str(w.snap), "--out",
+                                                  str(hub_cache(w, "snapshots", "f" * 40)), "--no-progress"],
+         "lies inside the Hugging Face cache's models--org--name/snapshots"),
+    Case("mtp-out-through-a-link-into-a-hub-snapshot",
+         lambda w: (os.symlink(hub_cache(w, "snapshots", REV), w.root / "model"),
+                    ["make-mtp-int4", "--src", str(w.snap), "--out", str(w.root / "model" / "mtp-int4"),
+                     "--no-progress"])[1],
+         "lies inside the Hugging Face cache's models--org--name/snapshots"),
+    Case("repack-out-in-hub-blobs", lambda w: ["repack-int6", "--src", str(w.snap), "--out",
+                                               str(hub_cache(w, "blobs", "int6"))],
+         "lies inside the Hugging Face cache's models--org--name/blobs"),
+    Case("apply-out-in-a-hub-snapshot", lambda w: apply(w, out=hub_cache(w, "snapshots", REV, "view")),
+         "lies inside the Hugging Face cache's models--org--name/snapshots"),
+    Case("ple-build-out-in-a-hub-snapshot", lambda w: ["ple", "build", "--src", str(w.snap), "--out",
+                                                       str(hub_cache(w, "snapshots", REV, "table.bin")),
+                                                       "--no-progress"],
+         "lies inside the Hugging Face cache's models--org--name/snapshots"),
+    Case("demo-out-in-hub-refs", lambda w: ["demo-checkpoint", "--out", str(hub_cache(w, "refs", "demo"))],
+         "lies inside the Hugging Face cache's models--org--name/refs"),
+    Case("report-in-a-hub-snapshot", lambda w: mtp(w, "--report", str(hub_cache(w, "snapshots", REV, "r.json"))),
+         "lies inside the Hugging Face cache's models--org--name/snapshots"),
     # Shard headers are checked as the safetensors library checks them.
     Case("header-negative-offset", header_case(negative_offset), "data_offsets"),
     Case("header-reversed-offsets", header_case(reversed_offsets), "data_offsets"),
@@ -196,6 +251,52 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_hostile_input(case: Case, work: Work):
+    assert_refused(case, work)
+
+
+def read_only_folder(w: Work) -> Path:
+    folder = w.root / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    return folder / "report.json"
+
+
+# A folder no file can be created in, whoever runs the suite: root writes in a mode-555 folder, sysfs
+# takes no new file from anyone.
+REPORT_FOLDERS_WITHOUT_ROOM = [
+    pytest.param(read_only_folder, "Permission denied", id="read-only-folder",
+                 marks=pytest.mark.skipif(not modes_bind(), reason="root writes in a mode-555 folder")),
+    pytest.param(lambda w: Path("/sys/flashnext-report.json"), "cannot create a file in /sys", id="sysfs",
+                 marks=pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="no sysfs")),
+]
+
+
+@pytest.mark.parametrize("report, words", REPORT_FOLDERS_WITHOUT_ROOM)
+def test_a_report_folder_that_takes_no_file_is_refused_before_the_build(report, words, work, monkeypatch):
+    """Issue 42 item 6: --report into a folder that takes no new file failed only once the build was
+    done (minutes on the real model); it is refused up front, the build never started."""
+    import flashnext.quant.overlays.mtp_int4 as mod
+
+    started = []
+    monkeypatch.setattr(mod, "make_mtp_int4", lambda *a, **k: started.append(1))
+    path = report(work)
+    before = tree_state(work.root)
+    result, line = invoke_expecting_one_line(mtp(work, "--report", str(path)))
+    assert result.exit_code == 1 and line.startswith("Error: --report ") and words in line, line
+    assert not started, "the build started"
+    assert tree_state(work.root) == before and not path.exists()
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_CACHE", "HF_HOME"])
+def test_the_configured_hub_cache_is_known_whatever_its_folders_are_called(variable, work, monkeypatch):
+    """Issue 42 item 6: the cache huggingface_hub uses (HF_HUB_CACHE, else HF_HOME/hub) is known as
+    one even where a repository folder is not named models--*."""
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv(variable, str(work.root / "hf"))
+    cache = work.root / "hf" / ("hub" if variable == "HF_HOME" else "")
+    (cache / "mirrored" / "snapshots" / REV).mkdir(parents=True)
+    case = Case(f"{variable}-snapshot", lambda w: apply(w, out=cache / "mirrored" / "snapshots" / REV / "view"),
+                "lies inside the Hugging Face cache's mirrored/snapshots")
     assert_refused(case, work)
 
 

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from click.testing import CliRunner
 
 from flashnext.errors import FlashnextError
+from flashnext.tools.cli import main as cli
 from support.hostile import INDEX, MTP_SHARD, Case, Work, apply, invoke_expecting_one_line, mtp, repack, tree_state
 
 GUARD_S = 20  # far beyond what a refusal takes; what a hang would exceed
@@ -428,3 +430,88 @@ def test_a_ple_build_option_its_format_ignores_is_refused(argv, work: Work):
     ignored --layer, even --layer 0 given explicitly; refused before anything is read or written."""
     result, line = invoke_expecting_one_line(["ple", "build", "--src", str(work.snap), "--out", str(work.root / "o"), *argv])
     assert result.exit_code == 2 and " is for " in line and not (work.root / "o").exists()
+
+
+# --- every refusal is one line on stderr; a usage conflict is the documented usage error, 2 ---------
+
+def _bench_ready() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("httpx", "matplotlib", "jsonschema"))
+
+
+def bench(w: Work, *extra: str) -> list[str]:
+    return ["bench", "http://127.0.0.1:9", "--out", str(w.root / "bench"), *extra]
+
+
+def no_bench(reason: str = "flashnext[bench] is not installed"):
+    return pytest.mark.skipif(not _bench_ready(), reason=reason)
+
+
+def ple_build_with(*extra: str) -> Callable[[Work], list[str]]:
+    return lambda w: [*ple_build(w), *extra]
+
+
+def serve(w: Work, *extra: str) -> list[str]:
+    return ["serve", "--profile", "3x3090", "--model", str(w.snap), *extra]
+
+
+# (id, the command line, its exit status, words of its one line). Usage conflicts first: options that
+# contradict each other, or one that another needs, are usage errors, exit 2, as README's exit table
+# and flashnext.errors.UsageError say ("options that cannot go together"); then refusals of input.
+ONE_LINE_REFUSALS = [
+    pytest.param(lambda w: repack(w, "--reverse", "--to", "int8"), 2, "--reverse and --to are exclusive",
+                 id="repack-int6-reverse-and-to"),
+    pytest.param(lambda w: bench(w, "--phases", "latency,warp"), 2, "--phases", id="bench-unknown-phase",
+                 marks=no_bench()),
+    pytest.param(lambda w: bench(w, "--against", "http://127.0.0.1:8", "--baseline", str(w.root / "r.json")), 2,
+                 "give --against or --baseline, not both", id="bench-against-and-baseline", marks=no_bench()),
+    pytest.param(lambda w: serve(w, "--check", "--no-check"), 2, "contradict each other", id="serve-check-no-check"),
+    pytest.param(ple_build_with("--format", "fp8", "--layer", "1"), 2, "--layer is for the bf16 table file",
+                 id="ple-build-layer-with-fp8"),
+    pytest.param(ple_build_with("--device", "cuda"), 2, "--device is for --format nvfp4|fp8", id="ple-build-device-bf16"),
+    pytest.param(lambda w: mtp(w, "--rounding", "gptq"), 2, "give --calib FILE", id="mtp-gptq-without-calib"),
+    pytest.param(lambda w: mtp(w, "--quantizer", "gptq", "--no-scale-search"), 2,
+                 "--quantizer gptq cannot go with --no-scale-search", id="mtp-quantizer-gptq-without-scale-search"),
+    pytest.param(lambda w: ["ple", "ids", "--config", str(w.snap / "config.json"), "--tokens", "1,x"], 2,
+                 "comma-separated integers", id="ple-ids-tokens-not-integers"),
+    # Refusals of input, exit 1.
+    pytest.param(lambda w: ["overlay", "verify", str(w.ov)], 1, "is not a view", id="overlay-verify-no-base"),
+    pytest.param(lambda w: ["ple", "verify", str(w.root / "none.bin")], 1, "is missing", id="ple-verify-no-sidecar"),
+    pytest.param(lambda w: ["ple", "residency", str(w.root / "none.bin")], 1, "no such file", id="ple-residency-none"),
+    pytest.param(lambda w: ["ple", "layout", "--src", str(w.root / "none")], 1, "not a directory",
+                 id="ple-layout-no-snapshot"),
+    pytest.param(lambda w: ["make-mtp-int4", "--src", str(w.snap), "--out", str(w.snap)], 1,
+                 "is the source snapshot itself", id="mtp-out-is-src"),
+    pytest.param(lambda w: apply(w, out=w.snap), 1, "is the base snapshot itself", id="apply-out-is-base"),
+    pytest.param(lambda w: ["doctor", "--profile", "no-such-profile"], 1, "no serving profile", id="doctor-no-profile"),
+    pytest.param(lambda w: serve(w, "--check"), 1, "pass --ple-table FILE", id="serve-without-its-ple-table"),
+    pytest.param(lambda w: ["patches", "check", "--vllm", str(w.root / "none")], 1, "No such file",
+                 id="patches-check-no-vllm"),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", ONE_LINE_REFUSALS)
+def test_every_refusal_is_one_line_on_stderr(argv, code, words, work: Work):
+    """Issue 42 item 6: a usage error a command raised itself through click (repack-int6's --reverse
+    with --to, bench's --phases) printed click's usage block, three lines, where every other refusal
+    prints one. (begin()'s first line goes to a terminal only, never here.)"""
+    args = argv(work)
+    before = tree_state(work.root)
+    result = CliRunner().invoke(cli, args)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and result.stdout == "", result.output
+    assert result.exit_code == code and lines[0].startswith("Error: ") and words in lines[0], lines[0]
+    assert tree_state(work.root) == before, "the command wrote or removed something"
+
+
+def test_options_that_cannot_go_together_are_the_documented_usage_error():
+    """The exit table documents usage errors, options that cannot go together included, as 2: the
+    code (flashnext.errors) and README say the same."""
+    from flashnext.errors import EXIT_CODES, UsageError
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = " ".join(readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0].split())
+    two = table.split("; 2 ", 1)[1].split(";", 1)[0]
+    assert "usage error" in two and "options that cannot go together" in two, two
+    assert EXIT_CODES[UsageError] == 2

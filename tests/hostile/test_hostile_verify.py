@@ -28,6 +28,8 @@ from support.hostile import (
     Case,
     Work,
     apply,
+    invoke_expecting_one_line,
+    modes_bind,
 )
 
 CONFIG = "config.json"
@@ -146,6 +148,64 @@ MISMATCHES = [
 @pytest.mark.parametrize("case", MISMATCHES, ids=[c.id for c in MISMATCHES])
 def test_verify_finds_the_mismatch(case: Case, work: Work):
     assert_refused(case, work, first="mismatch: ")
+
+
+# --- --full reads every base shard a view links, not only those the overlay replaces (issue 42) ------
+
+def kept_shard(damage: Callable[[Path], None], of_view: bool = False,
+               stacked: bool = False) -> Callable[[Work], list[str]]:
+    """A base shard the overlay keeps (the view links it as it is) damaged, then ``verify --full`` of
+    the overlay against the base, or of a view (of two overlays: ``stacked``) made before the damage."""
+    def setup(w: Work) -> list[str]:
+        view = make_view(w, stacked) if of_view else None
+        damage(w.snap / OTHER_SHARD)
+        target = [str(view)] if of_view else [str(w.ov), "--base", str(w.snap)]
+        return ["overlay", "verify", *target, "--full", "--no-progress"]
+    return setup
+
+
+def to_directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def to_fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def truncated_under_its_header(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 8)
+
+
+FULL_MISMATCHES = [
+    Case("full-kept-shard-a-directory", kept_shard(to_directory), f"{OTHER_SHARD}: is a directory, not a safetensors",
+         3),
+    Case("full-kept-shard-a-fifo", kept_shard(to_fifo), f"{OTHER_SHARD}: is a FIFO, not a regular file", 3),
+    Case("full-kept-shard-truncated", kept_shard(truncated_under_its_header),
+         f"{OTHER_SHARD}: truncated: the header describes", 3),
+    Case("full-kept-shard-missing", kept_shard(lambda p: p.unlink()), f"{OTHER_SHARD}: missing from the base snapshot",
+         3),
+    Case("full-view-kept-shard-truncated", kept_shard(truncated_under_its_header, of_view=True),
+         f"{OTHER_SHARD}: truncated: the header describes", 3),
+    Case("full-stacked-view-kept-shard-a-fifo", kept_shard(to_fifo, of_view=True, stacked=True),
+         f"{OTHER_SHARD}: is a FIFO, not a regular file", 3),  # one line, not one per overlay
+]
+
+
+@pytest.mark.parametrize("case", FULL_MISMATCHES, ids=[c.id for c in FULL_MISMATCHES])
+def test_verify_full_reads_every_kept_base_shard(case: Case, work: Work):
+    """Issue 42 item 6: `overlay verify --full` said ok over a base shard it never opened (only those
+    the overlay replaces were read); a view of it links that shard, which vLLM then fails to load."""
+    assert_refused(case, work, first="mismatch: ")
+
+
+@pytest.mark.skipif(not modes_bind(), reason="root reads a file whatever its mode")
+def test_verify_full_on_an_unreadable_kept_shard_is_one_line(work: Work):
+    (work.snap / OTHER_SHARD).chmod(0)
+    result, line = invoke_expecting_one_line(["overlay", "verify", str(work.ov), "--base", str(work.snap), "--full",
+                                              "--no-progress"])
+    assert result.exit_code == 1 and line.startswith("Error: ") and "Permission denied" in line, line
 
 
 def unlist(name: str) -> Callable[[Work], None]:

@@ -75,6 +75,22 @@ def tree_state(root: Path, modes: bool = False) -> dict[str, tuple]:
     return state
 
 
+def modes_bind() -> bool:
+    """Whether file modes stop this process: a file of mode 000 cannot be read (root reads it, unless
+    it runs without CAP_DAC_OVERRIDE, as ``setpriv --bounding-set=-dac_override,-dac_read_search``)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        probe = Path(d) / "probe"
+        probe.write_bytes(b"x")
+        probe.chmod(0)
+        try:
+            probe.read_bytes()
+        except PermissionError:
+            return True
+        return False
+
+
 # --- safetensors header surgery -------------------------------------------------------------------
 
 def read_raw(path: Path) -> tuple[dict, bytes]:
