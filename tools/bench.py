@@ -206,7 +206,8 @@ def command() -> click.Command:
         click.option("--model", default=None, help="Served model name; default: the first of the server's /v1/models."),
         click.option("--against-model", default=None,
                      help="The --against server's model name, if not the same as --model."),
-        click.option("--out", type=click.Path(path_type=Path, file_okay=False), required=True,
+        # an existing file is refused by _check_out in one line, not by click (file_okay) as a usage error
+        click.option("--out", type=click.Path(path_type=Path), metavar="DIRECTORY", required=True,
                      help="Output directory: report.json, PNG plots, report.html."),
         click.option("--force", is_flag=True, help="Replace --out if an earlier flashnext bench made it."),
         *(_click_option(o) for o in setting_options()),

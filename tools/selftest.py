@@ -18,7 +18,9 @@ def _gpus(value: str) -> str:
 @click.command("selftest")
 @click.option("--profile", "profile_name", default="3x3090", show_default=True,
               help="The serving profile whose parallel layout and patches to test.")
-@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("flashnext-selftest"),
+# Not file_okay=False: click would refuse an existing file as a usage error (its usage block, exit 2); it is
+# bad input, refused in one line (exit 1) as every writer refuses an --out that exists.
+@click.option("--out", type=click.Path(path_type=Path), metavar="DIRECTORY", default=Path("flashnext-selftest"),
               show_default=True, help="Output directory: report.json, report.html, runs/ (bench reports, server logs).")
 @click.option("--force", is_flag=True, help="Replace --out if an earlier flashnext selftest made it.")
 @click.option("--gpus", default="auto", show_default=True, callback=lambda c, p, v: _gpus(v),

@@ -853,6 +853,22 @@ class OutputDirectory:
             self.parent.remove_tree(name)
 
 
+# A full disk (or quota) is met by a write: through a descriptor (pwrite, fsync, a file object) the
+# error names no file, and through the held parent only a name relative to it.
+_FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _name_the_full_disk(error: BaseException, out: Path) -> None:
+    """Make a full disk met while ``out`` was written name where: the output, or the name beside it
+    (relative to its held parent) that the write was making, so that its one line says which disk."""
+    if isinstance(error, OSError) and error.errno in _FULL_DISK:
+        name = error.filename
+        if name is None:
+            error.filename = str(out)
+        elif isinstance(name, str) and not os.path.isabs(name):
+            error.filename = str(out.parent / name)
+
+
 @contextmanager
 def output_directory(out: Path, force: bool, inputs: dict[str, Path | None],
                      made_by: str) -> Iterator[OutputDirectory]:
@@ -878,8 +894,9 @@ def output_directory(out: Path, force: bool, inputs: dict[str, Path | None],
                 marker = _marker_at(parent, out.name) if stat.S_ISDIR(existing.st_mode) else None
                 _refuse_unless_replaceable(out, marker, made_by)
             yield OutputDirectory(out, parent, inputs, replacing=existing is not None)
-    except BaseException:
+    except BaseException as e:
         remove_empty(created)
+        _name_the_full_disk(e, out)
         raise
 
 
@@ -1088,6 +1105,7 @@ def atomic_file(out: Path, force: bool, inputs: dict[str, Path | None], is_ours:
                     raise FlashnextError(f"{out} exists and was not made by {maker}; --force only replaces "
                                          "flashnext's own output: remove it yourself or choose another --out")
             yield OutputFile(out, parent, inputs)
-    except BaseException:
+    except BaseException as e:
         remove_empty(created)
+        _name_the_full_disk(e, out)
         raise

@@ -222,8 +222,16 @@ class ResumableOutput:
     # --- the end ----------------------------------------------------------------------------------
 
     def commit(self) -> None:
-        """Rename the complete partial to the output, then drop the journal."""
-        self.output.commit(self.partial_name, self.partial)
+        """Rename the complete partial to the output, then drop the journal: also when what fails is
+        making the rename durable after it (a full disk at the fsync), as the journal then records a
+        partial that is gone, and would be left beside the finished output."""
+        try:
+            self.output.commit(self.partial_name, self.partial)
+        except BaseException:
+            if self.output.parent.lstat(self.partial_name) is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.journal_name, dir_fd=self.output.parent.fd)
+            raise
         self._drop_journal()
 
     def discard(self) -> None:

@@ -211,6 +211,14 @@ def _flatten(obj, prefix=()) -> dict[tuple, object]:
 
 
 def _unflatten(flat: dict[tuple, object]) -> dict:
+    # A path that is also the prefix of another is a value (or an empty object) in one overlay and
+    # an object with members in another: refused whatever the order, for in one order the value
+    # would silently replace the object (and one overlay's change be lost).
+    for path in flat:
+        for n in range(1, len(path)):
+            if path[:n] in flat:
+                raise FlashnextError(f"the overlays change config.json {'.'.join(map(str, path[:n]))} in "
+                                     "incompatible ways (a value and an object); they cannot be stacked")
     root: dict = {}
     for path, value in flat.items():
         node = root
@@ -270,10 +278,26 @@ def _order_groups(config: dict, base_config: dict, overlay_configs: list[dict]) 
     qc["config_groups"] = {g: groups[g] for g in order if g in groups}
 
 
+def _refuse_given_twice(overlays: list[Path]) -> None:
+    """The same overlay directory named twice (by one path or two) is a mistake to name as such, not
+    two overlays that both replace its files."""
+    seen: dict[tuple[int, int], Path] = {}
+    for overlay in overlays:
+        try:
+            st = os.stat(overlay)
+        except OSError:
+            continue  # its manifest's reader says what is wrong with it
+        first = seen.setdefault((st.st_dev, st.st_ino), overlay)
+        if first is not overlay:
+            also = "" if first == overlay else f" (as {first} too)"
+            raise FlashnextError(f"the overlay {overlay} is given twice{also}; give each overlay once")
+
+
 def apply_overlays(base: Path, overlays: list[Path], out: Path, verify: bool = True, force: bool = False) -> dict:
     """Build the view ``out`` of ``base`` with ``overlays`` applied in order. Returns a summary."""
     base = Path(base).absolute()
     overlays = [Path(o).absolute() for o in overlays]
+    _refuse_given_twice(overlays)
     snap = Snapshot.open(base)
     manifests = [OverlayManifest.load(o) for o in overlays]
     for overlay, manifest in zip(overlays, manifests):

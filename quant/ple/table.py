@@ -340,9 +340,14 @@ def _build_locked(snap: Snapshot, source: PleSource, output: OutputFile, force: 
     output.check(partial.name, st)
     # The sidecar goes first: a table file never exists without the sidecar that vouches for it.
     write_text_at(parent, sidecar_path(out).name, text)
-    output.commit(partial.name, st)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(journal_path.name, dir_fd=parent.fd)
+    try:
+        output.commit(partial.name, st)
+    finally:
+        # Once the partial is the table (the rename done, even if its fsync then failed), its journal
+        # records a partial that is gone: it must not be left beside the finished table.
+        if parent.lstat(partial.name) is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(journal_path.name, dir_fd=parent.fd)
     return {"dtype": sidecar.dtype, "scale": sidecar.scale, "rows": sidecar.rows, "row_bytes": sidecar.row_bytes,
             "file_size": sidecar.file_size, "differences": sidecar.differences,
             "path": str(out), "sidecar": str(sidecar_path(out)), "shards": len(source.shards)}

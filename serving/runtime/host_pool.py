@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import functools
 import mmap
 import os
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,8 +42,24 @@ def available_bytes(meminfo: Path = MEMINFO, cgroup: Path = CGROUP_MEMORY_MAX.pa
 
 @contextmanager
 def host_pool_lock(path: str | None = None):
-    """An exclusive lock shared by every process on the host (the pipeline ranks)."""
-    fd = os.open(path or envs.VLLM_HOST_POOL_LOCK.get(), os.O_RDWR | os.O_CREAT, 0o666)
+    """An exclusive lock shared by every process on the host (the pipeline ranks). The file lives in
+    the shared temporary folder, where anyone can plant its name first: it is never opened through a
+    link (which would create or lock the file the link points at), and only a regular file is a lock."""
+    where = path or envs.VLLM_HOST_POOL_LOCK.get()
+    try:
+        fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise FlashnextError(f"the host pool lock {where} is a symbolic link, not a lock file: remove it "
+                                 "(someone else can write in that folder?) or set VLLM_HOST_POOL_LOCK elsewhere") from None
+        if e.errno != errno.EISDIR:
+            raise
+        fd = None
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
+        raise FlashnextError(f"the host pool lock {where} is not a regular file: remove it or set "
+                             "VLLM_HOST_POOL_LOCK elsewhere")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -14,7 +14,6 @@ replace it is the right answer, and the output must still be the uninterrupted r
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -29,7 +28,7 @@ from click.testing import CliRunner
 
 from flashnext.tools.cli import main as cli
 from support import SUPPORT_DIR, fork_server
-from support.hostile import Work
+from support.hostile import Work, output_state
 
 POINTS = {"KILL": 3, "TERM": 1}  # drawn points a writer and signal, besides the last event
 # what an interrupted resumable build keeps for the next run to resume from (``ple build``'s)
@@ -61,32 +60,6 @@ def killed(argv: list[str], sig: str, at: int, count_file: Path, cwd: Path) -> i
                           env=env, timeout=300, cwd=str(cwd))
     assert out.returncode != 2, out.stderr[-2000:]  # a usage error: the scenario's, not a kill's
     return out.returncode
-
-
-# what two uninterrupted runs write differently: how long they took, how fast, a file's identity
-TIMINGS = {"seconds", "read_gb_per_s", "mtime_ns", "inode"}
-
-
-def untimed(value):
-    if isinstance(value, dict):
-        return {k: untimed(v) for k, v in value.items() if k not in TIMINGS}
-    if isinstance(value, list):
-        return [untimed(v) for v in value]
-    return value
-
-
-def output_state(path: Path) -> dict:
-    """The output's files (a file output: it and its sidecar) and their bytes; a JSON document's
-    content without its timings."""
-    files = sorted(path.rglob("*")) if path.is_dir() else [path, path.with_name(path.name + ".json")]
-    state = {}
-    for f in files:
-        if f.is_symlink():
-            state[str(f.relative_to(path.parent))] = ("link", os.readlink(f))
-        elif f.is_file():
-            data = f.read_bytes()
-            state[str(f.relative_to(path.parent))] = untimed(json.loads(data)) if f.suffix == ".json" else data
-    return state
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from flashnext.tools.cli import main as cli
-from support.hostile import MTP_SHARD, Work, apply, interrupt_ple_build, mtp, ple_build, tree_state
+from support.hostile import MTP_SHARD, Work, apply, interrupt_ple_build, mtp, ple_build, repack, tree_state
 
 PID = os.getpid()  # CliRunner runs the command in this process: its temporary names carry this PID
 
@@ -116,6 +116,30 @@ def profile_done(w: Work) -> bool:
 
 LOCK_VICTIMS = {"symlink-file": "refused", "symlink-absent": "refused", "symlink-shard": "refused",
                 "hardlink-file": "refused"}
+# A directory's temporary name: a link there is a leftover to remove, never a directory to enter.
+DIR_VICTIMS = {"symlink-file": "done", "symlink-absent": "done", "symlink-snapshot": "done"}
+
+
+def ple_format(w: Work) -> list[str]:
+    return ["ple", "build", "--src", str(w.snap), "--out", str(w.root / "out"), "--format", "nvfp4", "--no-progress"]
+
+
+def overlay_done(w: Work) -> bool:
+    out = w.root / "out"
+    return CliRunner().invoke(cli, ["overlay", "verify", "--base", str(w.snap), str(out)]).exit_code == 0
+
+
+def view_done(w: Work) -> bool:
+    return CliRunner().invoke(cli, ["overlay", "verify", str(w.root / "out")]).exit_code == 0
+
+
+def repacked_without_exchange(w: Work, monkeypatch) -> None:
+    """An output to replace, on a filesystem without renameat2's exchange: the replace moves the
+    previous output aside as ``.out.old-PID`` first."""
+    import flashnext.quant.checkpoint.fsutil as fsutil
+
+    assert CliRunner().invoke(cli, repack(w)).exit_code == 0
+    monkeypatch.setattr(fsutil, "_renameat2", lambda *a, **k: False)
 
 PLANTED = [
     # A link at the writer's own partial name is a leftover to remove, never a directory to enter.
@@ -138,14 +162,46 @@ PLANTED = [
     Planted("ple-resume-partial", lambda w: w.root / "new.bin.partial", ple_build,
             dict.fromkeys(("symlink-shard", "hardlink-shard", "symlink-file", "hardlink-file"), "refused"),
             before=lambda w, monkeypatch: interrupt_ple_build(w, monkeypatch), done=ple_done),
+    # Issue 42: every other temporary name, planted before a fresh run of each writer that makes it.
+    # The partial directory of the other atomic_directory writers (demo-checkpoint and selftest take
+    # the same path, and seconds more).
+    Planted("partial-dir-repack", lambda w: w.root / f".out.partial-{PID}", repack, DIR_VICTIMS, done=overlay_done),
+    Planted("partial-dir-apply", lambda w: w.root / f".out.partial-{PID}", apply, DIR_VICTIMS, done=view_done),
+    # The previous output set aside by a --force replace where the filesystem has no atomic exchange.
+    Planted("old-dir-repack-force", lambda w: w.root / f".out.old-{PID}", lambda w: repack(w, "--force"),
+            DIR_VICTIMS, before=repacked_without_exchange, done=overlay_done),
+    Planted("lock-repack", lambda w: w.root / ".out.lock", repack, LOCK_VICTIMS),
+    Planted("lock-ple-format", lambda w: w.root / ".out.lock", ple_format, LOCK_VICTIMS),
+    # ple build --format's resumable partial and journal (quant/overlays/resume.py): a partial
+    # without its journal is no build of flashnext's, refused; a journal that is a link is no
+    # journal to read (never followed), removed, and the build starts over.
+    Planted("ple-format-partial", lambda w: w.root / ".out.partial", ple_format,
+            dict.fromkeys(("symlink-file", "symlink-absent", "symlink-snapshot"), "refused")),
+    Planted("ple-format-journal", lambda w: w.root / ".out.partial.json", ple_format,
+            dict.fromkeys(("symlink-file", "symlink-absent", "symlink-shard", "hardlink-file"), "done"),
+            done=overlay_done),
+    Planted("ple-format-journal-tmp", lambda w: w.root / f".out.partial.json.tmp-{PID}", ple_format,
+            dict.fromkeys(("symlink-file", "symlink-absent", "hardlink-file"), "done"), done=overlay_done),
+    # The bf16 table's partial, journal, sidecar and their temporaries, on a fresh build.
+    Planted("ple-partial", lambda w: w.root / "new.bin.partial", ple_build,
+            dict.fromkeys(("symlink-file", "symlink-absent", "symlink-shard"), "refused")),
+    Planted("ple-journal", lambda w: w.root / "new.bin.partial.json", ple_build,
+            dict.fromkeys(("symlink-file", "symlink-absent", "symlink-shard", "hardlink-file"), "done"),
+            done=ple_done),
+    Planted("ple-journal-tmp", lambda w: w.root / f".new.bin.partial.json.tmp-{PID}", ple_build,
+            dict.fromkeys(("symlink-file", "symlink-absent", "hardlink-file"), "done"), done=ple_done),
+    Planted("ple-sidecar-tmp", lambda w: w.root / f".new.bin.json.tmp-{PID}", ple_build,
+            dict.fromkeys(("symlink-file", "symlink-absent", "hardlink-file"), "done"), done=ple_done),
+    Planted("ple-sidecar", lambda w: w.root / "new.bin.json", ple_build,
+            dict.fromkeys(("symlink-file", "symlink-absent", "hardlink-file"), "either"), done=ple_done),
 ]
 
 CASES = [(p, v, expect) for p in PLANTED for v, expect in p.victims.items()]
 
 
 def _victim(w: Work, planted: Planted, victim: str) -> Victim:
-    # The resume case's shard is the PLE source shard it would copy from and write into.
-    if planted.id == "ple-resume-partial" and victim.endswith("-shard"):
+    # The PLE writers' shard is the PLE source shard they copy from (and a resume would write into).
+    if planted.id.startswith("ple-") and victim.endswith("-shard"):
         return Victim(VICTIMS[victim].kind, ple_source_shard)
     return VICTIMS[victim]
 
@@ -339,3 +395,50 @@ def test_an_error_inside_a_held_directory_names_the_users_path(tmp_path, monkeyp
     with pytest.raises(click.ClickException) as e:
         write()
     assert e.value.message == f"No space left on device: {out / 'shard.safetensors'}"
+
+
+# --- the serving runtime's lock in the shared temporary folder --------------------------------------
+
+HOST_POOL_PLANTS = {
+    # what is planted at the lock's name -> whether a lock is then taken there
+    "symlink-file": False,
+    "symlink-absent": False,
+    "symlink-snapshot": False,
+    "fifo": False,
+    "directory": False,
+    "hardlink-file": True,  # a regular file: locked (flock only; nothing is written into it)
+}
+
+
+@pytest.mark.parametrize("planted", sorted(HOST_POOL_PLANTS))
+def test_the_host_pool_lock_is_never_opened_through_a_link(planted: str, work: Work):
+    """``VLLM_HOST_POOL_LOCK`` (``/tmp/flashnext-host-pool.lock``) is created in a folder anyone can
+    write: a link planted there first is refused, in one line, never followed (a dangling one would
+    have the open create the file it points at); a FIFO or a directory is no lock either."""
+    from flashnext.errors import FlashnextError
+    from flashnext.serving.runtime.host_pool import host_pool_lock
+
+    lock = work.root / "flashnext-host-pool.lock"
+    if planted == "fifo":
+        os.mkfifo(lock)
+        target = None
+    elif planted == "directory":
+        lock.mkdir()
+        target = None
+    else:
+        target = plant(work, lock, VICTIMS[planted])
+    before = victim_state(work, target) if target is not None else None
+    snapshot = tree_state(work.snap)
+    if HOST_POOL_PLANTS[planted]:
+        with host_pool_lock(str(lock)):
+            pass
+    else:
+        with pytest.raises(FlashnextError, match="host pool lock .* (is a symbolic link|is not a regular file)") as e:
+            with host_pool_lock(str(lock)):
+                pass
+        assert len(str(e.value).splitlines()) == 1
+    if target is not None:
+        assert victim_state(work, target) == before
+        if not VICTIMS[planted].exists:
+            assert not target.exists() and not target.is_symlink(), "the lock was created where the link points"
+    assert tree_state(work.snap) == snapshot

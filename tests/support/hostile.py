@@ -75,6 +75,33 @@ def tree_state(root: Path, modes: bool = False) -> dict[str, tuple]:
     return state
 
 
+# what two uninterrupted runs write differently: how long they took, how fast, a file's identity
+TIMINGS = {"seconds", "mtime_ns", "inode"}
+
+
+def untimed(value):
+    """A JSON document without its timings (:data:`TIMINGS`, and every ``*_per_s`` rate)."""
+    if isinstance(value, dict):
+        return {k: untimed(v) for k, v in value.items() if k not in TIMINGS and not k.endswith("_per_s")}
+    if isinstance(value, list):
+        return [untimed(v) for v in value]
+    return value
+
+
+def output_state(path: Path) -> dict:
+    """The output's files (a file output: it and its sidecar) and their bytes; a JSON document's
+    content without its timings: what two uninterrupted runs of a writer make alike."""
+    files = sorted(path.rglob("*")) if path.is_dir() else [path, path.with_name(path.name + ".json")]
+    state = {}
+    for f in files:
+        if f.is_symlink():
+            state[str(f.relative_to(path.parent))] = ("link", os.readlink(f))
+        elif f.is_file():
+            data = f.read_bytes()
+            state[str(f.relative_to(path.parent))] = untimed(json.loads(data)) if f.suffix == ".json" else data
+    return state
+
+
 def modes_bind() -> bool:
     """Whether file modes stop this process: a file of mode 000 cannot be read (root reads it, unless
     it runs without CAP_DAC_OVERRIDE, as ``setpriv --bounding-set=-dac_override,-dac_read_search``)."""
