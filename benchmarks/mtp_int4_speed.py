@@ -5,7 +5,7 @@ heavy-tailed, with a router and calibration activations (16,384 tokens with a fe
 channels, top-10 routing: ~320 tokens an expert). Each run is the real command line in a subprocess,
 with the source shard evicted from the page cache first (posix_fadvise DONTNEED), so a run reads the
 shard from the drive; the child's peak resident set is recorded. Plain absmax RTN
-(``--no-scale-search``), the default MSE search, ``--calib`` and ``--calib --rounding gptq`` run side
+(``--quantizer rtn``), the default MSE search, ``--calib`` and ``--calib --quantizer gptq`` run side
 by side on the same device (``--modes`` picks).
 
     python -m benchmarks.mtp_int4_speed --device cpu|cuda [--workdir .bench] [--modes rtn,mse,calib,gptq]
@@ -127,11 +127,11 @@ def main() -> None:
         "device": args.device, "snapshot_build_s": round(built, 1),
     }
     calib = ["--calib", str(snapshot / CALIB)]
-    runs = {"rtn": ("plain_rtn", ["--no-scale-search"]), "mse": ("mse_search", []),
-            "calib": ("calibrated", calib), "gptq": ("calibrated_gptq", [*calib, "--rounding", "gptq"])}
+    runs = {"rtn": ("plain_rtn", ["--quantizer", "rtn"]), "mse": ("mse_search", []),
+            "calib": ("calibrated", calib), "gptq": ("calibrated_gptq", [*calib, "--quantizer", "gptq"])}
     for mode in modes:
         if mode.startswith("gptq-prior-"):  # gptq-prior-N: --gptq-prior-tokens N
-            runs[mode] = (mode.replace("-", "_"), [*calib, "--rounding", "gptq", "--gptq-prior-tokens", mode[11:]])
+            runs[mode] = (mode.replace("-", "_"), [*calib, "--quantizer", "gptq", "--gptq-prior-tokens", mode[11:]])
         name, extra = runs[mode]
         results[name] = run(snapshot, args.workdir / f"out-{mode}", args.device, extra)
         print(name, results[name], file=sys.stderr, flush=True)

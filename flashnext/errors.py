@@ -13,10 +13,23 @@ import enum
 
 
 class FlashnextError(Exception):
-    """An error a user can act on. The message is one line and says what to do."""
+    """An error a user can act on. The message is one line and says what to do.
+
+    ``field``: the input the error is about, by the library's own name for it (``"calib"``, the
+    parameter); the message then follows that name (``str()`` is ``"calib /x: no such file"``). The
+    library never names a command-line flag: a command shows the flag its option fills the field
+    from instead of the field (``tools/_flags.py``)."""
 
     # A verdict the command has already printed in full: only its exit status is left to give.
     printed = False
+
+    def __init__(self, message: str = "", *args, field: str | None = None):
+        super().__init__(message, *args)
+        self.message = message
+        self.field = field
+
+    def __str__(self) -> str:
+        return f"{self.field} {self.message}" if self.field else super().__str__()
 
 
 class UsageError(FlashnextError):

@@ -11,13 +11,13 @@ container, from read-only mounts of the snapshot and of each overlay.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from flashnext import __version__, envs
 from flashnext.errors import FlashnextError
+from flashnext.serving.deployment import Deployment
 from flashnext.serving.patches.series import VLLM_VERSION
 from flashnext.serving.profiles import CONTAINER_PORT, MODEL_DIR, Profile, capabilities_to_grant, is_shipped
 from flashnext.serving.profiles import vllm_command  # noqa: F401  (the profile's: load_profile checks it)
@@ -33,20 +33,6 @@ PROFILE_DIR_IN_CONTAINER = "/models/profile"  # where a profile file that is not
 # The repository, when flashnext runs from a source checkout (the image is built from one); an
 # installed wheel has no build context, so its compose file names the image only.
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass(frozen=True)
-class ServeRequest:
-    profile: Profile
-    model: Path
-    overlays: tuple[Path, ...] = field(default_factory=tuple)
-    ple_table: Path | None = None
-    bind: str = "127.0.0.1"
-    port: int | None = None
-
-    @property
-    def host_port(self) -> int:
-        return self.port or self.profile.container.port
 
 
 def runtime_env(profile: Profile, ple_table: str | None) -> dict[str, str]:
@@ -115,8 +101,8 @@ def container_ulimits(profile: Profile) -> dict:
     return {"memlock": {"soft": -1, "hard": -1}} if profile.container.memlock_unlimited else {}
 
 
-def compose_model(req: ServeRequest) -> dict:
-    """The Compose document for ``req`` with every value as the container must see it, before the
+def compose_model(req: Deployment) -> dict:
+    """The Compose document for the deployment ``req`` with every value as the container must see it, before the
     escaping a Compose file needs (:func:`render_compose`); paths need not exist (it may be meant
     for another host)."""
     p, c = req.profile, req.profile.container
@@ -168,7 +154,7 @@ def compose_model(req: ServeRequest) -> dict:
             "x-flashnext": {"profile": p.name, "description": p.description, "base_image": BASE_IMAGE}}
 
 
-def render_compose(req: ServeRequest) -> dict:
+def render_compose(req: Deployment) -> dict:
     """The Compose file's document for ``req``: :func:`compose_model` with every string value
     escaped, so that Compose reads back exactly the model's values."""
     return _escape_values(compose_model(req))

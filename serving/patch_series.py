@@ -43,7 +43,7 @@ from flashnext.quant.checkpoint.fsutil import (confined, fsync_dir, output_lock,
 from flashnext.quant.records.inputs import open_regular, read_regular_bytes
 from flashnext.quant.records.jsonfile import parse_json, validate
 from flashnext.quant.records.strict import Sha256, StrictRecord
-from flashnext.serving.patches import probes
+from flashnext.serving.patches import probe_runner, probes
 from flashnext.serving.patches.series import ABSORBED, PATCH_DIR, SERIES, VLLM_VERSION, Absorbed, Patch
 
 
@@ -600,51 +600,6 @@ def probe_tree(root: Path | None = None, series: Sequence[Patch] = SERIES) -> di
         return _run_probes(patches, root.resolve(), tmp)
 
 
-# Runs in the interpreter that imports the shadow tree: argv is the tree, a JSON file of
-# [[id, probe module, probe function, its arguments, touched files]], and the file it appends one JSON line to per
-# event. Probes share the interpreter (one vLLM import instead of one per patch), each in its own
-# function's namespace.
-_PROBE_RUNNER = r'''
-import importlib, json, os, sys, traceback
-root, probes_file, events_file = sys.argv[1:4]
-events = open(events_file, "a")
-
-def event(**fields):
-    events.write(json.dumps(fields) + "\n")
-    events.flush()
-
-def last_error_line(exc, probe_file=None):
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == probe_file]
-    where = (f" ({os.path.basename(probe_file)} line {frames[-1].lineno}: {frames[-1].line})"
-             if frames and frames[-1].line else "")
-    return traceback.format_exception_only(type(exc), exc)[-1].strip() + where
-
-try:
-    import vllm
-    origin = os.path.abspath(vllm.__file__)
-    if not origin.startswith(os.path.join(root, "vllm") + os.sep):
-        raise ImportError(f"the probes import vllm from {origin}, not from the patched shadow tree {root}")
-except BaseException as exc:
-    event(fatal=last_error_line(exc))
-    sys.exit(1)
-for patch_id, module_name, function_name, args, touched in json.load(open(probes_file)):
-    event(start=patch_id)
-    probe_file = None
-    try:
-        module = importlib.import_module(module_name)
-        probe_file = module.__file__
-        getattr(module, function_name)(*args)
-        for rel in touched:  # a touched module the probe imported must be the tree's patched copy
-            imported = sys.modules.get(rel[:-len(".py")].replace("/", ".").removesuffix(".__init__"))
-            if imported is not None and os.path.abspath(imported.__file__) != os.path.join(root, rel):
-                raise ImportError(f"{imported.__name__} was imported from {imported.__file__}, not the shadow tree")
-    except BaseException as exc:
-        event(id=patch_id, error=last_error_line(exc, probe_file))
-    else:
-        event(id=patch_id, error=None)
-'''
-
-
 def _probe_env(root: Path) -> dict[str, str]:
     """The probe interpreter's environment: the shadow tree first on its path, no GPU unless one is
     visible here, no bytecode written next to the tree's symlinked sources."""
@@ -678,8 +633,9 @@ def _run_probes(patches: list[Patch], root: Path, tmp: Path,
     seen = 0
     # stderr to a file, not a pipe: nothing reads a pipe while the events are followed
     with open(tmp / "probe-stderr.txt", "w+") as stderr:
-        proc = subprocess.Popen([sys.executable, "-c", _PROBE_RUNNER, str(root), str(probes_file), str(events_file)],
-                                stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=_probe_env(root), cwd=tmp)
+        runner = [sys.executable, "-m", probe_runner.__name__, str(root), str(probes_file), str(events_file)]
+        proc = subprocess.Popen(runner, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=_probe_env(root),
+                                cwd=tmp)
         deadline = time.monotonic() + PROBE_TIMEOUT_S
         try:
             while proc.poll() is None and time.monotonic() < deadline:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from flashnext.errors import NoGoCode
 from flashnext.serving.host_memory import CGROUP_MEMORY_MAX, MEMINFO, read_host_memory
+from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import Profile, shm_size_bytes
 from flashnext.sizes import format_size
 
@@ -223,17 +224,21 @@ def _no_plan_fix(profile: Profile, model: Path | None) -> str:
     return f"`flashnext plan --profile {profile.name}` says why"
 
 
-def check_host_ram(profile: Profile, meminfo: Path = MEMINFO, memory_max: Path = CGROUP_MEMORY_MAX, *,
-                   model: Path | None = None, ple_table: Path | None = None, overlays=()) -> Finding:
+def check_host_ram(deployment: "Deployment | Profile", meminfo: Path = MEMINFO, memory_max: Path = CGROUP_MEMORY_MAX,
+                   *, model: Path | None = None, ple_table: Path | None = None, overlays=()) -> Finding:
     """Every pinned host byte (QSA K/V, a pinned PLE table, the MTP draft embedding, the streamed ViT)
-    against what this host (and its cgroup) can still give."""
+    of ``deployment`` against what this host (and its cgroup) can still give. A bare profile (with
+    ``model``, ``ple_table`` and ``overlays``) is judged as the deployment they make."""
     from flashnext.errors import FlashnextError
     from flashnext.serving import capacity
+    from flashnext.serving.deployment import Deployment
 
+    if not isinstance(deployment, Deployment):
+        deployment = Deployment(deployment, model, tuple(overlays), ple_table)
+    profile, model, ple_table = deployment.profile, deployment.model, deployment.ple_table
     try:
-        plan = capacity.plan_profile(profile, model=model)
-        shape = capacity.ServingShape.from_profile(profile)
-        terms = pinned_host_terms(shape, plan, model, ple_table, overlays)
+        plan, shape = deployment.plan, deployment.shape
+        terms = pinned_host_terms(shape, plan, model, ple_table, deployment.overlays, served=deployment)
     except FlashnextError as e:
         return Finding("host-ram", False, f"no plan for this profile ({e})", _no_plan_fix(profile, model),
                        NoGoCode.MEMORY, blocking=False)
@@ -315,9 +320,11 @@ def check_ple_drive(table: Path, seconds: float = 3.0) -> Finding:
 PLE_HASH_SECONDS = 5.0  # the preflight's budget for hashing the PLE table against its sidecar
 
 
-def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_SECONDS) -> Finding:
+def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_SECONDS, *,
+                    open_snapshot=None) -> Finding:
     """The table file is whole and, given the snapshot, built from it: patch ple-mmap refuses a
-    wrong-sized file only after the engine has started.
+    wrong-sized file only after the engine has started. ``open_snapshot`` opens ``model`` (default:
+    :meth:`Snapshot.open`; the preflight's gives the deployment's, opened once).
 
     Within ``seconds`` it hashes random 16 MiB blocks (both ends first) against the sidecar: all of a
     table of up to a few GiB, a sample of the real 95 GiB one. The finding says how much it covered,
@@ -342,7 +349,7 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
     try:
         result = verify_table(table, seconds=seconds)
         if model is not None:
-            source = find_ple_source(Snapshot.open(model), sidecar.dense_layer_id)
+            source = find_ple_source((open_snapshot or Snapshot.open)(model), sidecar.dense_layer_id)
             differ = sidecar.mismatches(source)
             if differ:
                 return Finding("ple-table", False, f"{table} was built from another checkpoint than {model} "
@@ -426,18 +433,21 @@ def check_vllm(engine: str) -> Finding:
     return Finding("vllm", True, f"{line}, the patch series applied, flashnext's plugin registered")
 
 
-def preflight(profile: Profile, model: Path | None, overlays: list[Path], ple_table: Path | None,
-              engine: str, devices: list[GpuInfo] | None = None) -> list[Finding]:
+def preflight(deployment: Deployment, engine: str, devices: list[GpuInfo] | None = None) -> list[Finding]:
+    """Every check of ``deployment`` served by ``engine``: judged from what it holds, nothing loaded again."""
     from flashnext.serving.compose import IMAGE
+
+    profile, model, ple_table = deployment.profile, deployment.model, deployment.ple_table
+    overlays = list(deployment.overlays)
 
     findings = [check_gpus(profile, visible_gpus() if devices is None else devices),
                 check_memlock(profile, engine), check_shm(profile), check_cgroup(), check_process_madvise()]
     from flashnext.serving.capacity import FAMILIES
 
     if profile.model_family in FAMILIES:
-        findings.insert(1, check_host_ram(profile, model=model, ple_table=ple_table, overlays=overlays))
+        findings.insert(1, check_host_ram(deployment))
     if ple_table is not None:
-        findings.append(check_ple_table(ple_table, model))
+        findings.append(check_ple_table(ple_table, model, open_snapshot=deployment.open_snapshot))
         findings.append(check_ple_drive(ple_table))
     if model is not None:
         findings.append(check_overlays(model, overlays))

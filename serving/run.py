@@ -132,19 +132,20 @@ def start_compose(compose: list[str], profile: str, text: str, build: bool) -> P
     return state
 
 
-def serve_compose(compose: list[str], profile, model: Path, compose_text: str, url: str, image: str,
+def serve_compose(compose: list[str], deployment, compose_text: str, url: str, image: str,
                   say=None, progress=None) -> dict:
-    """Run ``profile`` through ``compose`` (from :func:`find_compose`) with the Compose file
-    ``compose_text``: build ``image`` where the engine lacks it, print the plan's line for ``model``,
-    start the project and wait until ``url`` serves. ``say`` takes the lines for the user,
-    ``progress`` the waiting line; returns the models listing."""
+    """Run ``deployment`` through ``compose`` (from :func:`find_compose`) with the Compose file
+    ``compose_text``: build ``image`` where the engine lacks it, print the plan's line, start the
+    project and wait until ``url`` serves. ``say`` takes the lines for the user, ``progress`` the
+    waiting line; returns the models listing."""
     from flashnext.serving.patches.series import VLLM_VERSION
 
     build = not image_present(compose, image)
     if build and say:
         say(f"building {image} (vLLM {VLLM_VERSION} with the patch series) ...")
-    if say and (line := summary_line(profile, model)):
+    if say and (line := summary_line(deployment)):
         say(line)
+    profile = deployment.profile
     start_compose(compose, profile.name, compose_text, build)
     return wait_ready(url, profile.healthcheck.start_period_s, progress)
 
@@ -189,15 +190,14 @@ def wait_ready(base_url: str, timeout_s: float, progress=None, poll_s: float = 2
         time.sleep(poll_s)
 
 
-def require_ple_table(profile, model: Path | None, ple_table: Path | None, overlays=()) -> None:
+def require_ple_table(deployment) -> None:
     """A profile that serves the PLE table from a file cannot start without one: vLLM would fall back
     to pinning the whole table (95.4 GiB), which beside the QSA K/V exceeds a 125 GiB host. A table
     that ``flashnext ple build --format`` quantized (the model's or an overlay's config.json says
     ``ple_embedding_dtype``) is vLLM's own to serve from pinned host memory: no file, and none taken."""
+    profile, model, ple_table = deployment.profile, deployment.model, deployment.ple_table
     if model is not None and profile.model_family == "qwen4_exp":
-        from flashnext.quant.overlays.ple_quant import served_ple_format
-
-        quantized = served_ple_format(model, overlays)
+        quantized = deployment.ple_format
         if quantized is not None:
             if ple_table is not None:
                 raise FlashnextError(f"the PLE table is {quantized} (config.json's ple_embedding_dtype): vLLM serves "
@@ -210,25 +210,26 @@ def require_ple_table(profile, model: Path | None, ple_table: Path | None, overl
             f"`flashnext ple build --src {src} --out FILE`")
 
 
-def summary_line(profile, model: Path | None = None) -> str | None:
-    """One line of the plan for `serve` to print before starting, for ``model`` as the preflight
-    plans it (None: the pinned base checkpoint); None when it cannot plan here."""
+def summary_line(deployment) -> str | None:
+    """One line of the deployment's plan for `serve` to print before starting, the plan the preflight
+    judged (without a model: the pinned base checkpoint's); None when it cannot plan here."""
     from flashnext.serving import capacity
 
-    if profile.model_family not in capacity.FAMILIES:
+    if deployment.profile.model_family not in capacity.FAMILIES:
         return None
     try:
-        p = capacity.plan_profile(profile, model=model)
+        p = deployment.plan
     except FlashnextError:
         return None
     return (f"plan: {p.blocks} blocks per rank, {p.blocks_per_request} per {p.max_model_len:,}-token request: "
             f"{p.capacity_tokens:,} tokens ({p.concurrency:.2f}x); pinned host K/V {format_size(p.pinned_host_bytes_needed)}")
 
 
-def refuse_missing_inputs(model: Path, overlays=(), ple_table: Path | None = None) -> None:
+def refuse_missing_inputs(deployment) -> None:
     """Each path serve mounts or hands to vLLM must exist here: a missing one would become an empty
     bind mount, or a vLLM that fails minutes later."""
-    for flag, path in (("--model", model), *(("--overlay", o) for o in overlays),
+    overlays, ple_table = deployment.overlays, deployment.ple_table
+    for flag, path in (("--model", deployment.model), *(("--overlay", o) for o in overlays),
                        *((("--ple-table", ple_table),) if ple_table is not None else ())):
         if not os.path.exists(path):
             raise FlashnextError(f"{flag} {path} does not exist on this host")
@@ -242,14 +243,14 @@ def view_dir(profile, model: Path, overlays: tuple[Path, ...]) -> Path:
     return state_dir(profile.name) / "views" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def native_command(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | None, listen: str,
-                   port: int, make_view: bool = True) -> tuple[list[str], dict[str, str]]:
-    """``vllm serve`` and the environment that run ``profile`` on this host, every path absolute
+def native_command(deployment, listen: str, port: int, make_view: bool = True) -> tuple[list[str], dict[str, str]]:
+    """``vllm serve`` and the environment that run ``deployment`` on this host, every path absolute
     (vLLM and its workers may run from another directory). With overlays, the model is the view of
     the snapshot with them applied (:func:`view_dir`), made here unless ``make_view`` is False."""
     from flashnext.serving.compose import runtime_env
     from flashnext.serving.profiles import vllm_command
 
+    profile, model, overlays = deployment.profile, deployment.model, deployment.overlays
     model_dir = Path(model).absolute()
     if overlays:
         from flashnext.quant.overlays.view import apply_overlays
@@ -257,7 +258,7 @@ def native_command(profile, model: Path, overlays: tuple[Path, ...], ple_table: 
         model_dir = view_dir(profile, model, overlays)
         if make_view:
             apply_overlays(model, list(overlays), model_dir, force=True)
-    table = str(Path(ple_table).absolute()) if ple_table else None
+    table = str(Path(deployment.ple_table).absolute()) if deployment.ple_table else None
     return vllm_command(profile, str(model_dir), listen, port), runtime_env(profile, table)
 
 

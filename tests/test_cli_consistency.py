@@ -109,9 +109,12 @@ def test_every_command_and_option_says_what_it_is():
 
 # --- usage errors flashnext finds itself exit 2, as click's own do: one line, nothing written ----------
 USAGE_ERRORS = [
-    (["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--rounding", "gptq"], "give --calib FILE"),
-    (["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--calib", "{snap}/config.json", "--no-scale-search"],
-     "--no-scale-search"),
+    (["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--quantizer", "gptq"],
+     "--calib is needed by quantizer gptq"),
+    (["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--calib", "{snap}/config.json", "--quantizer", "rtn"],
+     "--calib weights the scale search"),
+    (["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--quantizer", "mse", "--rounding", "gptq"],
+     "--quantizer mse and --rounding gptq choose different quantizers"),
     (["serve", "--profile", "3x3090"], "serve needs --model (see"),
     (["serve", "--profile", "3x3090", "--model", "{snap}", "--check", "--no-check"], "contradict"),
     (["ple", "ids", "--config", "{snap}/config.json", "--tokens", "1,x"], "comma-separated integers"),
@@ -268,8 +271,8 @@ def workdir(demo_snapshot, demo_overlay, ple_table, tmp_path_factory):
 NO_TORCH = [
     ("demo-checkpoint over an existing --out", ["demo-checkpoint", "--out", "{taken}"], 1),
     ("make-mtp-int4 over an existing --out", ["make-mtp-int4", "--src", "{snap}", "--out", "{taken}"], 1),
-    ("make-mtp-int4 --rounding gptq without --calib",
-     ["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--rounding", "gptq"], 2),
+    ("make-mtp-int4 --quantizer gptq without --calib",
+     ["make-mtp-int4", "--src", "{snap}", "--out", "{new}", "--quantizer", "gptq"], 2),
     ("repack-int6 over an existing --out", ["repack-int6", "--src", "{snap}", "--out", "{taken}"], 1),
     ("ple ids", ["ple", "ids", "--config", "{snap}/config.json", "--tokens", "1,2,3"], 0),
     ("ple verify", ["ple", "verify", "{table}"], 0),
@@ -316,3 +319,30 @@ def test_the_answer_is_the_first_line(argv, first):
     # stdout and stderr as a terminal shows them, stderr first: what vLLM and torch print goes there
     shown = (done.stderr + done.stdout).splitlines()
     assert shown and re.match(first, shown[0]), "\n".join(shown[:12])
+
+
+# --- the library names fields, the commands name flags -----------------------------------------------
+
+def test_the_library_names_no_flag_and_every_field_it_names_has_one():
+    """An error of the library carries the input it is about as ``field``; tools/_flags.py is the one
+    map to the flag a command fills it from."""
+    from flashnext.tools._flags import FLAGS
+
+    fields = set()
+    for path in sorted((ROOT / "quant").rglob("*.py")):
+        text = path.read_text()
+        fields |= set(re.findall(r'field="(\w+)"', text))
+        for flag in ("--calib", "--rounding", "--no-scale-search", "--quantizer", "--targets", "--force-slower",
+                     "--cache-dir"):
+            assert not re.search(rf'(?:Error|raise)\(f?"[^"\n]*{flag}\b', text), f"{path} names {flag} in an error"
+    assert fields and fields <= set(FLAGS), fields - set(FLAGS)
+
+
+def test_a_field_is_shown_as_its_flag(tmp_path):
+    from flashnext.errors import FlashnextError
+    from flashnext.tools._flags import as_typed
+
+    error = FlashnextError(f"{tmp_path}: no such file", field="calib")
+    assert str(error) == f"calib {tmp_path}: no such file"
+    assert as_typed(error) == f"--calib {tmp_path}: no such file"
+    assert as_typed(FlashnextError("plain")) == "plain"

@@ -111,29 +111,23 @@ def builder_recipe() -> str:
 
 @pytest.fixture
 def recipe_builder(monkeypatch):
-    """The page's builder block run as the module its row names, the row added as the page says."""
-    block = builder_recipe()
-    (path,) = re.findall(r'OverlayKind\("([\w.]+:\w+)"', block)
-    module_name, _, class_name = path.partition(":")
-    module = types.ModuleType(module_name)
-    package = types.ModuleType(module_name.rpartition(".")[0])
-    monkeypatch.setitem(sys.modules, package.__name__, package)
-    monkeypatch.setitem(sys.modules, module_name, module)
-    table = overlay_builder.OVERLAY_KINDS
-    shipped = dict(table)
-    # the row goes into the table itself, as the page's line puts it, and leaves with the test
-    exec(compile(block, "docs/extending.md", "exec"), module.__dict__)
-    cls = module.__dict__[class_name]
+    """The page's builder block run as a module of its own; defining the class registers its kind,
+    which leaves the registry with the test."""
+    module = types.ModuleType("my_package.my_builder")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(builder_recipe(), "docs/extending.md", "exec"), module.__dict__)
+    cls = module.__dict__["MyBuilder"]
     (kind,) = cls.kinds
-    yield kind, cls
-    table.clear()
-    table.update(shipped)
+    yield kind.name, cls
+    overlay_builder.OVERLAY_KINDS.unregister(cls)
 
 
 def test_a_builder_registered_as_the_page_says_is_found_by_its_kind(recipe_builder):
     kind, cls = recipe_builder
     assert overlay_builder.builder_for_kind(kind) is cls
     assert overlay_builder.builder_for_kind("no-such-kind") is None
+    assert kind in overlay_builder.OVERLAY_KINDS
+    assert builder_recipe().count(f'"{kind}"') == 1, "the page writes the kind's name more than once"
 
 
 def test_a_builder_registered_as_the_page_says_is_on_the_model_card(recipe_builder, demo_overlay):
@@ -153,17 +147,22 @@ def test_a_builder_registered_as_the_page_says_is_on_the_model_card(recipe_build
     assert f"flashnext overlay fetch {REPO}" in card and "flashnext serve --profile " in card
 
 
-def test_a_row_that_names_the_wrong_class_is_refused(recipe_builder):
-    kind, _ = recipe_builder
-    overlay_builder.OVERLAY_KINDS["other-kind"] = overlay_builder.OVERLAY_KINDS[kind]
-    with pytest.raises(FlashnextError, match="not an OverlayBuilder that makes other-kind overlays"):
-        overlay_builder.builder_for_kind("other-kind")
+def test_a_kind_claimed_twice_is_refused(recipe_builder):
+    kind, cls = recipe_builder
+    with pytest.raises(ValueError, match=f"claims the overlay kind '{kind}', which .*MyBuilder claims"):
+        type("OtherBuilder", (cls,), {"kinds": cls.kinds})
+    with pytest.raises(ValueError, match="claims the overlay kind 'twice', which it already claims"):
+        type("TwiceBuilder", (cls,), {"kinds": (overlay_builder.OverlayKind("twice"),) * 2})
+    assert overlay_builder.builder_for_kind(kind) is cls and overlay_builder.builder_for_kind("twice") is None
 
 
-def test_every_shipped_kind_has_its_builder_and_every_builder_its_rows():
-    found = {kind: overlay_builder.builder_for_kind(kind) for kind in overlay_builder.OVERLAY_KINDS}
-    for cls in set(found.values()):
-        assert {k for k, c in found.items() if c is cls} == set(cls.kinds), cls
+def test_every_shipped_kind_is_found_by_the_builder_that_declares_it():
+    shipped = {"mtp-int4", "int6-bitplane", "int6-to-int8", "int6-dense", "ple-nvfp4", "ple-fp8"}
+    assert shipped <= set(overlay_builder.OVERLAY_KINDS)
+    for kind in shipped:
+        cls = overlay_builder.builder_for_kind(kind)
+        assert cls.__module__.startswith("flashnext.quant.overlays.")
+        assert overlay_builder.OVERLAY_KINDS.get(kind) in cls.kinds
 
 
 def test_reading_overlays_imports_no_builder():

@@ -36,13 +36,13 @@ def test_cuda_quantizer_and_packing():
 
 
 def test_cuda_calibrated_gptq_matches_cpu(demo_snapshot, tmp_path):
-    """--calib --rounding gptq on the GPU: the same mode, and output errors within rounding noise of
+    """--calib --quantizer gptq on the GPU: the same mode, and output errors within rounding noise of
     the CPU's (the Cholesky factors and sums differ in the last bits)."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(0)
     save_file({"hidden_states": torch.randn(4096, 256, generator=g)}, str(tmp_path / "calib.safetensors"))
-    options = dict(calib=tmp_path / "calib.safetensors", rounding="gptq")
+    options = dict(calib=tmp_path / "calib.safetensors", quantizer="gptq")
     gpu = make_mtp_int4(demo_snapshot, tmp_path / "gpu", MtpInt4Options(device="cuda", **options), progress=False)
     cpu = make_mtp_int4(demo_snapshot, tmp_path / "cpu", MtpInt4Options(**options), progress=False)
     assert gpu["mode"] == cpu["mode"] == "calibrated, GPTQ rounding"

@@ -100,14 +100,18 @@ def test_a_check_of_seconds_has_no_bar(argv: list[str], inputs: Inputs):
 
 # Runs a command as a terminal runs it, and says on stderr when torch or vLLM starts to import: the
 # seconds a user would otherwise watch an empty screen.
+# The marker goes to the terminal itself (a descriptor kept from the start): the commands hold back
+# what is written to stderr while vLLM imports (flashnext.output.held_back_output), and a marker
+# written through it would arrive after the line it must precede, or never.
 _WATCHED = r'''
-import importlib.abc, sys
+import importlib.abc, os, sys
+
+TERMINAL = os.dup(2)
 
 class Watch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name in ("torch", "vllm"):
-            sys.stderr.write(f"<importing {name}>\n")
-            sys.stderr.flush()
+            os.write(TERMINAL, f"<importing {name}>\n".encode())
         return None
 
 sys.meta_path.insert(0, Watch())
@@ -118,7 +122,7 @@ main(sys.argv[1:], prog_name="flashnext")
 
 def _before_heavy_imports(args: list[str], cwd: Path) -> str:
     """What a command wrote to its terminal before torch or vLLM began to import in its process (it is
-    stopped then), or all it wrote where they never did (plan asks vLLM in a child process)."""
+    stopped then), or all it wrote where they never did."""
     import os
     import pty
     import select
@@ -156,6 +160,8 @@ def _before_heavy_imports(args: list[str], cwd: Path) -> str:
     (["repack-int6", "--src", "{snap}", "--out", "int6-out"], "repacking the INT6 modules of"),
     (["doctor", "--profile", "3x3090", "--model", "{snap}"], "preflight of 3x3090"),
     (["selftest", "--out", "selftest-out"], "selftest of 3x3090 into selftest-out"),
+    (["serve", "--profile", "3x3090", "--model", "{snap}", "--dry-run"], "rendering 3x3090: its vllm_args"),
+    (["serve", "--profile", "3x3090", "--model", "{snap}", "--check"], "preflight of 3x3090"),
 ], ids=lambda v: v[0] if isinstance(v, list) else None)
 def test_a_slow_command_says_what_it_does_before_its_imports(args, first, demo_snapshot, tmp_path):
     shown = _before_heavy_imports([a.format(snap=demo_snapshot) for a in args], tmp_path)

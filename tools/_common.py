@@ -21,6 +21,12 @@ from flashnext.errors import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
 
+def begin_preflight(profile: str, engine: str) -> None:
+    """The preflight's first line, said before the profile is resolved (its vllm_args go through
+    vLLM's own parser, which imports vLLM: seconds)."""
+    begin(f"preflight of {profile}: GPUs, host memory, limits, the PLE table, overlays, the {engine} engine")
+
+
 def begin(line: str) -> None:
     """A command's first line, at once: what it does while its imports and first work take seconds
     (torch, vLLM). On stderr, and only where a person watches it (a terminal), so that stdout stays
@@ -43,8 +49,9 @@ class UserError(click.ClickException):
 
 def _first_line(e: BaseException) -> str:
     from flashnext.quant.checkpoint.fsutil import display_path
+    from flashnext.tools._flags import as_typed
 
-    text = str(e).strip()
+    text = (as_typed(e) if isinstance(e, FlashnextError) else str(e)).strip()
     return display_path(text.splitlines()[0]) if text else type(e).__name__
 
 
@@ -124,20 +131,17 @@ json_option = click.option("--json", "as_json", is_flag=True,
                            help="Print a machine-readable JSON result on stdout.")
 
 
-def preflight_report(profile_name: str, model, overlays, ple_table, engine: str, as_json: bool,
-                     err: bool = False, grants: tuple[str, ...] = ()) -> None:
-    """Run the preflight (``doctor``, ``serve --check``, ``serve`` before it starts) of the profile
-    loaded with ``grants`` (serve's ``--grant``), print go/no-go with each fix (on stderr with
-    ``err``), and raise :class:`~flashnext.errors.NoGo` with the first blocking finding's exit code."""
+def preflight_report(deployment, engine: str, as_json: bool, err: bool = False) -> None:
+    """Run the preflight (``doctor``, ``serve --check``, ``serve`` before it starts) of ``deployment``
+    (a :class:`~flashnext.serving.deployment.Deployment`, judged as resolved: nothing loaded again),
+    print go/no-go with each fix (on stderr with ``err``), and raise
+    :class:`~flashnext.errors.NoGo` with the first blocking finding's exit code."""
     from flashnext.errors import NoGo
     from flashnext.output import held_back_output
     from flashnext.serving.preflight import preflight, verdict
-    from flashnext.serving.profiles import load_profile
 
-    profile = load_profile(profile_name, grants=grants)
-    begin(f"preflight of {profile_name}: GPUs, host memory, limits, the PLE table, overlays, the {engine} engine")
     with held_back_output():
-        findings = preflight(profile, model, list(overlays), ple_table, engine)
+        findings = preflight(deployment, engine)
     code = verdict(findings)
     if as_json:
         emit_json({"go": code == 0, "exit_code": code, "findings": [f.to_json() for f in findings]})

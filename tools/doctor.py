@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.tools._common import json_option, preflight_report, user_errors
+from flashnext.tools._common import begin_preflight, json_option, preflight_report, user_errors
 
 
 @click.command("doctor")
@@ -27,4 +27,7 @@ def main(profile: str, model: Path | None, overlays: tuple[Path, ...], ple_table
     its drive, overlays, the image. Prints go/no-go with the fix for each problem; exit 0 (go),
     10 GPU, 11 memory, 12 ptrace, 13 PLE table or its drive, 14 overlay, 15 image. `serve` runs it
     before it starts anything."""
-    preflight_report(profile, model, overlays, ple_table, engine, as_json)
+    from flashnext.serving.deployment import resolve_deployment
+
+    begin_preflight(profile, engine)
+    preflight_report(resolve_deployment(profile, model, overlays, ple_table), engine, as_json)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, UsageError
 from flashnext.quant.quantizers.base import SUPPORTED_GROUP_SIZES, available_quantizers
 from flashnext.sizes import format_size
 from flashnext.tools._common import CONTEXT_SETTINGS, begin, emit_json, json_option, user_errors
@@ -37,21 +37,21 @@ class RegisteredQuantizer(click.Choice):
               help="Keep every scale positive (by default a scale may be negative so that code -8 "
                    "lands on the larger-magnitude side).")
 @click.option("--quantizer", type=RegisteredQuantizer(), default=None,
-              help="The registered quantizer (quant/quantizers/base.py): mse (the default), rtn "
-                   "(--no-scale-search), gptq (--rounding gptq, needs --calib), or one of your own.")
-@click.option("--scale-search/--no-scale-search", default=True, show_default=True,
-              help="MSE scale search; --no-scale-search is plain absmax RTN (--quantizer rtn), for A/B comparisons.")
+              help="The registered quantizer (quant/quantizers/base.py): mse, the MSE scale search (the default); "
+                   "rtn, plain absmax RTN, for A/B comparisons; gptq, the searched scales with codes chosen "
+                   "against each expert's routed Gram matrix (needs --calib); or one of your own.")
+# The flags that came before --quantizer, kept for the command lines that use them: each is one
+# quantizer (LEGACY_QUANTIZER_FLAGS).
+@click.option("--scale-search/--no-scale-search", default=None, hidden=True)
+@click.option("--rounding", type=click.Choice(["nearest", "gptq"]), default=None, hidden=True)
 @click.option("--calib", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Calibration activations: a safetensors file with hidden_states [tokens, hidden] at the MTP "
                    "MoE block's input. Each expert's scales then minimise the output error on the tokens its "
                    "router sends it (docs/make-mtp-int4.md says how to capture them). Without it: weight-only.")
 @click.option("--calib-min-tokens", type=click.IntRange(1), default=32, show_default=True,
               help="An expert routed fewer calibration tokens is topped up with the all-token average.")
-@click.option("--rounding", type=click.Choice(["nearest", "gptq"]), default="nearest", show_default=True,
-              help="With --calib: gptq (--quantizer gptq) chooses each code against the expert's routed Gram matrix XᵀX "
-                   "(error feedback across columns) at the searched scales; nearest rounds each weight.")
 @click.option("--gptq-prior-tokens", type=click.IntRange(0), default=640, show_default=True,
-              help="With --rounding gptq: add this many tokens' worth of the all-token Gram matrix to each "
+              help="With --quantizer gptq: add this many tokens' worth of the all-token Gram matrix to each "
                    "expert's, so that codes fit the expert's inputs rather than its few calibration tokens.")
 @click.option("--device", default="cpu", show_default=True,
               help="Where to quantize: cpu, cuda, cuda:N.")
@@ -63,9 +63,9 @@ class RegisteredQuantizer(click.Choice):
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 @json_option
 @user_errors
-def main(src: Path, out: Path, group_size: str, quantizer: str | None, positive_scales: bool, scale_search: bool,
-         calib: Path | None,
-         calib_min_tokens: int, rounding: str, gptq_prior_tokens: int, device: str,
+def main(src: Path, out: Path, group_size: str, quantizer: str | None, positive_scales: bool,
+         scale_search: bool | None, rounding: str | None, calib: Path | None,
+         calib_min_tokens: int, gptq_prior_tokens: int, device: str,
          experts_per_batch: int | None, force: bool, report: Path | None, progress: bool,
          as_json: bool) -> None:
     """Quantize the MTP routed experts of SRC to symmetric INT4 (MSE-searched scales by default) and write
@@ -80,10 +80,11 @@ def main(src: Path, out: Path, group_size: str, quantizer: str | None, positive_
     from flashnext.quant.quantizers.device import DeviceError
 
     # The options and the outputs are checked before the work imports torch (seconds).
-    options = MtpInt4Options(group_size=int(group_size), quantizer=quantizer, positive_scales=positive_scales,
-                             device=device, experts_per_batch=experts_per_batch,
-                             scale_search=scale_search, calib=calib, calib_min_tokens=calib_min_tokens,
-                             rounding=rounding, gptq_prior_tokens=gptq_prior_tokens)
+    quantizer = one_quantizer(quantizer, {"--scale-search": scale_search, "--rounding": rounding})
+    options = MtpInt4Options(group_size=int(group_size), positive_scales=positive_scales, device=device,
+                             experts_per_batch=experts_per_batch, calib=calib, calib_min_tokens=calib_min_tokens,
+                             gptq_prior_tokens=gptq_prior_tokens,
+                             **({"quantizer": quantizer} if quantizer is not None else {}))
     refuse_existing_output(out, force, {"the source snapshot": src, "--calib": calib},
                            made_by=MtpInt4Builder.tool)
     if report is not None:
@@ -106,6 +107,32 @@ def main(src: Path, out: Path, group_size: str, quantizer: str | None, positive_
                    + (f" ({ratio:.3f}x absmax RTN)" if ratio else "")
                    + (f"; output rel MSE {s['output_rel_mse']:.4e} (weight-only {s['weight_only_output_rel_mse']:.4e})"
                       if "output_rel_mse" in s else ""))
+
+
+# What each older flag says about the quantizer: the one it chooses, or the one it rules out.
+LEGACY_QUANTIZER_FLAGS: dict[tuple[str, object], tuple[str, bool]] = {
+    ("--scale-search", False): ("rtn", True),     # --no-scale-search is --quantizer rtn
+    ("--scale-search", True): ("rtn", False),     # a searched scale: anything but rtn
+    ("--rounding", "gptq"): ("gptq", True),       # --rounding gptq is --quantizer gptq
+    ("--rounding", "nearest"): ("gptq", False),   # nearest rounding: anything but gptq
+}
+
+
+def one_quantizer(quantizer: str | None, legacy: dict[str, object]) -> str | None:
+    """The one quantizer that ``--quantizer`` and the older flags given (``legacy``: flag -> value,
+    None where not given) choose; None where none chooses (the library's default). Flags that
+    disagree are one line, a usage error."""
+    said = [(f"--quantizer {quantizer}", quantizer, True)] if quantizer is not None else []
+    for flag, value in legacy.items():
+        if value is not None:
+            name, chosen = LEGACY_QUANTIZER_FLAGS[flag, value]
+            shown = f"{flag} {value}" if isinstance(value, str) else flag if value else f"--no-{flag[2:]}"
+            said.append((shown, name, chosen))
+    chosen = {name for _, name, yes in said if yes}
+    ruled_out = {name for _, name, yes in said if not yes}
+    if len(chosen) > 1 or chosen & ruled_out:
+        raise UsageError(f"{' and '.join(s for s, _, _ in said)} choose different quantizers: give one --quantizer")
+    return next(iter(chosen), None)
 
 
 def _check_report_path(report: Path, src: Path, out: Path) -> None:

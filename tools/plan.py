@@ -219,23 +219,25 @@ def main(profile: str | None, kv_cache_memory_bytes: int | None, prefix_caching:
         raise UsageError(f"{given[0]} is for a rig plan: give --gpus N too")
     if host_ram is not None and not (math.isfinite(host_ram) and host_ram > 0):
         raise FlashnextError(f"--host-ram must be a positive number of GiB, got {host_ram:g}")
-    from flashnext.serving.capacity import plan_profile
     from flashnext.serving.capacity.vram import check_gpu_memory
-    from flashnext.serving.profiles import load_profile
+    from flashnext.serving.deployment import resolve_deployment
 
     if gpu_memory is not None:
         check_gpu_memory(gpu_memory, "--gpu-memory")
-    loaded = load_profile(profile)
+    # before the profile is resolved: its vllm_args go through vLLM's own parser, which imports vLLM
     begin(f"planning {profile} with vLLM's own config classes and KV planner (vLLM loads first)")
+    deployment = resolve_deployment(profile, model, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                    prefix_caching=prefix_caching)
+    loaded = deployment.profile
     if ple_format is not None and model is not None:
         raise UsageError("--ple-format is for the pinned base checkpoint; with --model the snapshot's config says "
                          "how its table is stored")
     with held_back_output():  # vLLM's and torch's import-time notes: the plan is the first line
-        result = plan_profile(loaded, kv_cache_memory_bytes, prefix_caching, model)
-        host = _host(loaded, result, model, ple_format, host_ram) if ple_format or host_ram else None
-        ledger = _ledger(loaded, result, model, ple_format)
+        result = deployment.plan
+        host = _host(deployment, ple_format, host_ram) if ple_format or host_ram else None
+        ledger = _ledger(deployment, ple_format)
         card = gpu_memory if gpu_memory is not None else loaded.gpu_memory_gib
-        table = _profile_table(loaded, result, ledger, model, card)
+        table = _profile_table(deployment, ledger, card)
     if as_json:
         emit_json({"profile": loaded.name, **result.to_json(), **({"host": host} if host else {}),
                    **({"ledger": ledger.to_json()} if ledger else {}),
@@ -255,13 +257,14 @@ def main(profile: str | None, kv_cache_memory_bytes: int | None, prefix_caching:
                              + (f" (and {more} more reason(s) in the plan)" if more > 0 else ""))
 
 
-def _profile_table(profile, plan, ledger, model: Path | None, card_gib: float | None):
-    """The VRAM table of a profile's plan (serving/capacity/vram.py); None for a family without a ledger."""
+def _profile_table(deployment, ledger, card_gib: float | None):
+    """The VRAM table of a deployment's plan (serving/capacity/vram.py); None for a family without a ledger."""
     from flashnext.serving.capacity.vram import profile_vram
 
     if ledger is None:
         return None
-    return profile_vram(profile, plan, ledger, model, None if card_gib is None else int(card_gib * GIB))
+    return profile_vram(deployment.profile, deployment.plan, ledger, deployment.model,
+                        None if card_gib is None else int(card_gib * GIB), served=deployment)
 
 
 def _rig(gpus: int, gpu_memory: float, host_ram: float, mtp: bool, context: int | None, ple_format: str | None,
@@ -337,14 +340,15 @@ def _print_rig(r) -> None:
         click.echo(f"  the fewest GPUs of {rig.gpu_memory_bytes / GIB:g} GiB that fit: {r.fewest_gpus_that_fit}")
 
 
-def _ledger(profile, plan, model: Path | None, ple_format: str | None):
-    """The memory ledger of ``profile`` with ``plan`` (serving/capacity/ledger.py); None for a family
-    it does not cover."""
+def _ledger(deployment, ple_format: str | None):
+    """The memory ledger of ``deployment``'s plan (serving/capacity/ledger.py); None for a family it
+    does not cover."""
     from flashnext.serving.capacity.ledger import profile_ledger
 
-    if profile.model_family != "qwen4_exp":
+    if deployment.profile.model_family != "qwen4_exp":
         return None
-    return profile_ledger(profile, plan, model=model, ple_format=ple_format)
+    return profile_ledger(deployment.profile, deployment.plan, model=deployment.model, ple_format=ple_format,
+                          served=deployment)
 
 
 def _print_ledger(ledger) -> None:
@@ -355,17 +359,18 @@ def _print_ledger(ledger) -> None:
         click.echo(f"  {line}" if line else "")
 
 
-def _host(profile, plan, model: Path | None, ple_format: str | None, host_ram: float | None) -> dict:
-    """Every pinned host byte of the profile (the preflight's terms) against a host of ``host_ram`` GiB.
+def _host(deployment, ple_format: str | None, host_ram: float | None) -> dict:
+    """Every pinned host byte of the deployment (the preflight's terms) against a host of ``host_ram`` GiB.
     A profile that serves the PLE table from a file (``serve`` refuses it without ``--ple-table``)
     is counted with the file unless ``ple_format`` says otherwise, as its ledger is."""
     from flashnext.serving import capacity
     from flashnext.serving.capacity.ledger import host_fit, pinned_host_terms
 
+    profile, plan = deployment.profile, deployment.plan
     if ple_format is None and profile.uses_ple_table:
         ple_format = "file"
     shape = capacity.ServingShape.from_profile(profile, plan.kv_cache_memory_bytes)
-    terms = pinned_host_terms(shape, plan, model, None, ple_format=ple_format)
+    terms = pinned_host_terms(shape, plan, deployment.model, None, ple_format=ple_format, served=deployment)
     available = int((host_ram or REFERENCE_HOST_GIB) * (1 << 30))
     fits, kv_fits = host_fit(shape, plan, terms, available)
     return {"host_bytes": available, "headroom_bytes": capacity.HOST_HEADROOM, "ple_format": ple_format,

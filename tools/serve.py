@@ -11,7 +11,7 @@ from flashnext.errors import UsageError
 from flashnext.serving.run import (compose_command, compose_engine, engine_found, exec_native, find_compose,
                                    native_command, recorded_compose_file, refuse_missing_inputs, require_ple_table,
                                    run_command, serve_compose, summary_line)
-from flashnext.tools._common import CONTEXT_SETTINGS, preflight_report, user_errors
+from flashnext.tools._common import CONTEXT_SETTINGS, begin, begin_preflight, preflight_report, user_errors
 
 ENGINES = ("docker", "podman", "native")
 
@@ -26,17 +26,17 @@ def _granted_capabilities(ctx, param, values: tuple[str, ...]) -> tuple[str, ...
         raise click.BadParameter(str(e)) from None
 
 
-def _native(profile, model: Path, overlays: tuple[Path, ...], ple_table: Path | None, listen: str, port: int,
-            dry_run: bool) -> None:
-    cmd, env = native_command(profile, model, overlays, ple_table, listen, port, make_view=not dry_run)
+def _native(deployment, listen: str, dry_run: bool) -> None:
+    port = deployment.host_port
+    cmd, env = native_command(deployment, listen, port, make_view=not dry_run)
     if dry_run:
         shown = {"command": cmd, "env": env}
-        if overlays:  # the model vLLM gets is a view that serve makes (`overlay apply`) before it starts
-            shown["view"] = {"path": cmd[2], "base": str(Path(model).absolute()),
-                             "overlays": [str(Path(o).absolute()) for o in overlays]}
+        if deployment.overlays:  # the model vLLM gets is a view that serve makes (`overlay apply`) before it starts
+            shown["view"] = {"path": cmd[2], "base": str(Path(deployment.model).absolute()),
+                             "overlays": [str(Path(o).absolute()) for o in deployment.overlays]}
         click.echo(json.dumps(shown, indent=2))
         return
-    if line := summary_line(profile, model):
+    if line := summary_line(deployment):
         click.echo(line, err=True)
     exec_native(cmd, env)
 
@@ -84,34 +84,39 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
     """
     if ctx.invoked_subcommand is not None:
         return
-    from flashnext.serving.compose import IMAGE, ServeRequest, render_compose, to_yaml
-    from flashnext.serving.profiles import load_profile
+    from flashnext.serving.compose import IMAGE, render_compose, to_yaml
+    from flashnext.serving.deployment import resolve_deployment
 
     missing = [flag for flag, given in (("--profile", profile), ("--model", model)) if not given]
     if missing:
         raise UsageError(f"serve needs {' and '.join(missing)} (see `serve --help`)")
     if check and no_check:
         raise UsageError("--check and --no-check contradict each other: pass one")
-    prof = load_profile(profile, grants=grants)
-    require_ple_table(prof, model, ple_table, tuple(overlays))
     if check:
-        return preflight_report(profile, model, overlays, ple_table, engine or engine_found(), False, grants=grants)
-    req = ServeRequest(prof, model, tuple(overlays), ple_table, bind, port)
+        begin_preflight(profile, engine or "installed container")
+    else:
+        begin(f"{'rendering' if dry_run else 'starting'} {profile}: its vllm_args through vLLM's own parser "
+              f"(vLLM loads first)")
+    # resolved once: every stage below takes it, none loads the profile or reads the model again
+    deployment = resolve_deployment(profile, model, overlays, ple_table, grants=grants, bind=bind, port=port)
+    prof = deployment.profile
+    require_ple_table(deployment)
+    if check:
+        return preflight_report(deployment, engine or engine_found(), False)
     # rendered first: a path or address no Compose file can carry is refused before the preflight
-    document = render_compose(req) if engine != "native" else None
+    document = render_compose(deployment) if engine != "native" else None
     # Then the paths it mounts or hands to vLLM, --dry-run's too: from a missing one it would render
     # a file that cannot start (an empty bind mount, a vLLM that fails minutes in).
-    refuse_missing_inputs(model, overlays, ple_table)
+    refuse_missing_inputs(deployment)
     if dry_run:
         if engine == "native":
-            return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
+            return _native(deployment, listen, dry_run)
         click.echo(to_yaml(document), nl=False)
         return
     # A missing Compose is refused before the preflight: its GO would be for a start that cannot happen.
     compose = find_compose(engine) if engine != "native" else None
     if not no_check:  # a NO-GO raises here, before anything is written or started
-        preflight_report(profile, model, overlays, ple_table, compose_engine(compose) if compose else "native",
-                         False, err=True, grants=grants)
+        preflight_report(deployment, compose_engine(compose) if compose else "native", False, err=True)
     elif engine == "native":  # --no-check skips the rig's checks, not whether this vLLM can serve at all
         from flashnext.errors import NoGo
         from flashnext.serving.preflight import check_vllm
@@ -121,9 +126,9 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
             click.echo(f"Error: {found.detail}: {found.fix}", err=True)
             raise NoGo(found.detail, found.exit)
     if engine == "native":
-        return _native(prof, model, overlays, ple_table, listen, port or prof.container.port, dry_run)
-    url = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{req.host_port}"
-    models = serve_compose(compose, prof, model, to_yaml(document), url, IMAGE,
+        return _native(deployment, listen, dry_run)
+    url = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{deployment.host_port}"
+    models = serve_compose(compose, deployment, to_yaml(document), url, IMAGE,
                            say=lambda line: click.echo(line, err=True),
                            progress=lambda line: click.echo("\r" + line, nl=False, err=True))
     click.echo("", err=True)

@@ -32,6 +32,12 @@ def read_config(path: Path) -> dict:
     return _read_config(path)[0]
 
 
+def read_config_version(path: Path) -> tuple[dict, FileIdentity]:
+    """:func:`read_config`, and the version of the file it was read from: what
+    :meth:`Snapshot.open` takes so that a config.json read once is not read again."""
+    return _read_config(path)
+
+
 def text_config_of(config: dict) -> dict:
     """The language model's config: ``text_config`` of a multimodal config, else the config."""
     text = config.get("text_config")
@@ -81,12 +87,13 @@ class Snapshot:
     _versions: dict[str, FileIdentity] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def open(cls, root: Path) -> "Snapshot":
-        """Open a snapshot directory and check that every shard its index names is a file."""
+    def open(cls, root: Path, config: tuple[dict, FileIdentity] | None = None) -> "Snapshot":
+        """Open a snapshot directory and check that every shard its index names is a file.
+        ``config``: its config.json as :func:`read_config_version` already read it."""
         root = Path(root)
         if not root.is_dir():
             raise FlashnextError(f"{root}: not a directory")
-        config, config_version = _read_config(root / CONFIG_FILE)
+        config, config_version = config if config is not None else _read_config(root / CONFIG_FILE)
         index, index_version = _read_index(root / INDEX_FILE)
         snap = cls(root, config, index, _versions={CONFIG_FILE: config_version, INDEX_FILE: index_version})
         missing = [f for f in snap.shard_files if not snap._is_shard_file(f)]

@@ -93,6 +93,7 @@ _COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 # Buffers a grown cache replaced. A CUDA graph captured the old buffer's address and replays into
 # it, so it must stay allocated for the process's life (a few KiB).
 _RETIRED: list[torch.Tensor] = []
+SPLITK_COUNTERS = 1024  # the fewest int32 counters a kernel's first launch on a device allocates
 
 
 def splitk_counters(device, n: int, kernel: str) -> torch.Tensor:
@@ -102,5 +103,5 @@ def splitk_counters(device, n: int, kernel: str) -> torch.Tensor:
     if have is None or have.numel() < n:
         if have is not None:
             _RETIRED.append(have)
-        have = _COUNTERS[(device, kernel)] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        have = _COUNTERS[(device, kernel)] = torch.zeros(max(n, SPLITK_COUNTERS), dtype=torch.int32, device=device)
     return have

@@ -20,6 +20,7 @@ experts, top-k, renormalize), for the tests.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -159,6 +160,24 @@ def alignment_sizes(assignments: int, experts: int, block: int) -> tuple[int, in
     return padded, triton.cdiv(padded, block)
 
 
+def partials_shape(split: int, experts: int) -> tuple[int, int, int]:
+    """The fp32 split-K partials :func:`route` allocates for a step split ``split`` ways (none when
+    1): every program of a row block writes its 16 token rows of ``experts + 1`` logits."""
+    return split, 16, experts + 1
+
+
+def route_scratch_bytes(experts: int, hidden: int) -> tuple[int, int]:
+    """What :func:`route` allocates beyond its outputs (the logits, top-k and alignment, which stand
+    where vLLM's router, ``topk_softmax`` and ``moe_align_block_size`` put theirs): ``(a step's
+    split-K partials, at most one split a K step as the split follows the device's SMs; the split-K
+    counters its first launch makes and keeps, _common.splitk_counters)``. ``flashnext plan``'s
+    ledger counts them from here."""
+    config = configs.config_for("moe_route", experts + 1, hidden, family=configs.DEFAULT)
+    split = max(hidden // config.block_k, 1)
+    partials = 4 * math.prod(partials_shape(split, experts)) if split > 1 else 0
+    return partials, 4 * max(triton.cdiv(experts + 1, config.block_n) + 1, _common.SPLITK_COUNTERS)
+
+
 def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_block: int = 0,
           block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
           num_warps: int | None = None, config: configs.RouteConfig | None = None) -> tuple[torch.Tensor, ...]:
@@ -195,7 +214,7 @@ def route(x: torch.Tensor, router_and_gate: torch.Tensor, top_k: int, align_bloc
     blocks = triton.cdiv(E + 1, config.block_n)
     split = config.splits(blocks, H // block_k, _common.sm_count(x.device))
     logits = torch.empty(M, E + 1, dtype=x.dtype, device=x.device)
-    partial = torch.empty(split, 16, E + 1, dtype=torch.float32, device=x.device) if split > 1 else logits
+    partial = torch.empty(partials_shape(split, E), dtype=torch.float32, device=x.device) if split > 1 else logits
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     if align_block:

@@ -14,13 +14,16 @@ must find unchanged (:meth:`OverlayBuilder.resume_identity`), gives its progress
 unit of work. The skeleton then builds in a partial overlay that an interruption keeps, with its
 journal (:mod:`~flashnext.quant.overlays.resume`), and the next run of the same build continues it.
 
-:data:`OVERLAY_KINDS` is the one table of overlay kinds: for each, the builder as a ``"module:Class"``
-path (imported only when the kind is asked for, as vLLM's model registry does, so that reading a
-manifest never imports torch-heavy builders), the tags its Hub model card carries, and the
-speculative method that loads it where it is a draft head's. Everything that acts on a kind (the
-model card, its Use section) reads it there, so a new kind is one row plus its builder module::
+:data:`OVERLAY_KINDS` is the one registry of overlay kinds, keyed by what each builder class declares:
+its ``kinds``, each an :class:`OverlayKind` with the tags its Hub model card carries and the
+speculative method that loads it where it is a draft head's. A builder registers when its class is
+defined; the builders of ``flashnext.quant.overlays`` are imported only when a kind is asked for
+(so that reading a manifest never imports torch-heavy builders). Everything that acts on a kind (the
+model card, its Use section) reads it there, so a new kind is its builder's module and nothing else::
 
-    OVERLAY_KINDS["my-kind"] = OverlayKind("my_package.my_module:MyBuilder", card_tags=("int4",))
+    class MyBuilder(OverlayBuilder):
+        kinds = (OverlayKind("my-kind", card_tags=("int4",)),)
+        ...
 
     report = builder_for_kind("my-kind")(snapshot, ...).build(out, force=False)
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,55 +48,94 @@ from flashnext.quant.overlays.manifest import OverlayManifest
 
 @dataclass(frozen=True)
 class OverlayKind:
-    """One overlay kind (``overlay.json``'s ``"kind"``): what builds it and what its model card says."""
+    """One overlay kind (``overlay.json``'s ``"kind"``), declared by the builder that makes it: its
+    name and what its model card says."""
 
-    builder: str  # "package.module:Class", a subclass of OverlayBuilder whose ``kinds`` include the kind
+    name: str
     card_tags: tuple[str, ...] = ()  # the card's tags after "flashnext", "overlay" and the kind
     # The --speculative-config method that loads the overlay, for a draft head's: the card names only
     # the profiles that speculate with it. None: every profile of the base model's family loads it.
     draft_method: str | None = None
 
 
-OVERLAY_KINDS: dict[str, OverlayKind] = {
-    "mtp-int4": OverlayKind("flashnext.quant.overlays.mtp_int4.builder:MtpInt4Builder",
-                            card_tags=("int4", "w4a16", "compressed-tensors", "mtp", "speculative-decoding"),
-                            draft_method="mtp"),
-    "int6-bitplane": OverlayKind("flashnext.quant.overlays.int6_repack:Int6Repack"),
-    "int6-to-int8": OverlayKind("flashnext.quant.overlays.int6_repack:Int6Repack"),
-    "int6-dense": OverlayKind("flashnext.quant.overlays.int6_repack:Int6Repack"),
-    "ple-nvfp4": OverlayKind("flashnext.quant.overlays.ple_quant:PleQuantize", card_tags=("nvfp4", "ple")),
-    "ple-fp8": OverlayKind("flashnext.quant.overlays.ple_quant:PleQuantize", card_tags=("fp8", "ple")),
-}
+class OverlayKinds:
+    """Overlay kinds by name -> the builder class that declares each (its ``kinds``). A name is
+    registered once: a second builder claiming a kind, or one builder naming it twice, is refused."""
+
+    def __init__(self):
+        self._builders: dict[str, type[OverlayBuilder]] = {}
+        self._shipped_imported = False
+
+    def register(self, cls: type[OverlayBuilder]) -> None:
+        names = [k.name for k in cls.kinds]
+        for name in names:
+            other = self._builders.get(name)
+            if other is not None or names.count(name) > 1:
+                by = f"{other.__module__}.{other.__qualname__}" if other is not None else "it already"
+                raise ValueError(f"{cls.__module__}.{cls.__qualname__} claims the overlay kind {name!r}, "
+                                 f"which {by} claims")
+        self._builders |= dict.fromkeys(names, cls)
+
+    def unregister(self, cls: type[OverlayBuilder]) -> None:
+        for k in cls.kinds:
+            if self._builders.get(k.name) is cls:
+                del self._builders[k.name]
+
+    def _import_shipped(self) -> None:
+        """Import every module of ``flashnext.quant.overlays`` once: each builder there registers
+        as its class is defined."""
+        if self._shipped_imported:
+            return
+        import flashnext.quant.overlays as package
+
+        for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            importlib.import_module(module.name)
+        self._shipped_imported = True
+
+    def builder(self, kind: str) -> type[OverlayBuilder] | None:
+        self._import_shipped()
+        return self._builders.get(kind)
+
+    def get(self, kind: str) -> OverlayKind | None:
+        cls = self.builder(kind)
+        return next(k for k in cls.kinds if k.name == kind) if cls is not None else None
+
+    def __iter__(self):
+        self._import_shipped()
+        return iter(list(self._builders))
+
+
+OVERLAY_KINDS = OverlayKinds()
 
 
 def builder_for_kind(kind: str) -> type["OverlayBuilder"] | None:
-    """The builder that makes overlays of ``kind``, imported now (None for a kind no row names)."""
-    entry = OVERLAY_KINDS.get(kind)
-    if entry is None:
-        return None
-    module, _, name = entry.builder.partition(":")
-    cls = getattr(importlib.import_module(module), name, None)
-    if not (isinstance(cls, type) and issubclass(cls, OverlayBuilder) and kind in cls.kinds):
-        raise FlashnextError(f"OVERLAY_KINDS[{kind!r}] names {entry.builder}, which is not an OverlayBuilder "
-                             f"that makes {kind} overlays")
-    return cls
+    """The builder that makes overlays of ``kind``, imported now (None for a kind no builder declares)."""
+    return OVERLAY_KINDS.builder(kind)
 
 
 class OverlayBuilder(ABC):
-    kinds: ClassVar[tuple[str, ...]]  # the overlay kinds it makes (overlay.json's "kind")
+    kinds: ClassVar[tuple[OverlayKind, ...]]  # the overlay kinds it makes (overlay.json's "kind")
     tool: ClassVar[str]  # the command that runs it
     headroom: ClassVar[int] = 1 << 20  # free space wanted beyond the shards
     # An interrupted build continues where it stopped (see the module's docstring).
     resumable: ClassVar[bool] = False
     _run = None  # the ResumableOutput of a resumable build under way
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "kinds" in cls.__dict__:
+            OVERLAY_KINDS.register(cls)
+
     def __init__(self, snap: Snapshot):
         self.snap = snap
 
     @property
-    @abstractmethod
     def kind(self) -> str:
-        """This build's kind, one of :attr:`kinds`."""
+        """This build's kind: the builder's one kind (a builder of several says which)."""
+        if len(self.kinds) != 1:
+            raise NotImplementedError(f"{type(self).__name__} makes {len(self.kinds)} overlay kinds: "
+                                      "its kind property says which this build is")
+        return self.kinds[0].name
 
     @abstractmethod
     def plan(self) -> dict[str, list[TensorSpec]]:

@@ -23,7 +23,8 @@ The model card's Use section says how to serve the overlay, which only the servi
 (its profiles, its image). The library does not import serving, so those facts come in from the
 caller as a :class:`CardServing` record (``flashnext overlay upload`` builds it from
 ``flashnext.serving``); what is the overlay kind's own (its tags, the speculative method that loads
-a draft head) is its row of :data:`~flashnext.quant.overlays.builder.OVERLAY_KINDS`.
+a draft head) is what its builder declares, found through
+:data:`~flashnext.quant.overlays.builder.OVERLAY_KINDS`.
 """
 
 from __future__ import annotations
@@ -408,8 +409,8 @@ def refuse_cache_inside_base(cache: Path, base: Path) -> None:
     """The download cache is written; the base snapshot never is."""
     c, b = Path(cache).resolve(), Path(base).resolve()
     if c == b or b in c.parents:
-        raise FlashnextError(f"the download cache {cache} lies inside the base snapshot {base}, which flashnext "
-                             "never writes into; pass --cache-dir outside it")
+        raise FlashnextError(f"{cache} (the download cache) lies inside the base snapshot {base}, which flashnext "
+                             "never writes into; choose a cache outside it", field="cache_dir")
 
 
 def fetch_overlay(repo_id: str, base: Path, out: Path, revision: str | None = None, endpoint: str | None = None,

@@ -39,7 +39,7 @@ from flashnext.quant.formats.ct_config import (DEFAULT_INT6_TARGETS, checked_qua
                                                quantization_config_of, weight_scheme)
 from flashnext.quant.formats.packing import packed_words
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
-from flashnext.quant.overlays.builder import OverlayBuilder
+from flashnext.quant.overlays.builder import OverlayBuilder, OverlayKind
 
 INT8_GROUP = "flashnext_int6_widened_to_int8"
 # Where bit planes were measured against the stock kernel (docs/benchmarks.md, "Against stock vLLM's
@@ -68,7 +68,7 @@ def find_targets(snap: Snapshot, pattern: str, mode: str) -> list[Target]:
     try:
         regex = re.compile(pattern)
     except re.error as e:
-        raise FlashnextError(f"--targets is not a valid regular expression: {e}") from None
+        raise FlashnextError(f"is not a valid regular expression: {e}", field="targets") from None
     bitplane_modules = set(recorded_bitplane_modules(snap))
     targets = []
     for name in snap.weight_map:
@@ -99,8 +99,9 @@ def find_targets(snap: Snapshot, pattern: str, mode: str) -> list[Target]:
                                  f"{expected[0]}{list(expected[1])} for [{rows}, {cols}]{hint}")
         targets.append(Target(module, rows, cols, snap.weight_map[name]))
     if not targets:
-        raise FlashnextError(f"no module matches --targets {pattern!r}" if mode != "reverse" else
-                             "this snapshot has no bit-plane modules (config.json lists none) to reverse")
+        if mode != "reverse":
+            raise FlashnextError(f"{pattern!r}: no module matches it", field="targets")
+        raise FlashnextError("this snapshot has no bit-plane modules (config.json lists none) to reverse")
     return targets
 
 
@@ -115,8 +116,8 @@ def refuse_slower(targets: list[Target], mode: str, force_slower: bool) -> None:
     slower = slower_modules([t.module for t in targets]) if mode == "bitplane" else []
     if slower and not force_slower:
         more = f" and {len(slower) - 1} more" if len(slower) > 1 else ""
-        raise FlashnextError(f"--targets reaches {slower[0]}{more}, where {MEASURED_SLOWER}; "
-                             f"pass --force-slower to repack them anyway")
+        raise FlashnextError(f"repacks them anyway: the targets reach {slower[0]}{more}, where {MEASURED_SLOWER}",
+                             field="force_slower")
 
 
 def _new_spec(t: Target, mode: str) -> TensorSpec:
@@ -186,7 +187,8 @@ def _new_config(snap: Snapshot, targets: list[Target], mode: str) -> dict:
     return config
 
 
-KINDS = {"bitplane": "int6-bitplane", "int8": "int6-to-int8", "reverse": "int6-dense"}
+KINDS = {"bitplane": OverlayKind("int6-bitplane"), "int8": OverlayKind("int6-to-int8"),
+         "reverse": OverlayKind("int6-dense")}
 
 
 class Int6Repack(OverlayBuilder):
@@ -209,7 +211,7 @@ class Int6Repack(OverlayBuilder):
 
     @property
     def kind(self) -> str:
-        return KINDS[self.mode]
+        return KINDS[self.mode].name
 
     def plan(self) -> dict[str, list[TensorSpec]]:
         return {filename: [_new_spec(replaced[s.name], self.mode) if s.name in replaced else s

@@ -42,12 +42,13 @@ from flashnext.progress import Progress
 from flashnext.quant.checkpoint.snapshot import Snapshot
 from flashnext.quant.formats import float_rows
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
-from flashnext.quant.overlays.builder import OverlayBuilder
+from flashnext.quant.overlays.builder import OverlayBuilder, OverlayKind
 from flashnext.quant.ple.source import PleSource, find_ple_source
 from flashnext.quant.quantizers.base import require_finite
 from flashnext.quant.records.strict import Count, StrictRecord
 
-KINDS = {"nvfp4": "ple-nvfp4", "fp8": "ple-fp8"}
+KINDS = {"nvfp4": OverlayKind("ple-nvfp4", card_tags=("nvfp4", "ple")),
+         "fp8": OverlayKind("ple-fp8", card_tags=("fp8", "ple"))}
 CHUNK_ROWS = 1 << 16
 # Plain absmax block scales are quantized too, for the report's comparison, on every this-many-th
 # chunk: on all of them they would cost a quarter of the build again.
@@ -146,7 +147,7 @@ class PleQuantize(OverlayBuilder):
         from flashnext.quant.quantizers.device import usable_device
 
         if fmt not in KINDS:
-            raise FlashnextError(f"--format {fmt}: one of bf16, {', '.join(KINDS)}")
+            raise FlashnextError(f"{fmt}: one of bf16, {', '.join(KINDS)}", field="fmt")
         super().__init__(snap)
         self.fmt = fmt
         self.device = usable_device(device)
@@ -160,7 +161,7 @@ class PleQuantize(OverlayBuilder):
 
     @property
     def kind(self) -> str:
-        return KINDS[self.fmt]
+        return KINDS[self.fmt].name
 
     def _scale_name(self, table: PleSource) -> str:
         return f"{table.prefix}.ngram_embedding." + ("weight_scale_2" if self.fmt == "nvfp4" else "weight_scale")

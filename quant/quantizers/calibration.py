@@ -52,18 +52,18 @@ class Calibration:
 
 
 def load_calibration(path: Path, hidden_size: int) -> Calibration:
-    """Read and check ``--calib`` (one line of error for anything wrong with it)."""
+    """Read and check the calibration file (one line of error, ``field="calib"``, for anything wrong with it)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     try:
         opened = open_regular(path, "a safetensors file of activations")
     except FileNotFoundError:
-        raise FlashnextError(f"--calib {path}: no such file") from None
+        raise FlashnextError(f"{path}: no such file", field="calib") from None
     except IsADirectoryError:
-        raise FlashnextError(f"--calib {path}: is a directory, not a safetensors file") from None
+        raise FlashnextError(f"{path}: is a directory, not a safetensors file", field="calib") from None
     except FlashnextError as e:
-        raise FlashnextError(f"--calib {e}") from None
+        raise FlashnextError(str(e), field="calib") from None
     # safetensors opens by name: through /proc/self/fd it opens the very file just checked, so that
     # a swap of the name for a FIFO in between cannot block it.
     through = Path(f"/proc/self/fd/{opened.fileno()}")
@@ -71,21 +71,21 @@ def load_calibration(path: Path, hidden_size: int) -> Calibration:
         try:
             with safe_open(str(through if through.exists() else path), "pt") as f:
                 if CALIB_TENSOR not in f.keys():
-                    raise FlashnextError(f"--calib {path}: no tensor {CALIB_TENSOR!r} "
-                                         f"(has: {', '.join(sorted(f.keys()))[:200]})")
+                    raise FlashnextError(f"{path}: no tensor {CALIB_TENSOR!r} "
+                                         f"(has: {', '.join(sorted(f.keys()))[:200]})", field="calib")
                 hidden = f.get_tensor(CALIB_TENSOR)
         except SafetensorError as e:
-            raise FlashnextError(f"--calib {path}: not a safetensors file ({e})") from None
+            raise FlashnextError(f"{path}: not a safetensors file ({e})", field="calib") from None
     if hidden.dim() == 3:
         hidden = hidden.reshape(-1, hidden.shape[-1])
     if hidden.dim() != 2 or hidden.shape[1] != hidden_size or hidden.shape[0] == 0:
-        raise FlashnextError(f"--calib {path}: {CALIB_TENSOR} has shape {tuple(hidden.shape)}; "
-                             f"expected [tokens, {hidden_size}] (the MTP MoE block's input)")
+        raise FlashnextError(f"{path}: {CALIB_TENSOR} has shape {tuple(hidden.shape)}; "
+                             f"expected [tokens, {hidden_size}] (the MTP MoE block's input)", field="calib")
     if not hidden.is_floating_point():
-        raise FlashnextError(f"--calib {path}: {CALIB_TENSOR} is {hidden.dtype}, not floating point")
+        raise FlashnextError(f"{path}: {CALIB_TENSOR} is {hidden.dtype}, not floating point", field="calib")
     hidden = hidden.to(torch.float32)
     if not torch.isfinite(hidden).all():
-        raise FlashnextError(f"--calib {path}: {CALIB_TENSOR} contains NaN or Inf")
+        raise FlashnextError(f"{path}: {CALIB_TENSOR} contains NaN or Inf", field="calib")
     return Calibration(hidden, path)
 
 

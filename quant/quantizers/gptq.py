@@ -92,8 +92,8 @@ class Gptq(MseRtn):
     def quantize(self, weight: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype,
                  importance: torch.Tensor | None = None, gram: torch.Tensor | None = None) -> GroupQuantized:
         if gram is None:
-            raise FlashnextError("GPTQ rounding chooses codes against calibration activations: it needs their "
-                                 "Gram matrix XᵀX (make-mtp-int4: give --calib FILE)")
+            raise FlashnextError("is needed: GPTQ rounding chooses codes against calibration activations "
+                                 "(their Gram matrix XᵀX)", field="calib")
         rows, cols = weight.shape
         stack = gram.shape[0] if gram.dim() == 3 else 1
         if gram.dim() not in (2, 3) or tuple(gram.shape[-2:]) != (cols, cols) or rows % stack:

@@ -24,16 +24,17 @@ from flashnext.errors import FlashnextError
 from flashnext.serving.capacity import qwen4_exp
 from flashnext.serving.capacity.kv import (KVCacheLayout, kv_cache_layout, offload_block_size, qsa_arena_blocks,
                                            qsa_layers_per_rank, rank_layers)
-from flashnext.serving.capacity.model import (MANIFEST, TextConfig, VisionConfig, base_manifest, load_text_config,
-                                              load_vision_config)
+from flashnext.serving.capacity.model import (MANIFEST, ModelConfig, TextConfig, VisionConfig, base_manifest,
+                                              load_text_config, load_vision_config)
 from flashnext.serving.capacity.qwen4_exp import GroupPlan, Plan, plan
 from flashnext.serving.capacity.rules import HOST_HEADROOM, next_power_of_two, pinned_bytes
 from flashnext.serving.capacity.shape import ServingShape, extensible_kv_cache, gpu_memory_utilization
 from flashnext.serving.capacity.vision import VisionPlan, slot_bytes, slot_layout, streamed_host_bytes
 
 __all__ = [
-    "FAMILIES", "GroupPlan", "HOST_HEADROOM", "KVCacheLayout", "MANIFEST", "Plan", "Planner", "ServingShape",
-    "TextConfig", "VisionConfig", "VisionPlan", "base_manifest", "extensible_kv_cache", "gpu_memory_utilization",
+    "FAMILIES", "GroupPlan", "HOST_HEADROOM", "KVCacheLayout", "MANIFEST", "ModelConfig", "Plan", "Planner",
+    "ServingShape", "TextConfig", "VisionConfig", "VisionPlan", "base_manifest", "extensible_kv_cache",
+    "gpu_memory_utilization",
     "kv_cache_layout", "load_text_config", "load_vision_config", "next_power_of_two", "offload_block_size",
     "pinned_bytes", "plan", "plan_profile", "planner_for", "qsa_arena_blocks", "qsa_layers_per_rank", "rank_layers",
     "slot_bytes", "slot_layout", "streamed_host_bytes",
@@ -41,10 +42,11 @@ __all__ = [
 
 
 class Planner(Protocol):
-    """A family's plan of a profile (its overrides applied) for a model snapshot (None: the pinned base)."""
+    """A family's plan of a profile (its overrides applied) for a model snapshot, or its config.json
+    already read (None: the pinned base)."""
 
     def __call__(self, profile, kv_cache_memory_bytes: int | None = None, prefix_caching: bool | None = None,
-                 model: Path | None = None) -> Plan: ...
+                 model: Path | ModelConfig | None = None) -> Plan: ...
 
 
 FAMILIES: dict[str, Planner] = {
@@ -62,6 +64,6 @@ def planner_for(profile) -> Planner:
 
 
 def plan_profile(profile, kv_cache_memory_bytes: int | None = None, prefix_caching: bool | None = None,
-                 model: Path | None = None) -> Plan:
+                 model: Path | ModelConfig | None = None) -> Plan:
     """The plan of ``profile`` (a :class:`~flashnext.serving.profiles.Profile`) by its family's planner."""
     return planner_for(profile)(profile, kv_cache_memory_bytes, prefix_caching, model)

@@ -37,7 +37,8 @@ from flashnext.serving.capacity.vision import VIT_STREAM_SLOTS, slot_bytes, stre
 WEIGHTS, PROFILED_PEAK, KV_MEMORY, NONE = "weights", "profiled peak", "KV memory", "none"
 BF16_BYTES = 2  # the release's K/V, router, PLE rows and its INT8 embedding's group scales
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelEmbedding pads its rows to it
-PLE_FORMATS = ("file", "bf16", "nvfp4", "fp8")  # how the table is served: a mapped file, or pinned in a format
+# How the PLE table is served: the NVMe file (--ple-table), else pinned in that format
+PLE_FORMATS = ("file", "nvfp4", "fp8", "bf16")
 # What the draft loads as its embed_tokens (vLLM's _remap_mtp_weight_name), and how the release
 # stores it (manifests/qwen3.8-flash-next.json "releases": embed_tokens INT8 g128, bf16 scales).
 DRAFT_EMBED = "model.language_model.embed_tokens"
@@ -119,14 +120,13 @@ class PinnedTerm:
 
 # --- the model facts the host terms read -----------------------------------------------------------
 
-def _text_config(model: Path | None) -> tuple[dict, str]:
+def _text_config(model: Path | None, served=None) -> tuple[dict, str]:
+    from flashnext.quant.checkpoint.snapshot import Snapshot, text_config_of
     from flashnext.serving.capacity.model import MANIFEST, base_manifest
 
     if model is None:
-        return base_manifest()["text_config"], MANIFEST.name
-    from flashnext.quant.checkpoint.snapshot import Snapshot
-
-    return Snapshot.open(model).text_config, str(model)
+        return text_config_of(base_manifest()), MANIFEST.name
+    return (served.snapshot if served is not None else Snapshot.open(model)).text_config, str(model)
 
 
 def manifest_table_allocations(fmt: str) -> list[int]:
@@ -140,11 +140,13 @@ def manifest_table_allocations(fmt: str) -> list[int]:
             "nvfp4": [rows * d // 2, rows * d // float_rows.NVFP4_BLOCK]}[fmt]
 
 
-def ple_table_allocations(model: Path | None, overlays=()) -> list[int]:
+def ple_table_allocations(model: Path | None, overlays=(), served=None) -> list[int]:
     """The pinned allocations of the PLE tables, in bytes: one a table (its BF16 rows, from the
     snapshot's shards and config, else the pinned manifest); for a table that ``flashnext ple build
     --format`` quantized (config.json's ``ple_embedding_dtype``), vLLM's method allocates its
-    ``weight`` (NVFP4 codes or FP8 rows) and, for NVFP4, its ``weight_scale`` blocks, each whole."""
+    ``weight`` (NVFP4 codes or FP8 rows) and, for NVFP4, its ``weight_scale`` blocks, each whole.
+    ``served``: the :class:`~flashnext.serving.deployment.Deployment` of ``model`` and ``overlays``,
+    whose snapshot and served config are read once (None: read here)."""
     from flashnext.serving.capacity.model import base_manifest
 
     if model is None:
@@ -154,9 +156,10 @@ def ple_table_allocations(model: Path | None, overlays=()) -> list[int]:
     from flashnext.quant.overlays.ple_quant import quantized_table_allocations, served_ple_format
     from flashnext.quant.ple.table import find_ple_source
 
-    if served_ple_format(model, overlays) is not None:
+    quantized = served.ple_format if served is not None else served_ple_format(model, overlays)
+    if quantized is not None:
         return quantized_table_allocations(model, overlays)
-    snap = Snapshot.open(model)
+    snap = served.snapshot if served is not None else Snapshot.open(model)
     layers = sorted(set(snap.text_config.get("ple_layer_ids") or ()))
     return [find_ple_source(snap, i).file_size for i in range(len(layers))]
 
@@ -166,15 +169,15 @@ def ple_table_bytes(model: Path | None) -> int:
     return sum(ple_table_allocations(model))
 
 
-def draft_embedding_bytes(model: Path | None) -> int:
+def draft_embedding_bytes(model: Path | None, served=None) -> int:
     """The MTP draft's ``embed_tokens`` as patch mtp-02 pins it at PP > 1: for the pinned base
     checkpoint the release's INT8 g128 rows (``hooks/mtp.py``'s :func:`draft_embedding_pinned_bytes`,
     what ``finish_draft_embedding`` pins); for a snapshot its tensors of that embedding (INT8 words
     and scales, or bf16 rows), per row as stored, over the vocabulary padded to 64 rows as vLLM's
-    ``VocabParallelEmbedding`` allocates it."""
+    ``VocabParallelEmbedding`` allocates it. ``served`` as for :func:`ple_table_allocations`."""
     from flashnext.serving.hooks.mtp import draft_embedding_pinned_bytes
 
-    text, _ = _text_config(model)
+    text, _ = _text_config(model, served)
     vocab, hidden = int(text["vocab_size"]), int(text["hidden_size"])
     if model is None:
         return draft_embedding_pinned_bytes(vocab, hidden, RELEASE_EMBED_GROUP, BF16_BYTES)
@@ -182,7 +185,7 @@ def draft_embedding_bytes(model: Path | None) -> int:
     from flashnext.quant.checkpoint.snapshot import Snapshot
 
     padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-    snap = Snapshot.open(model)
+    snap = served.snapshot if served is not None else Snapshot.open(model)
     quantized = [f"{DRAFT_EMBED}.weight_packed", f"{DRAFT_EMBED}.weight_scale"]
     names = quantized if all(n in snap.weight_map for n in quantized) else [f"{DRAFT_EMBED}.weight"]
     total = 0
@@ -219,7 +222,8 @@ def _decode_rows(shape: ServingShape) -> tuple[int, int]:
 
 
 def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range], model: Path | None,
-                  ple_table: Path | None, overlays, ple_format: str | None) -> list[list[LedgerEntry]]:
+                  ple_table: Path | None, overlays, ple_format: str | None,
+                  served=None) -> list[list[LedgerEntry]]:
     """Each rank's pinned host entries: the preflight's terms and what it does not count yet."""
     exact = shape.exact_host_pool
     pp = len(ranks)
@@ -235,7 +239,7 @@ def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range
     ple_ranks = _ple_ranks(text, ranks) if text.ple_layer_ids else []
     if ple_ranks and not _file_backed(shape, ple_table, ple_format) and shape.engram_cpu_offload:
         allocations = (manifest_table_allocations(ple_format) if ple_format and model is None
-                       else ple_table_allocations(model, overlays))
+                       else ple_table_allocations(model, overlays, served))
         why = (f"the table pinned as {ple_format}" if ple_format else "no --ple-table") + \
             ": vLLM's engram cpu_offload pins it whole"
         out[ple_ranks[0]].append(LedgerEntry(
@@ -254,7 +258,7 @@ def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range
                      "PyTorch's caching host allocator"))
     if shape.speculative_method == "mtp" and pp > 1 and shape.mtp_slim_draft:
         out[-1].append(LedgerEntry(
-            "MTP draft embedding", "mtp-02, host-pool", 0, 0, pinned_bytes(draft_embedding_bytes(model), exact), NONE,
+            "MTP draft embedding", "mtp-02, host-pool", 0, 0, pinned_bytes(draft_embedding_bytes(model, served), exact), NONE,
             "hooks/mtp.draft_embedding_pinned_bytes", term="MTP draft embedding",
             note="patch mtp-02 (VLLM_MTP_SLIM_DRAFT): read through UVA views, no device copy"))
     vision = plan.vision
@@ -360,6 +364,18 @@ def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range]
                 note=f"{blocks} MoE blocks x [{experts}, {hidden}] bf16, made by each block's post-load hook "
                      "(vLLM's finalize_model_weights) from the router's and shared gate's weights, which it "
                      "replaces: the bytes vLLM holds for them, in one allocation a block", checkpoint=True))
+        from flashnext.quant.kernels.moe_route import route_scratch_bytes
+        from flashnext.serving.hooks.moe_decode import MAX_FUSED_TOKENS
+
+        partials, counters = route_scratch_bytes(text.num_experts, text.hidden_size)
+        captured = any(s <= MAX_FUSED_TOKENS for s in shape.cudagraph_capture_sizes)
+        for r in range(pp):
+            out[r].append(LedgerEntry(
+                "decode-05 split-K scratch", "decode-05 (moe_route.route)", counters + (partials if captured else 0),
+                counters + partials, 0, NONE, "moe_route.route_scratch_bytes",
+                note="a fused step's fp32 split-K partials (at most one split a K step), in the CUDA graphs' pool "
+                     "or each eager step of 1..4 tokens, and the split-K counters its first launch keeps; its "
+                     "logits and top-k stand where vLLM's router puts its own"))
     vision = plan.vision
     if vision is not None:
         tower = None
@@ -391,24 +407,27 @@ def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range]
 
 
 def ledger(text: TextConfig, shape: ServingShape, plan, *, model: Path | None = None, ple_table: Path | None = None,
-           overlays=(), ple_format: str | None = None) -> Ledger:
+           overlays=(), ple_format: str | None = None, served=None) -> Ledger:
     """The ledger of ``text`` served as ``shape`` with ``plan`` (its :func:`~.qwen4_exp.plan`, the
-    vision tower in it where the profile serves images); ``model``, ``ple_table``, ``overlays`` and
-    ``ple_format`` say where the host terms' facts come from, as for :func:`pinned_host_terms`."""
+    vision tower in it where the profile serves images); ``model``, ``ple_table``, ``overlays``,
+    ``ple_format`` and ``served`` say where the host terms' facts come from, as for
+    :func:`pinned_host_terms`."""
     ranks = rank_layers(text.num_hidden_layers, shape.pipeline_parallel_size, shape.layer_partition)
     gpu = _gpu_entries(text, shape, plan, ranks, model, ple_table, ple_format)
-    host = _host_entries(text, shape, plan, ranks, model, ple_table, overlays, ple_format)
+    host = _host_entries(text, shape, plan, ranks, model, ple_table, overlays, ple_format, served)
     return Ledger([RankLedger(r, gpu[r] + host[r]) for r in range(len(ranks))])
 
 
-def profile_ledger(profile, plan, *, model: Path | None = None, ple_format: str | None = None) -> Ledger:
+def profile_ledger(profile, plan, *, model: Path | None = None, ple_format: str | None = None,
+                   served=None) -> Ledger:
     """The ledger of ``profile`` with its ``plan``: a profile that serves the PLE table from a file
     (``uses_ple_table``: ``serve`` refuses it without ``--ple-table``) is counted with the file unless
-    ``ple_format`` says otherwise."""
+    ``ple_format`` says otherwise. ``served``: the Deployment of ``model``, as for :func:`pinned_host_terms`."""
     shape = ServingShape.from_profile(profile, plan.kv_cache_memory_bytes, plan.prefix_caching)
     if ple_format is None and profile.uses_ple_table:
         ple_format = "file"
-    return ledger(load_text_config(model), shape, plan, model=model, ple_format=ple_format)
+    text = load_text_config(model if served is None or model is None else served.model_config)
+    return ledger(text, shape, plan, model=model, ple_format=ple_format, served=served)
 
 
 # --- the preflight's host terms, from the ledger ---------------------------------------------------
@@ -417,17 +436,18 @@ TERMS = ("QSA K/V", "PLE table", "PLE staging rows", "MTP draft embedding", "ViT
 
 
 def pinned_host_terms(shape, plan, model: Path | None, ple_table: Path | None, overlays=(),
-                      ple_format: str | None = None) -> list[PinnedTerm]:
+                      ple_format: str | None = None, *, served=None) -> list[PinnedTerm]:
     """Every host allocation the preflight counts for a profile served as ``shape`` (a
     :class:`~flashnext.serving.capacity.ServingShape`) with ``plan``, each as it is allocated: the
     ledger's host entries with a term, summed over ranks. The model facts are ``model``'s, as
     ``plan`` is (None: the pinned base checkpoint). ``ple_format`` (for the base checkpoint, as
     ``flashnext plan`` asks): the table served from a file, or pinned in that format; None: as the
-    profile and ``model`` say."""
-    text = load_text_config(model)
+    profile and ``model`` say. ``served``: the Deployment of ``model`` and ``overlays``, whose
+    config.json, snapshot and served config are read once (as for :func:`ple_table_allocations`)."""
+    text = load_text_config(model if served is None or model is None else served.model_config)
     ranks = rank_layers(text.num_hidden_layers, shape.pipeline_parallel_size, shape.layer_partition)
-    entries = [e for rank in _host_entries(text, shape, plan, ranks, model, ple_table, overlays, ple_format)
-               for e in rank if e.term]
+    entries = [e for rank in _host_entries(text, shape, plan, ranks, model, ple_table, overlays, ple_format,
+                                           served) for e in rank if e.term]
     whys = {"QSA K/V": f"{sum(plan.qsa_layers_per_rank)} layers x {plan.blocks} blocks (flashnext plan)"}
     terms = []
     for name in TERMS:

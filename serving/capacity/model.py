@@ -13,6 +13,8 @@ from pathlib import Path
 
 from flashnext.errors import FlashnextError
 from flashnext.manifests import manifest_path
+from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, read_config_version, text_config_of
+from flashnext.quant.records.inputs import FileIdentity
 from flashnext.quant.records.jsonfile import get_dict, get_int, read_json
 
 MANIFEST = manifest_path("qwen3.8-flash-next.json")
@@ -84,11 +86,9 @@ class TextConfig:
     @classmethod
     def from_dict(cls, config: dict, where: str) -> "TextConfig":
         """``config``'s text model: its ``text_config`` (a multimodal config), else ``config`` itself."""
-        text = get_dict(config, "text_config", where, required=False)
-        if text is None:
-            text = config
-        else:
+        if get_dict(config, "text_config", where, required=False) is not None:
             where = f"{where}: text_config"
+        text = text_config_of(config)
         n = get_int(text, "num_hidden_layers", where, minimum=1)
         layer_types = _layer_types(text, n, where)
         rope = (get_dict(text, "rope_parameters", where, required=False)
@@ -191,26 +191,39 @@ class VisionConfig:
         return 2 * patches * (h + 3 * h + h + 2 * i) + 2 * tokens * self.out_hidden_size * (1 + self.deepstack_mergers)
 
 
-def _model_config(model: Path | None) -> tuple[dict, str]:
-    """The config to plan for, and where it came from: ``model`` (a snapshot directory or its
-    ``config.json``), else the pinned manifest."""
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model's config.json as read once (or the pinned manifest), and where it came from: what a
+    plan reads its text and vision configs from, so that one read serves every planner."""
+
+    config: dict
+    where: str
+    version: FileIdentity | None = None  # of the config.json read (None: the manifest)
+
+
+def read_model_config(model: "Path | ModelConfig | None") -> ModelConfig:
+    """The config to plan for: ``model`` (a snapshot directory or its ``config.json``; one already
+    read is passed through), else the pinned manifest."""
+    if isinstance(model, ModelConfig):
+        return model
     if model is None:
-        return base_manifest(), str(MANIFEST)
+        return ModelConfig(base_manifest(), str(MANIFEST))
     path = Path(model)
-    config = path / "config.json" if path.is_dir() else path
-    if not config.exists():  # a FIFO or a device exists: read_json refuses it as what it is
+    config = path / CONFIG_FILE if path.is_dir() else path
+    if not config.exists():  # a FIFO or a device exists: the reader refuses it as what it is
         raise FlashnextError(f"{config}: no such config.json")
-    return read_json(config, "the model config"), str(config)
+    keys, version = read_config_version(config)
+    return ModelConfig(keys, str(config), version)
 
 
-def load_text_config(model: Path | None = None) -> TextConfig:
+def load_text_config(model: "Path | ModelConfig | None" = None) -> TextConfig:
     """The base checkpoint's text config (pinned in ``manifests/``), or a snapshot's ``config.json``."""
-    config, where = _model_config(model)
-    return TextConfig.from_dict(config, where)
+    read = read_model_config(model)
+    return TextConfig.from_dict(read.config, read.where)
 
 
-def load_vision_config(model: Path | None = None) -> VisionConfig | None:
+def load_vision_config(model: "Path | ModelConfig | None" = None) -> VisionConfig | None:
     """The base checkpoint's vision config, or a snapshot's; None for a text-only config."""
-    config, where = _model_config(model)
-    vision = get_dict(config, "vision_config", where, required=False)
-    return VisionConfig.from_dict(vision, f"{where}: vision_config") if vision else None
+    read = read_model_config(model)
+    vision = get_dict(read.config, "vision_config", read.where, required=False)
+    return VisionConfig.from_dict(vision, f"{read.where}: vision_config") if vision else None

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flashnext.serving.capacity.kv import kv_cache_layout, qsa_arena, qsa_host_bytes_per_token
-from flashnext.serving.capacity.model import TextConfig, load_text_config, load_vision_config
+from flashnext.serving.capacity.model import (ModelConfig, TextConfig, load_text_config, load_vision_config,
+                                              read_model_config)
 from flashnext.serving.capacity.rules import next_power_of_two
 from flashnext.serving.capacity.shape import ServingShape, import_vllm
 from flashnext.serving.capacity.vision import VisionPlan, vision_plan
@@ -145,10 +146,12 @@ def plan(text: TextConfig, shape: ServingShape) -> Plan:
 
 
 def plan_profile(profile, kv_cache_memory_bytes: int | None = None, prefix_caching: bool | None = None,
-                 model: Path | None = None) -> Plan:
+                 model: Path | ModelConfig | None = None) -> Plan:
     """The plan of a ``qwen4_exp`` ``profile`` for ``model`` (a snapshot directory or its
-    ``config.json``; None: the pinned base checkpoint), its vision tower on the first rank included."""
+    ``config.json``, or that config already read; None: the pinned base checkpoint), its vision tower
+    on the first rank included."""
     shape = ServingShape.from_profile(profile, kv_cache_memory_bytes, prefix_caching)
+    model = read_model_config(model)  # once, for the text and the vision config
     result = plan(load_text_config(model), shape)
     vision = load_vision_config(model) if shape.images else None
     if vision is not None:

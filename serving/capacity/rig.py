@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from flashnext.errors import FlashnextError
 from flashnext.serving.capacity.kv import rank_layers
+from flashnext.serving.capacity.ledger import PLE_FORMATS
 from flashnext.serving.capacity.model import load_text_config, load_vision_config
 from flashnext.serving.capacity.qwen4_exp import Plan, plan_profile
 from flashnext.serving.capacity.shape import PP_LAYER_PARTITION, ServingShape, engine_args
@@ -42,7 +43,6 @@ GIB = 1 << 30
 # rig's own settings (RIG_ARGS, the partition, the PLE table's home) differ from these.
 TEMPLATES = {False: "3x3090", True: "3x3090-mtp"}
 RIG_ARGS = ("--pipeline-parallel-size", "--max-model-len", "--max-num-seqs", "--kv-cache-memory-bytes")
-PLE_FORMATS = ("file", "nvfp4", "fp8", "bf16")  # file: the NVMe table (--ple-table); else pinned as that
 
 
 @dataclass(frozen=True)

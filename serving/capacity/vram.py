@@ -130,7 +130,8 @@ def _ranks_of(name: str, rank_of: dict[int, int], last: int, shape: ServingShape
     return None
 
 
-def snapshot_weights(model: Path, text, shape: ServingShape, plan) -> tuple[list[int] | None, list[str]]:
+def snapshot_weights(model: Path, text, shape: ServingShape, plan,
+                     open_snapshot=None) -> tuple[list[int] | None, list[str]]:
     """The weights column for the snapshot ``model``: each tensor vLLM loads onto a GPU for the
     profile (``shape``, ``plan``), as many bytes as its safetensors header gives, on the rank vLLM
     builds its module on: decoder layer i's tensors (its PLE projections included) on the rank
@@ -138,7 +139,8 @@ def snapshot_weights(model: Path, text, shape: ServingShape, plan) -> tuple[list
     where vit-stream keeps them in host memory); the final norm, mixer and LM head, and the MTP
     draft where the profile serves it, on the last. Not on a GPU: the PLE table, a tower the
     profile does not serve, a draft it does not. With the notes to print: what could not be placed
-    (not counted), or why there are no weights (None: a config.json without its snapshot)."""
+    (not counted), or why there are no weights (None: a config.json without its snapshot).
+    ``open_snapshot`` opens the snapshot's folder (default: :meth:`Snapshot.open`)."""
     from flashnext.quant.checkpoint.snapshot import INDEX_FILE, Snapshot
 
     root = Path(model)
@@ -147,7 +149,7 @@ def snapshot_weights(model: Path, text, shape: ServingShape, plan) -> tuple[list
         if not (root / INDEX_FILE).is_file():
             return None, [f"weights: {model} is a config.json without its snapshot's {INDEX_FILE} beside it: "
                           "give the snapshot's directory to count them"]
-    snap = Snapshot.open(root)
+    snap = (open_snapshot or Snapshot.open)(root)
     ranks = rank_layers(text.num_hidden_layers, shape.pipeline_parallel_size, shape.layer_partition)
     rank_of = {i: r for r, layers in enumerate(ranks) for i in layers}
     streamed = plan.vision is not None and plan.vision.streamed_weight_bytes < plan.vision.resident_weight_bytes
@@ -289,15 +291,19 @@ def vram_table(ledger: Ledger, layers_per_rank: list[int], weights: list[int] | 
 SEED_WEIGHTS = "seed 000's measurements of the release checkpoint (§6, §7)"
 
 
-def profile_vram(profile, plan, ledger: Ledger, model: Path | None, gpu_memory: int | None) -> VramTable:
+def profile_vram(profile, plan, ledger: Ledger, model: Path | None, gpu_memory: int | None,
+                 served=None) -> VramTable:
     """The table of a ``qwen4_exp`` ``profile``'s ``plan`` for ``model`` (None: the pinned base
-    checkpoint), against GPUs of ``gpu_memory`` bytes (None: unknown)."""
+    checkpoint), against GPUs of ``gpu_memory`` bytes (None: unknown). ``served``: the
+    :class:`~flashnext.serving.deployment.Deployment` of ``model``, whose config.json and snapshot
+    are read once (None: read here)."""
     from flashnext.serving.capacity.model import load_text_config
 
     shape = ServingShape.from_profile(profile, plan.kv_cache_memory_bytes, plan.prefix_caching)
     if model is None:
         return vram_table(ledger, plan.layers_per_rank, base_weights(plan.layers_per_rank, serves_draft(shape), ledger),
                           gpu_memory, SEED_WEIGHTS)
-    weights, notes = snapshot_weights(model, load_text_config(model), shape, plan)
+    text = load_text_config(model if served is None else served.model_config)
+    weights, notes = snapshot_weights(model, text, shape, plan, served.open_snapshot if served is not None else None)
     source = f"{model}'s tensors, as its safetensors headers size them" if weights is not None else "not known"
     return vram_table(ledger, plan.layers_per_rank, weights, gpu_memory, source, notes)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flashnext.quant.records.jsonfile import read_json
+from flashnext.quant.checkpoint.snapshot import read_config, text_config_of
 
 _TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def _special_ids(config: dict) -> dict[int, str]:
-    text = config["text_config"]
+    text = text_config_of(config)
     eos = text["eos_token_id"]
     ids = {eos: "<|im_end|>", eos + 1: "<|im_start|>", eos + 2: "<|endoftext|>"}
     for key, token in (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
@@ -32,8 +32,9 @@ def write_tokenizer(model_dir: Path) -> None:
     """tokenizer.json and tokenizer_config.json for the snapshot at ``model_dir`` (its config.json)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    config = read_json(Path(model_dir) / "config.json", "the model config")
-    size = config["text_config"]["vocab_size"]
+    config = read_config(Path(model_dir) / "config.json")
+    text = text_config_of(config)
+    size = text["vocab_size"]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     special = _special_ids(config)
     vocab = {c: i for i, c in enumerate(alphabet)}
@@ -46,5 +47,5 @@ def write_tokenizer(model_dir: Path) -> None:
     tok.save(str(Path(model_dir) / "tokenizer.json"))
     (Path(model_dir) / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "bos_token": None, "model_max_length": config["text_config"]["max_position_embeddings"],
+        "bos_token": None, "model_max_length": text["max_position_embeddings"],
         "chat_template": _TEMPLATE}, indent=2) + "\n")

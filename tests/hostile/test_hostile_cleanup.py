@@ -93,9 +93,9 @@ def _kill_at_the_second_rename(monkeypatch) -> list[tuple[str, str]]:
     """The replace is killed (SystemExit, as by a signal) just before the new output is renamed into
     place, the old one already moved aside. The filesystem is taken to lack an atomic exchange, so
     the two-rename path is the one taken."""
-    import flashnext.quant.checkpoint.fsutil as fsutil
+    import flashnext.quant.checkpoint.fsutil.held as held
 
-    monkeypatch.setattr(fsutil, "_renameat2", lambda *a, **k: False, raising=False)
+    monkeypatch.setattr(held, "_renameat2", lambda *a, **k: False)
     real = os.rename
     renames: list[tuple[str, str]] = []
 
@@ -105,7 +105,7 @@ def _kill_at_the_second_rename(monkeypatch) -> list[tuple[str, str]]:
         renames.append((os.path.basename(src), os.path.basename(dst)))
         return real(src, dst, *a, **k)
 
-    monkeypatch.setattr(fsutil.os, "rename", rename)
+    monkeypatch.setattr(os, "rename", rename)
     return renames
 
 

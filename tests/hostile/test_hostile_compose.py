@@ -25,8 +25,9 @@ import jsonschema
 import pytest
 import yaml
 from click.testing import CliRunner
+from flashnext.serving.compose import SERVICE, compose_model, render_compose, to_yaml
 
-from flashnext.serving.compose import SERVICE, ServeRequest, compose_model, render_compose, to_yaml
+from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import available, load_profile
 from flashnext.tools.cli import main as cli
 from support import ROOT
@@ -97,7 +98,7 @@ def compose_config(compose: list[str], document_text: str, folder: Path) -> tupl
     return read_back(run("config")), run("config", "--variables")
 
 
-def assert_compose_reads_what_flashnext_meant(compose, req: ServeRequest, text: str, folder: Path) -> dict:
+def assert_compose_reads_what_flashnext_meant(compose, req: Deployment, text: str, folder: Path) -> dict:
     """Compose resolves the file ``text`` (rendered for ``req``) to flashnext's values; returns the
     bind sources by target."""
     jsonschema.validate(yaml.safe_load(text), SCHEMA)
@@ -146,7 +147,7 @@ def test_a_hostile_path_mounts_the_literal_directory(compose, name, tmp_path):
             "--ple-table", str(table), "--dry-run"]
     result = CliRunner().invoke(cli, argv)
     assert result.exit_code == 0, result.output
-    req = ServeRequest(load_profile("3x3090"), model, (overlay,), table)
+    req = Deployment(load_profile("3x3090"), model, (overlay,), table)
     sources = assert_compose_reads_what_flashnext_meant(compose, req, result.stdout, tmp_path / "compose")
     assert sources == {"/models/snapshot": str(model), "/models/overlays/0": str(overlay),
                        "/models/ple/table.bin": str(table)}
@@ -174,7 +175,7 @@ HOSTILE_PROFILES = [
 
 @pytest.mark.parametrize("edit", HOSTILE_PROFILES)
 def test_hostile_profile_values_reach_the_container_as_written(compose, edit, tmp_path):
-    req = ServeRequest(edit(load_profile("3x3090")), Path("/srv/snap"), (), Path("/srv/ple.bin"))
+    req = Deployment(edit(load_profile("3x3090")), Path("/srv/snap"), (), Path("/srv/ple.bin"))
     text = to_yaml(render_compose(req))
     assert_compose_reads_what_flashnext_meant(compose, req, text, tmp_path / "compose")
 
@@ -188,7 +189,7 @@ def test_every_profile_is_read_by_a_real_compose(compose, name, tmp_path):
     result = CliRunner().invoke(cli, ["serve", "--profile", name, "--model", str(snap), "--overlay", str(overlay),
                                       "--ple-table", str(table), "--dry-run"])
     assert result.exit_code == 0, result.output
-    req = ServeRequest(load_profile(name), snap, (overlay,), table)
+    req = Deployment(load_profile(name), snap, (overlay,), table)
     assert_compose_reads_what_flashnext_meant(compose, req, result.stdout, tmp_path / "compose")
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import flashnext.quant.checkpoint.fsutil as fsutil
+import flashnext.quant.checkpoint.fsutil.held as held
 from flashnext.tools.cli import main as cli
 from support.hostile import Work, output_state
 
@@ -113,13 +113,13 @@ def install(monkeypatch, disk: Disk) -> None:
         wrap(name)
     wrap("open", lambda path, flags, *a, **k: bool(flags & os.O_CREAT))
     wrap("fdopen", lambda fd, mode="r", *a, **k: any(c in mode for c in "wa+"))
-    real_renameat2 = fsutil._renameat2
+    real_renameat2 = held._renameat2
 
     def renameat2(fd, src, dst, flags):
         disk.hit(f"renameat2@{sys._getframe(1).f_code.co_name}", dst)
         return real_renameat2(fd, src, dst, flags)
 
-    monkeypatch.setattr(fsutil, "_renameat2", renameat2)
+    monkeypatch.setattr(held, "_renameat2", renameat2)
 
 
 def stages(calls: list[str]) -> list[int]:

@@ -136,10 +136,10 @@ def view_done(w: Work) -> bool:
 def repacked_without_exchange(w: Work, monkeypatch) -> None:
     """An output to replace, on a filesystem without renameat2's exchange: the replace moves the
     previous output aside as ``.out.old-PID`` first."""
-    import flashnext.quant.checkpoint.fsutil as fsutil
+    import flashnext.quant.checkpoint.fsutil.held as held
 
     assert CliRunner().invoke(cli, repack(w)).exit_code == 0
-    monkeypatch.setattr(fsutil, "_renameat2", lambda *a, **k: False)
+    monkeypatch.setattr(held, "_renameat2", lambda *a, **k: False)
 
 PLANTED = [
     # A link at the writer's own partial name is a leftover to remove, never a directory to enter.
@@ -251,15 +251,15 @@ def _swap_for_link(path: Path, target: Path) -> Path:
 def swap_partial_dir(work: Work, monkeypatch) -> None:
     """make-mtp-int4's partial directory becomes a link to the snapshot right after it is made
     (the writer always marks it first)."""
-    import flashnext.quant.checkpoint.fsutil as fsutil
+    import flashnext.quant.checkpoint.fsutil.directories as directories
 
-    real = fsutil.write_marker
+    real = directories.write_marker
 
     def marked_then_swapped(directory, made_by):
         real(directory, made_by)
         _swap_for_link(work.root / f".out.partial-{PID}", work.snap)
 
-    monkeypatch.setattr(fsutil, "write_marker", marked_then_swapped)
+    monkeypatch.setattr(directories, "write_marker", marked_then_swapped)
 
 
 def swap_parent(module: str):
@@ -317,12 +317,12 @@ class Swap:
 
 SWAPS = [
     Swap("mtp-partial-dir-to-snapshot", swap_partial_dir, mtp, mtp_done),
-    Swap("mtp-parent-to-snapshot", swap_parent("flashnext.quant.checkpoint.fsutil"), in_p(mtp, "out"),
+    Swap("mtp-parent-to-snapshot", swap_parent("flashnext.quant.checkpoint.fsutil.directories"), in_p(mtp, "out"),
          lambda w: (w.root / "p.moved" / "out" / "overlay.json").is_file()),
-    Swap("demo-parent-to-snapshot", swap_parent("flashnext.quant.checkpoint.fsutil"),
+    Swap("demo-parent-to-snapshot", swap_parent("flashnext.quant.checkpoint.fsutil.directories"),
          lambda w: ((w.root / "p").mkdir(), ["demo-checkpoint", "--out", str(w.root / "p" / "demo")])[1],
          lambda w: (w.root / "p.moved" / "demo" / "config.json").is_file()),
-    Swap("ple-parent-to-snapshot", swap_parent("flashnext.quant.checkpoint.fsutil"), in_p(ple_build, "new.bin"),
+    Swap("ple-parent-to-snapshot", swap_parent("flashnext.quant.checkpoint.fsutil.files"), in_p(ple_build, "new.bin"),
          lambda w: CliRunner().invoke(cli, ["ple", "verify", "--full", str(w.root / "p.moved" / "new.bin")]).exit_code == 0),
     Swap("ple-partial-to-source-shard", swap_ple_partial, ple_build,
          lambda w: ple_done(w) and (w.root / "new.bin").stat().st_nlink == 1),

@@ -470,9 +470,11 @@ ONE_LINE_REFUSALS = [
     pytest.param(ple_build_with("--format", "fp8", "--layer", "1"), 2, "--layer is for the bf16 table file",
                  id="ple-build-layer-with-fp8"),
     pytest.param(ple_build_with("--device", "cuda"), 2, "--device is for --format nvfp4|fp8", id="ple-build-device-bf16"),
-    pytest.param(lambda w: mtp(w, "--rounding", "gptq"), 2, "give --calib FILE", id="mtp-gptq-without-calib"),
+    pytest.param(lambda w: mtp(w, "--quantizer", "gptq"), 2, "--calib is needed by quantizer gptq",
+                 id="mtp-gptq-without-calib"),
     pytest.param(lambda w: mtp(w, "--quantizer", "gptq", "--no-scale-search"), 2,
-                 "--quantizer gptq cannot go with --no-scale-search", id="mtp-quantizer-gptq-without-scale-search"),
+                 "--quantizer gptq and --no-scale-search choose different quantizers",
+                 id="mtp-quantizer-gptq-without-scale-search"),
     pytest.param(lambda w: ["ple", "ids", "--config", str(w.snap / "config.json"), "--tokens", "1,x"], 2,
                  "comma-separated integers", id="ple-ids-tokens-not-integers"),
     # Refusals of input, exit 1.

@@ -167,11 +167,12 @@ def test_cli_refuses_other_families():
 
 
 def test_serve_prints_the_plan_line():
+    from flashnext.serving.deployment import Deployment
     from flashnext.serving.run import summary_line
 
-    line = summary_line(load_profile("3x3090"))
+    line = summary_line(Deployment(load_profile("3x3090")))
     assert line.startswith("plan: 244 blocks per rank, 61 per 262,144-token request: 1,048,576 tokens (4.00x)")
-    assert summary_line(load_profile("8xh200-glm53-hisparse")) is None
+    assert summary_line(Deployment(load_profile("8xh200-glm53-hisparse"))) is None
 
 
 def test_the_vision_tower_on_the_first_rank():
@@ -262,11 +263,12 @@ def test_the_slot_of_vllms_vision_block_is_the_planned_slot():
 def test_plan_serve_and_the_preflight_ask_the_families_table(monkeypatch, tmp_path):
     """A family is planned where FAMILIES has a planner for it, by that planner, everywhere."""
     from flashnext.serving import preflight
+    from flashnext.serving.deployment import Deployment
     from flashnext.serving.run import summary_line
 
     hisparse = load_profile("8xh200-glm53-hisparse")
     assert hisparse.model_family not in capacity.FAMILIES
-    assert [f.check for f in preflight.preflight(hisparse, None, [], None, "native", [])].count("host-ram") == 0
+    assert [f.check for f in preflight.preflight(Deployment(hisparse), "native", [])].count("host-ram") == 0
     asked = []
 
     def planner(profile, kv_cache_memory_bytes=None, prefix_caching=None, model=None):
@@ -276,8 +278,8 @@ def test_plan_serve_and_the_preflight_ask_the_families_table(monkeypatch, tmp_pa
     monkeypatch.setitem(capacity.FAMILIES, hisparse.model_family, planner)
     r = CliRunner().invoke(cli, ["plan", "--profile", hisparse.name, "--kv-cache-memory-bytes", "550000000", "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["blocks"] == 171
-    assert summary_line(hisparse).startswith("plan: 244 blocks per rank")
-    findings = preflight.preflight(hisparse, None, [], None, "native", [])
+    assert summary_line(Deployment(hisparse)).startswith("plan: 244 blocks per rank")
+    findings = preflight.preflight(Deployment(hisparse), "native", [])
     assert [f.check for f in findings].count("host-ram") == 1
     assert [a[0] for a in asked] == [hisparse.name] * 3 and asked[0][1:3] == (550_000_000, None)
 
@@ -286,6 +288,7 @@ def test_serve_plans_the_snapshot_the_preflight_checks(demo_snapshot, tmp_path):
     """`serve --model S` prints the plan of S, the one `plan --model S` prints and the preflight's
     host-RAM check counts (before issue 27 serve's line was the pinned checkpoint's)."""
     from flashnext.serving import preflight
+    from flashnext.serving.deployment import Deployment
     from flashnext.serving.run import summary_line
 
     profile = load_profile("3x3090")
@@ -294,7 +297,7 @@ def test_serve_plans_the_snapshot_the_preflight_checks(demo_snapshot, tmp_path):
     planned = json.loads(r.stdout)
     base = capacity.plan_profile(profile)
     assert planned["blocks"] != base.blocks  # the demo config is another model: the difference shows
-    assert summary_line(profile, demo_snapshot).startswith(f"plan: {planned['blocks']} blocks per rank")
+    assert summary_line(Deployment(profile, demo_snapshot)).startswith(f"plan: {planned['blocks']} blocks per rank")
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: {125 * GIB // 1024} kB\nMemAvailable: {118 * GIB // 1024} kB\n")
     finding = preflight.check_host_ram(profile, meminfo, tmp_path / "absent", model=demo_snapshot,

@@ -412,15 +412,16 @@ def test_serve_takes_a_quantized_ple_overlay_without_a_table_file(demo_snapshot,
     from flashnext.quant.checkpoint.snapshot import Snapshot
     from flashnext.quant.overlays.ple_quant import quantize_ple_table
     from flashnext.quant.ple.table import find_ple_source
+    from flashnext.serving.deployment import Deployment
     from flashnext.serving.run import require_ple_table
 
     quantize_ple_table(demo_snapshot, tmp_path / "nvfp4", "nvfp4")
     profile = load_profile("3x3090")
     with pytest.raises(FlashnextError, match="--ple-table FILE"):
-        require_ple_table(profile, demo_snapshot, None)
-    require_ple_table(profile, demo_snapshot, None, (tmp_path / "nvfp4",))
+        require_ple_table(Deployment(profile, demo_snapshot))
+    require_ple_table(Deployment(profile, demo_snapshot, (tmp_path / "nvfp4",)))
     with pytest.raises(FlashnextError, match="drop --ple-table"):
-        require_ple_table(profile, demo_snapshot, tmp_path / "table.bin", (tmp_path / "nvfp4",))
+        require_ple_table(Deployment(profile, demo_snapshot, (tmp_path / "nvfp4",), tmp_path / "table.bin"))
     finding = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), tmp_path / "absent", model=demo_snapshot,
                                 overlays=(tmp_path / "nvfp4",))
     source = find_ple_source(Snapshot.open(demo_snapshot))

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from flashnext.serving import preflight as pf
+from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import load_profile
 from flashnext.tools.cli import main as cli
 
@@ -102,10 +103,10 @@ def small_memlock():
 
 def test_a_container_gets_the_compose_files_memlock_not_this_shells(small_memlock):
     """Before issue 41: NO-GO (exit 11) for Docker with three healthy 3090s and an 8 MiB `ulimit -l`."""
-    from flashnext.serving.compose import ServeRequest, compose_model
+    from flashnext.serving.compose import compose_model
 
     profile = load_profile("3x3090")
-    rendered = compose_model(ServeRequest(profile, Path("/srv/snap")))
+    rendered = compose_model(Deployment(profile, Path("/srv/snap")))
     assert rendered["services"]["vllm"]["ulimits"] == {"memlock": {"soft": -1, "hard": -1}}
     docker = pf.check_memlock(profile, "docker")
     assert docker.ok and "compose file" in docker.detail and "unlimited" in docker.detail, docker
@@ -130,7 +131,7 @@ def test_the_preflight_judges_memlock_by_the_engine(small_memlock, monkeypatch):
     for engine, ok in (("docker", True), ("podman", True), ("native", False)):
         if engine == "podman":
             monkeypatch.setattr(os, "geteuid", lambda: 0)
-        findings = {f.check: f for f in pf.preflight(load_profile("3x3090"), None, [], None, engine, devices=[])}
+        findings = {f.check: f for f in pf.preflight(Deployment(load_profile("3x3090")), engine, devices=[])}
         assert findings["memlock"].ok is ok, (engine, findings["memlock"])
 
 

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from flashnext.errors import FlashnextError
 from flashnext.serving import profiles, vllm_release
-from flashnext.serving.compose import ServeRequest, compose_model
+from flashnext.serving.compose import compose_model
+from flashnext.serving.deployment import Deployment
 from flashnext.serving.patches.series import VLLM_VERSION
 from flashnext.serving.profiles import available, capabilities_to_grant, capability, load_profile
 from flashnext.tools.cli import main as cli
@@ -103,7 +104,7 @@ def test_serve_grants_what_it_is_told_and_the_container_is_told_the_same(tmp_pat
 
 
 def test_a_shipped_profiles_container_is_told_no_grant():
-    req = ServeRequest(load_profile("3x3090"), Path("/srv/snap"), (), Path("/srv/ple.bin"))
+    req = Deployment(load_profile("3x3090"), Path("/srv/snap"), (), Path("/srv/ple.bin"))
     assert "--grant" not in compose_model(req)["services"]["vllm"]["command"]
 
 

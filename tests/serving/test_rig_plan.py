@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from flashnext.serving import capacity
 from flashnext.serving.capacity import rig as rigs
-from flashnext.serving.compose import ServeRequest, render_compose, vllm_command
+from flashnext.serving.compose import render_compose, vllm_command
+from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import available, load_profile, profile_text
 from flashnext.tools.cli import main as cli
 
@@ -144,7 +145,7 @@ def test_a_written_profile_passes_every_check_a_shipped_one_does(tmp_path):
     args = parser.parse_args(vllm_command(profile, "/models/view", "0.0.0.0", 8000)[2:])
     cli_args.validate_parsed_serve_args(args)
     assert args.pipeline_parallel_size == 5
-    document = render_compose(ServeRequest(profile, tmp_path / "snap", (), tmp_path / "ple.bin"))
+    document = render_compose(Deployment(profile, tmp_path / "snap", (), tmp_path / "ple.bin"))
     jsonschema.validate(document, SCHEMA)
     service = document["services"]["vllm"]
     assert all(k in vllm.envs.environment_variables or k in {v.name for v in envs.ALL} or k in envs.THIRD_PARTY

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from flashnext import envs
 from flashnext.errors import FlashnextError
-from flashnext.serving.compose import ServeRequest, compose_model, render_compose, vllm_command
+from flashnext.serving.compose import compose_model, render_compose, vllm_command
+from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import available, load_profile
 from flashnext.tools.cli import main as cli
 from flashnext.serving.run import wait_ready
@@ -41,7 +42,7 @@ def test_the_profiles_of_the_issue_exist():
 
 
 def render(name, **kw):
-    return render_compose(ServeRequest(load_profile(name), Path("/srv/snapshot"), (Path("/srv/ov1"), Path("/srv/ov2")),
+    return render_compose(Deployment(load_profile(name), Path("/srv/snapshot"), (Path("/srv/ov1"), Path("/srv/ov2")),
                                        Path("/srv/ple.bin"), **kw))
 
 
@@ -62,7 +63,7 @@ def test_the_compose_file_is_the_model_with_every_value_escaped():
     differs from the values the container must see (tests/hostile/test_hostile_compose.py checks
     that with a real Compose)."""
     profile = dataclasses.replace(load_profile("3x3090"), env={"A": "$HOME ${X} $$"}, description="$5")
-    req = ServeRequest(profile, Path("/srv/$HOME"), (Path("/srv/${X}:ro"),), Path("/srv/$$.bin"))
+    req = Deployment(profile, Path("/srv/$HOME"), (Path("/srv/${X}:ro"),), Path("/srv/$$.bin"))
 
     def doubled(node):
         if isinstance(node, str):
@@ -452,7 +453,7 @@ def stand_ins(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(bin_dir))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
-    def preflight(profile, model, overlays, ple_table, engine, devices=None):
+    def preflight(deployment, engine, devices=None):
         with log.open("a") as f:
             f.write(f"preflight {engine}\n")
         return [pf.Finding("gpus", True, "3 x RTX 3090 (supplied)")]
@@ -500,7 +501,7 @@ def test_serve_finds_compose_up_front_and_records_only_a_start(case: ComposeCase
         assert down.exit_code == 1 and "nothing is running for profile '3x3090'" in down.output, down.output
         return
     assert result.exit_code == 0, result.output
-    req = ServeRequest(load_profile("3x3090"), model, (), table)
+    req = Deployment(load_profile("3x3090"), model, (), table)
     assert state.read_text() == yaml.safe_dump(render_compose(req), sort_keys=False, width=120)
     assert os.listdir(state.parent) == ["compose.yaml"]
     assert f"serve down --profile 3x3090 --engine {case.engine_of_start}" in result.stdout

@@ -5,7 +5,10 @@ none of its inputs' (a view, an in-place op or an ``out=`` op writes storage it 
 ``lift_fresh``'s output is the new tensor of a ``torch.tensor(data)``. An allocation is flashnext's
 when its Python call stack passes through flashnext's code (the ``serving`` and ``quant``
 packages); its call site is the innermost such frame, ``path:function`` relative to the
-repository, so that vLLM's code called from a flashnext hook counts as that hook's.
+repository, so that vLLM's code called from a flashnext hook counts as that hook's. A test's
+stand-in for what cannot run on the CPU (``stand_ins``: its directories, e.g. tests/support) is not
+flashnext's code: what it allocates below a flashnext frame is left out, as the kernel it stands in
+for allocates otherwise.
 
 For each step (:meth:`Allocations.step`) it keeps every allocation with its bytes (the storage's)
 and whether it outlived the step, and each site's peak of live bytes within the step. The CPU has
@@ -57,11 +60,13 @@ def _storage(t: torch.Tensor):
 
 class Allocations(TorchDispatchMode):
     """Steps of flashnext allocations (see the module's docstring); ``roots`` are the directories
-    of flashnext's code, ``repository`` what call sites are named relative to."""
+    of flashnext's code, ``repository`` what call sites are named relative to, ``stand_ins`` the
+    directories of stand-ins whose allocations are none of flashnext's."""
 
-    def __init__(self, roots: list[Path], repository: Path):
+    def __init__(self, roots: list[Path], repository: Path, stand_ins: tuple[Path, ...] = ()):
         super().__init__()
         self.roots = tuple(str(r) + "/" for r in roots)
+        self.stand_ins = tuple(str(r) + "/" for r in stand_ins)
         self.repository = str(repository) + "/"
         self._current: Step | None = None
 
@@ -69,6 +74,8 @@ class Allocations(TorchDispatchMode):
         frame = sys._getframe(2)
         while frame is not None:
             path = frame.f_code.co_filename
+            if self.stand_ins and path.startswith(self.stand_ins):
+                return None
             if path.startswith(self.roots):
                 return f"{path.removeprefix(self.repository)}:{frame.f_code.co_name}"
             frame = frame.f_back

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flashnext.errors import FlashnextError, UsageError
+from flashnext.errors import UsageError
 from flashnext.progress import Progress
 from flashnext.quant.checkpoint.fsutil import sha256_file
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, Snapshot
 from flashnext.quant.formats.ct_config import set_quantization_config, with_mtp_experts_quantized
 from flashnext.quant.formats.safetensors_io import DTYPE_BYTES, ShardWriter, TensorSpec, torch_dtypes
-from flashnext.quant.overlays.builder import OverlayBuilder
+from flashnext.quant.overlays.builder import OverlayBuilder, OverlayKind
 from flashnext.quant.overlays.mtp_int4.card import card_section
 from flashnext.quant.overlays.mtp_int4.metrics import ErrorReport
 from flashnext.quant.overlays.mtp_int4.source import (
@@ -38,10 +38,13 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_QUANTIZER = "mse"
-ROUNDINGS = ("nearest", "gptq")
-# The flags that came before --quantizer, as the quantizer each one chooses.
-NO_SCALE_SEARCH = "rtn"   # --no-scale-search
-GPTQ_ROUNDING = "gptq"    # --rounding gptq
+PLAIN_RTN = "rtn"  # absmax scales, no search: the A side of the A/B measurement
+GPTQ = "gptq"  # the searched scales, codes chosen against each expert's routed Gram matrix
+
+
+def needs_calibration(quantizer: str) -> UsageError:
+    return UsageError(f"is needed by quantizer {quantizer}, which chooses codes against calibration activations",
+                      field="calib")
 
 
 @dataclass(frozen=True)
@@ -50,52 +53,42 @@ class MtpInt4Options:
     positive_scales: bool = False
     device: str = "cpu"
     experts_per_batch: int | None = None
-    # A registered quantizer (quant.quantizers.base.available_quantizers()). None: the one that
-    # scale_search and rounding choose, else "mse"; once built, always the name.
-    quantizer: str | None = None
-    # False is quantizer "rtn": plain absmax RTN (compressed-tensors' observer) instead of the MSE
-    # scale search, the A side of the A/B measurement.
-    scale_search: bool = True
+    # A registered quantizer (quant.quantizers.base.available_quantizers()): "mse" searches the
+    # scales, "rtn" is plain absmax RTN (compressed-tensors' observer), "gptq" (needs calib) chooses
+    # codes against each expert's routed Gram matrix at the searched scales (quant.quantizers.gptq).
+    quantizer: str = DEFAULT_QUANTIZER
     compare_absmax: bool = True  # the report's ratio to plain RTN; costs one extra pass
     # Activations at the MTP MoE block's input (quant.quantizers.calibration): the scale search
     # then weights each column by its routed tokens' diag(X^T X).
     calib: Path | None = None
     calib_min_tokens: int = 32
-    # "nearest", or "gptq", which is quantizer "gptq" (needs calib): codes chosen against each
-    # expert's routed Gram matrix at the searched scales (quant.quantizers.gptq).
-    rounding: str = "nearest"
     gptq_prior_tokens: int = 640
 
     def __post_init__(self) -> None:
-        if self.rounding not in ROUNDINGS:
-            raise UsageError(f"rounding {self.rounding!r}: use nearest or gptq")
-        self._refuse_without_calibration()
-        implied = GPTQ_ROUNDING if self.rounding == "gptq" else None if self.scale_search else NO_SCALE_SEARCH
-        quantizer = self.quantizer or implied or DEFAULT_QUANTIZER
-        if implied is not None and quantizer != implied:
-            flag = "--rounding gptq" if implied == GPTQ_ROUNDING else "--no-scale-search"
-            raise UsageError(f"--quantizer {quantizer} cannot go with {flag}, which is --quantizer {implied}")
-        if quantizer not in available_quantizers():
-            raise UsageError(f"--quantizer {quantizer!r}: no such quantizer; "
-                             f"available: {', '.join(available_quantizers())}")
-        object.__setattr__(self, "quantizer", quantizer)
-        object.__setattr__(self, "scale_search", quantizer != NO_SCALE_SEARCH)
-        object.__setattr__(self, "rounding", "gptq" if quantizer == GPTQ_ROUNDING else "nearest")
-        self._refuse_without_calibration()
-
-    def _refuse_without_calibration(self) -> None:
-        if self.rounding == "gptq" and self.calib is None:
-            raise UsageError("GPTQ rounding (--rounding gptq, --quantizer gptq) chooses codes against "
-                             "calibration activations: give --calib FILE")
+        if self.quantizer not in available_quantizers():
+            raise UsageError(f"{self.quantizer!r}: no such quantizer; available: {', '.join(available_quantizers())}",
+                             field="quantizer")
+        if self.quantizer == GPTQ and self.calib is None:
+            raise needs_calibration(self.quantizer)
         if self.calib is not None and not self.scale_search:
-            raise UsageError("--calib weights the scale search: it cannot go with --no-scale-search "
-                             "(--quantizer rtn)")
+            raise UsageError(f"weights the scale search, which quantizer {PLAIN_RTN} does not make", field="calib")
+
+    @property
+    def scale_search(self) -> bool:
+        """Whether the scales are searched (every quantizer but plain RTN), for the report."""
+        return self.quantizer != PLAIN_RTN
+
+    @property
+    def rounding(self) -> str:
+        """How codes are chosen, for the report: "gptq" or "nearest"."""
+        return "gptq" if self.quantizer == GPTQ else "nearest"
 
 
 class MtpInt4Builder(OverlayBuilder):
     """The MTP draft head's routed experts as INT4 pack-quantized tensors."""
 
-    kinds = ("mtp-int4",)
+    kinds = (OverlayKind("mtp-int4", card_tags=("int4", "w4a16", "compressed-tensors", "mtp", "speculative-decoding"),
+                         draft_method="mtp"),)
     tool = "make-mtp-int4"
     headroom = 16 << 20
 
@@ -122,8 +115,7 @@ class MtpInt4Builder(OverlayBuilder):
         self.quantizer = get_quantizer(options.quantizer, positive_scales=options.positive_scales,
                                        calibrated=calibrated)
         if self.quantizer.uses_gram and not calibrated:
-            raise UsageError(f"--quantizer {options.quantizer} chooses codes against calibration activations: "
-                             "give --calib FILE")
+            raise needs_calibration(options.quantizer)
         self.errors = ErrorReport(options.quantizer, options.positive_scales, options.compare_absmax, gs)
         self.bytes_read = 0
         self.routed = {}
@@ -134,11 +126,7 @@ class MtpInt4Builder(OverlayBuilder):
             self.calib_sha256 = sha256_file(options.calib)
 
     def inputs(self) -> dict[str, Path]:
-        return {"--calib": Path(self.options.calib)} if self.options.calib is not None else {}
-
-    @property
-    def kind(self) -> str:
-        return "mtp-int4"
+        return {"the calibration file": Path(self.options.calib)} if self.options.calib is not None else {}
 
     def plan(self) -> dict[str, list[TensorSpec]]:
         """The replaced shards: their other tensors in file order, then the new expert tensors."""

@@ -33,8 +33,8 @@ def routed_statistics(snap: Snapshot, layers: list[DraftLayerExperts], path: Pat
     top_k = get_int(tc, "num_experts_per_tok", where, minimum=1)
     experts = layers[0].num_experts
     if top_k > experts:
-        raise FlashnextError(f"{where}: num_experts_per_tok {top_k} is more than num_experts {experts}; "
-                             "--calib routes each token as the model does, to that many distinct experts")
+        raise FlashnextError(f"routes each token as the model does, to num_experts_per_tok distinct experts: "
+                             f"{where}: num_experts_per_tok {top_k} is more than num_experts {experts}", field="calib")
     calib = load_calibration(path, get_int(tc, "hidden_size", where, minimum=1))
     renormalize = bool(tc.get("norm_topk_prob", True))
     return {layer.prefix: RoutedStatistics(calib, load_router(snap, layer), top_k, renormalize, min_tokens,

@@ -197,7 +197,7 @@ def load_router(snap: Snapshot, layer: DraftLayerExperts) -> torch.Tensor:
     import torch
 
     if layer.router not in snap.weight_map:
-        raise FlashnextError(f"--calib needs the MTP router {layer.router}, which the snapshot does not have")
+        raise FlashnextError(f"needs the MTP router {layer.router}, which the snapshot does not have", field="calib")
     file, entry = snap.entry(layer.router)
     router = read_rows(file, entry, 0, entry.shape[0]).to(torch.float32)
     if tuple(router.shape) != (layer.num_experts, layer.hidden):

@@ -294,8 +294,8 @@ def test_already_quantized_experts_are_refused(tmp_path, demo_snapshot, demo_ove
 
 def test_not_enough_disk_space(demo_snapshot, tmp_path, monkeypatch):
     # The OS's answer is replaced: a nearly full filesystem cannot be made here without root mounts.
-    real = fsutil.shutil.disk_usage
-    monkeypatch.setattr(fsutil.shutil, "disk_usage",
+    real = fsutil.space.shutil.disk_usage
+    monkeypatch.setattr(fsutil.space.shutil, "disk_usage",
                         lambda p: real(p)._replace(free=1 << 20))
     with pytest.raises(FlashnextError, match="not enough disk space"):
         make_mtp_int4(demo_snapshot, tmp_path / "ov", progress=False)

@@ -162,8 +162,9 @@ def test_the_refusal_is_about_bit_planes_only(demo_snapshot, tmp_path):
     # widening to INT8 serves through stock vLLM's own 8-bit kernel: no bit-plane slowdown to refuse
     report = repack_int6(demo_snapshot, tmp_path / "i8", REACHES_ATTENTION, "int8")
     assert set(report["modules"]) == {SHARED, ATTENTION}
-    with pytest.raises(FlashnextError, match="--force-slower"):
+    with pytest.raises(FlashnextError, match="force_slower repacks them anyway") as refused:
         repack_int6(demo_snapshot, tmp_path / "bp", REACHES_ATTENTION)
+    assert refused.value.field == "force_slower"
 
 
 def test_the_refusal_agrees_with_what_the_default_repacks(demo_snapshot):

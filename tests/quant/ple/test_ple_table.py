@@ -177,8 +177,8 @@ def test_existing_target_of_the_wrong_size(demo_snapshot, tmp_path):
 
 
 def test_not_enough_disk_space(demo_snapshot, tmp_path, monkeypatch):
-    real = fsutil.shutil.disk_usage
-    monkeypatch.setattr(fsutil.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    real = fsutil.space.shutil.disk_usage
+    monkeypatch.setattr(fsutil.space.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     with pytest.raises(FlashnextError, match="not enough disk space"):
         build_table(demo_snapshot, tmp_path / "ple.bin", progress=False)
     assert list(tmp_path.iterdir()) == []

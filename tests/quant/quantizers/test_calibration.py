@@ -166,7 +166,7 @@ def test_calibrated_overlay_has_lower_output_error_on_held_out_tokens(demo_snaps
     save_file({"hidden_states": _activations(8192, seed=0).to(torch.bfloat16)}, str(calib))
     weight_only = make_mtp_int4(demo_snapshot, tmp_path / "weight-only", progress=False)
     calibrated = make_mtp_int4(demo_snapshot, tmp_path / "calibrated", MtpInt4Options(calib=calib), progress=False)
-    gptq = make_mtp_int4(demo_snapshot, tmp_path / "gptq", MtpInt4Options(calib=calib, rounding="gptq"),
+    gptq = make_mtp_int4(demo_snapshot, tmp_path / "gptq", MtpInt4Options(calib=calib, quantizer="gptq"),
                          progress=False)
     assert gptq["mode"] == "calibrated, GPTQ rounding" and gptq["rounding"] == "gptq"
     assert weight_only["mode"] == "weight-only" and weight_only["calibration"] is None
@@ -205,10 +205,10 @@ def test_cli_calib_errors_are_one_line_and_write_nothing(demo_snapshot, tmp_path
     assert not (tmp_path / "o").exists()
     both = CliRunner().invoke(make_mtp_int4_cli, ["--src", str(demo_snapshot), "--out", str(tmp_path / "o"),
                                                   "--calib", str(bad), "--no-scale-search", "--no-progress"])
-    assert both.exit_code == 2 and "--no-scale-search" in both.output  # a usage error
+    assert both.exit_code == 2 and "--calib weights the scale search" in both.output  # a usage error
     no_calib = CliRunner().invoke(make_mtp_int4_cli, ["--src", str(demo_snapshot), "--out", str(tmp_path / "o"),
                                                       "--rounding", "gptq", "--no-progress"])
-    assert no_calib.exit_code == 2 and "give --calib FILE" in no_calib.output
+    assert no_calib.exit_code == 2 and "--calib is needed by quantizer gptq" in no_calib.output
     assert not (tmp_path / "o").exists()
 
 

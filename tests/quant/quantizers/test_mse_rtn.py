@@ -86,9 +86,9 @@ def test_the_registry_names_each_quantizer(demo_snapshot, tmp_path):
     w = torch.randn(8, 256)
     assert torch.equal(get_quantizer("rtn").quantize(w, 4, 128, torch.bfloat16).codes,
                        quantize_absmax_rtn(w, 4, 128, torch.bfloat16).codes)
-    for scale_search, name, phrase in ((True, "mse", "MSE-searched"), (False, "rtn", "absmax scales")):
+    for name, phrase in (("mse", "MSE-searched"), ("rtn", "absmax scales")):
         out = tmp_path / name
-        report = make_mtp_int4(demo_snapshot, out, MtpInt4Options(scale_search=scale_search), progress=False)
+        report = make_mtp_int4(demo_snapshot, out, MtpInt4Options(quantizer=name), progress=False)
         assert report["quantizer"] == name
         card = render_model_card(OverlayManifest.load(out), "me/x")
         assert phrase in card and ("MSE-searched" not in card if name == "rtn" else True)

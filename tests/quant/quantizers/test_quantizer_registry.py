@@ -41,7 +41,7 @@ def test_listing_and_refusing_quantizers_imports_no_torch():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     refusal, listing = done.stdout.strip().splitlines()
-    assert refusal == "UsageError --quantizer 'nope': no such quantizer; available: gptq, mse, rtn"
+    assert refusal == "UsageError quantizer 'nope': no such quantizer; available: gptq, mse, rtn"
     assert listing == "['gptq', 'mse', 'rtn'] False False"
 
 
@@ -59,8 +59,9 @@ def test_gptq_is_the_calibrated_search_then_gptq_codes():
     codes = gptq_codes(w.view(b, rows, cols), gram, scales.scale.view(b, rows, -1), 128)
     assert torch.equal(q.codes, codes.view(b * rows, cols))
     assert not torch.equal(q.codes, scales.codes)  # the rounding did change codes
-    with pytest.raises(FlashnextError, match="give --calib FILE"):
+    with pytest.raises(FlashnextError, match="calibration activations") as needs:
         base.get_quantizer("gptq").quantize(w, 4, 128, torch.bfloat16)
+    assert needs.value.field == "calib"
     with pytest.raises(FlashnextError, match="does not fit"):
         base.get_quantizer("gptq").quantize(w, 4, 128, torch.bfloat16, gram=gram[:, :128, :128])
 
@@ -95,13 +96,17 @@ def test_the_extending_recipe_gives_a_quantizer_make_mtp_int4_can_choose(demo_sn
 def test_quantizer_and_the_older_flags_agree_or_are_refused(demo_snapshot, tmp_path):
     from flashnext.quant.overlays.mtp_int4 import MtpInt4Options
 
-    assert MtpInt4Options(scale_search=False).quantizer == "rtn"
     assert MtpInt4Options(quantizer="rtn").scale_search is False
-    assert MtpInt4Options(calib=tmp_path / "c", rounding="gptq").quantizer == "gptq"
     assert MtpInt4Options(quantizer="gptq", calib=tmp_path / "c").rounding == "gptq"
     assert MtpInt4Options().quantizer == "mse"
-    for argv, message in ((["--quantizer", "mse", "--no-scale-search"], "cannot go with --no-scale-search"),
-                          (["--quantizer", "gptq"], "give --calib FILE"),
+    for argv, message in ((["--quantizer", "mse", "--no-scale-search"],
+                           "Error: --quantizer mse and --no-scale-search choose different quantizers"),
+                          (["--no-scale-search", "--rounding", "gptq"],
+                           "Error: --no-scale-search and --rounding gptq choose different quantizers"),
+                          (["--quantizer", "gptq", "--rounding", "nearest"],
+                           "Error: --quantizer gptq and --rounding nearest choose different quantizers"),
+                          (["--quantizer", "gptq"], "Error: --calib is needed by quantizer gptq"),
+                          (["--rounding", "gptq"], "Error: --calib is needed by quantizer gptq"),
                           (["--quantizer", "nope"], "'nope' is not one of")):
         done = CliRunner().invoke(make_mtp_int4_cli, ["--src", str(demo_snapshot), "--out", str(tmp_path / "o"),
                                                       "--no-progress", *argv])

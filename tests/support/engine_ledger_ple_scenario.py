@@ -1,0 +1,210 @@
+"""Start and serve vLLM 0.34.0's own Model Runner V2 for the demo checkpoint on the CPU with the
+patched tree and its PLE table served from the file ``flashnext ple build`` writes (patches
+ple-mmap, decode-06, ttft-01: ``VLLM_PLE_MMAP_PATH``), recording what flashnext's code allocates
+at each step (support/allocations.py); prints JSON. Run by tests/serving/test_engine_ledger.py:
+``python engine_ledger_ple_scenario.py SNAPSHOT PORT MAX_NUM_BATCHED_TOKENS MAX_NUM_SEQS``.
+
+Start-up, vLLM's own code in the engine's order: the model vLLM's registry resolves built by
+``initialize_model`` and its PLE tensors loaded by its ``load_weights``, then ``GPUModelRunner``
+made and handed it (``load_model``: the model state, flashnext's); vLLM's profile run
+(``GPUModelRunner.profile_run``: ``_dummy_run`` of MAX_NUM_BATCHED_TOKENS through
+``execute_model``, whose model state's ``prepare_inputs`` stages the dummy batch's PLE rows, then
+the dummy sampler run); the KV cache planned as the engine core plans it and
+``GPUModelRunner.initialize_kv_cache``. Serving: vLLM's ``Scheduler`` (prefix caching, chunked
+prefill, mamba "align" mode) over three requests, a long prompt in MAX_NUM_BATCHED_TOKENS chunks
+and decodes beside it; each step runs ``execute_model``'s own bookkeeping and input preparation and
+the model state's ``prepare_inputs`` (where ple-mmap hashes the step's row ids, advises their
+pages and stages the rows), then the PLE layer's forward on what it prepared.
+
+Stood in for, as in ple_model_state_scenario.py, because they cannot run here: CUDA streams,
+events and ``torch.accelerator.synchronize`` (objects and calls that do nothing); UVA buffers (vLLM's explicit-copy fallback); the model's
+forward, of which only the PLE layer runs (every other weight of the demo is INT4/INT6 with no CPU
+kernel and its QSA indexer and MoE kernels are CUDA-only: the quantization config is dropped and
+only the PLE tensors are loaded) and which returns zeros for the rest; the sampler (each request
+samples token 7 + the step); the KV memory, 64 MiB. The requests are text only.
+"""
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import vllm.v1.worker.gpu.buffer_utils as buffer_utils
+
+buffer_utils.is_uva_available = lambda: False  # pinning needs the CUDA driver this machine lacks
+
+
+class NoCuda:  # CUDA streams and events: the CUDA runtime is what this machine lacks
+    def __init__(self, *args, **kwargs): pass
+    def synchronize(self): pass
+    def record(self, *args, **kwargs): pass
+    def wait_stream(self, stream): pass
+    def wait_event(self, event): pass
+    def __enter__(self): return self
+    def __exit__(self, *exc): return False
+
+
+torch.cuda.Stream = torch.cuda.Event = NoCuda
+torch.cuda.current_stream = lambda device=None: NoCuda()
+torch.cuda.stream = lambda stream: NoCuda()
+torch.accelerator.synchronize = lambda device=None: None
+
+from vllm.config import CacheConfig  # noqa: E402
+
+import flashnext.quant  # noqa: E402
+import flashnext.serving  # noqa: E402
+from support import SUPPORT_DIR  # noqa: E402
+from support.allocations import Allocations  # noqa: E402
+from support.vllm_demo import demo_vllm, read_tensors  # noqa: E402
+
+snapshot, port = sys.argv[1], sys.argv[2]
+batched_tokens, max_seqs = int(sys.argv[3]), int(sys.argv[4])
+CPU = torch.device("cpu")
+LONG_PROMPT = 1_300  # tokens: three chunks of the step budget
+
+
+def drop_quantization(config):
+    config.__dict__.pop("quantization_config", None)
+    return config
+
+
+code = [Path(package.__file__).resolve().parent for package in (flashnext.serving, flashnext.quant)]
+recorder = Allocations(code, code[0].parent, stand_ins=(SUPPORT_DIR,))
+steps = []
+out = {"steps": steps}
+
+
+@contextmanager
+def recorded(name: str, phase: str):
+    with recorder.step(name) as step:
+        yield
+    steps.append({**step.to_json(), "phase": phase})
+
+
+with demo_vllm(snapshot, port, drop_quantization, CacheConfig(mamba_cache_mode="align", enable_prefix_caching=True),
+               text_only=True, scheduler={"max_num_seqs": max_seqs, "max_num_batched_tokens": batched_tokens}) \
+        as (config, qsa), recorder:
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+    from vllm.platforms.interface import Platform
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get_request_block_hasher,
+                                             init_none_hash, resolve_cache_hit_alignment_tokens,
+                                             resolve_kv_cache_block_sizes)
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+    from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    with recorded("load", "start-up"):
+        model = initialize_model(vllm_config=config)
+        model.load_weights(iter(read_tensors(snapshot, lambda n: ".ple.ple_embedding." in n).items()))
+        for module in model.modules():
+            # The CPU's packed bf16 GEMM needs vllm._C, which this CUDA build of vLLM cannot load
+            # without libcuda; vLLM's own flag for a layer that skips it gives torch's F.linear.
+            module._cpu_skip_gemm_dispatch = True
+            if isinstance(module, RoutedExperts):  # no CPU MoE kernel in this build: nothing to prepare
+                module.quant_method.process_weights_after_loading = lambda layer: None
+        process_weights_after_loading(model, config.model_config, CPU)  # as vLLM's loader ends the load
+        runner = GPUModelRunner(config, CPU)
+        runner.load_model(model=model)
+    state = runner.model_state
+    ple = next(m for m in model.modules() if isinstance(m, Qwen4ExpNGramEmbedding))
+    out["backend"] = type(ple.ngram_embedding).__name__
+    staged = ple.ngram_embedding.staged_rows
+    out["staged_rows_bytes"] = staged.numel() * staged.element_size()
+    hidden_size = config.model_config.hf_text_config.hidden_size
+
+    def forward(input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **inputs):
+        """The model's forward, stood in for: its PLE layer on what the model state prepared."""
+        with torch.no_grad():
+            ple(None, input_ids, inputs["query_start_loc"], inputs["ngram_context"])
+        return torch.zeros(positions.shape[-1], hidden_size, dtype=torch.bfloat16)
+
+    model.forward = forward
+    model.__class__.__call__ = lambda self, *args, **kwargs: self.forward(*args, **kwargs)
+    with recorded("profile run", "start-up"):
+        runner.profile_run()
+    staging = ple.ngram_embedding._staging
+    out["host_staging_bytes"] = staging.numel() * staging.element_size() if staging is not None else 0
+
+    # EngineCore._initialize_kv_caches: the plan, the block sizes, the runner's KV cache
+    with recorded("KV cache", "start-up"):
+        Platform._align_hybrid_block_size(config, qsa.Qwen4ExpQSABackend)
+        register_all_kvcache_specs(config)
+        specs = get_kv_cache_spec(config)
+        layouts = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))]
+        config.cache_config.kv_cache_layout = resolve_kv_cache_layout(config, [layouts], list(specs.values())).name
+        (kv_config,) = get_kv_cache_configs(config, [specs], [64 << 20], get_global_kv_cache_groups(config, [specs]))
+        scheduler_kv_config = generate_scheduler_kv_cache_config([kv_config])
+        config.cache_config.num_gpu_blocks = scheduler_kv_config.num_blocks
+        config.cache_config.block_size = min(g.kv_cache_spec.block_size for g in scheduler_kv_config.kv_cache_groups
+                                             if g.kv_cache_spec.prefix_cacheable)
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_kv_config, config)
+        alignment = resolve_cache_hit_alignment_tokens(scheduler_kv_config, config, block_size, hash_block_size)
+        for c in (kv_config, scheduler_kv_config):
+            c.hash_block_size, c.cache_hit_alignment_tokens = hash_block_size, alignment
+        runner.initialize_kv_cache(kv_config)
+        runner._init_kv_zero_meta()  # as the worker does after initialize_kv_cache
+    scheduler = Scheduler(config, scheduler_kv_config, StructuredOutputManager(config), block_size=block_size,
+                          hash_block_size=hash_block_size)
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    block_hasher = get_request_block_hasher(hash_block_size, hash_fn, config.num_hash_lookahead_tokens)
+
+    vocab = config.model_config.hf_text_config.vocab_size
+    rng = np.random.default_rng(0)
+
+    def admit(req_id, length, max_tokens):
+        scheduler.add_request(Request(req_id, rng.integers(0, vocab, length).tolist(),
+                                      SamplingParams(max_tokens=max_tokens), None, block_hasher=block_hasher))
+
+    admit("a", 40, 8)
+    admit("b", 24, 8)
+    for step in range(8):
+        if step == 2:  # "a" and "b" decoding: a long prompt arrives, prefilled in chunks beside them
+            admit("long", LONG_PROMPT, 2)
+        so = scheduler.schedule()
+        name = " ".join(f"{r}+{n}" for r, n in sorted(so.num_scheduled_tokens.items()))
+        with recorded(f"step {step}: {name}", "serving"):
+            # GPUModelRunner.execute_model, up to the forward
+            runner.finish_requests(so)
+            runner.free_states(so)
+            runner.add_requests(so)
+            runner.update_requests(so)
+            runner.block_tables.apply_staged_writes()
+            batch_req_state, uniform = runner.gather_batch_req_state(so, False)
+            batch_desc, _ = dispatch_cg_and_sync_dp(
+                runner.cudagraph_manager, len(so.num_scheduled_tokens), batch_req_state.num_tokens, uniform,
+                runner.dp_size, runner.dp_rank, max_query_len=max(so.num_scheduled_tokens.values()),
+                need_eager=False, num_active_loras=0, parallel_config=runner.parallel_config,
+                allow_ubatching=False, uniform_decode=uniform == runner.decode_query_len,
+                allow_skip_drafts=so.skip_drafts)
+            batch = runner.prepare_inputs(so, batch_req_state, batch_desc, 0)
+            inputs = state.prepare_inputs(batch, runner.req_states)
+            forward(**{"input_ids": batch.input_ids, "positions": batch.positions, **inputs})  # as execute_model
+        steps[-1]["tokens"] = int(batch.num_tokens)
+        steps[-1]["decodes"] = int(sum(not p for p in batch.is_prefilling_np[:batch.num_reqs]))
+        # the sampler (stand-in): token 7 + the step, for every request whose prefill is done
+        num_reqs = batch.num_reqs
+        sampled = torch.tensor([[7 + step]] * num_reqs, dtype=torch.int64)
+        num_sampled, num_rejected = get_num_sampled_and_rejected(  # as vLLM's Sampler calls it
+            batch.seq_lens.new_ones(num_reqs), batch.seq_lens, batch.cu_num_logits, batch.idx_mapping,
+            runner.req_states.prefill_len.gpu)
+        runner.postprocess_sampled(batch.idx_mapping, sampled, num_sampled, num_rejected, batch.query_start_loc)
+        tokens = [[7 + step] if n else [] for n in num_sampled.tolist()]
+        scheduler.update_from_output(so, ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=tokens))
+    out["staging_kept"] = ple.ngram_embedding._staging is staging
+print(json.dumps(out))
