@@ -240,9 +240,10 @@ def load_profile(name: str, directory: Path = PROFILE_DIR, grants: Collection[st
     """Load ``serving/profiles/NAME.json``, or the profile file ``name`` names (:func:`is_profile_file`):
     at most :data:`MAX_PROFILE_BYTES`, strict JSON, a regular file, every key known, of its type and
     in its range, its ``name`` its file's name; no capability beyond
-    :data:`CAPABILITIES_WITHOUT_GRANT` unless ``grants`` (serve's ``--grant``) names it; and, where
-    vLLM's supported release is installed, ``vllm_args`` read by vLLM's own parser in the command
-    line flashnext runs. Anything else is one line naming the file and the key."""
+    :data:`CAPABILITIES_WITHOUT_GRANT` unless ``grants`` (serve's ``--grant``) names it; and, for a
+    profile that is not flashnext's own, where vLLM's supported release is installed, ``vllm_args``
+    read by vLLM's own parser in the command line flashnext runs. Anything else is one line naming
+    the file and the key."""
     profile = _read_profile(name, directory)
     ungranted = [cap for cap in capabilities_to_grant(profile) if cap not in grants]
     if ungranted:
@@ -250,8 +251,16 @@ def load_profile(name: str, directory: Path = PROFILE_DIR, grants: Collection[st
             f"{profile.path}: container.cap_add asks for {', '.join(ungranted)}, which a profile gets only when "
             f"serve is told to grant it ({' '.join(f'--grant {cap}' for cap in ungranted)}); unasked it gets "
             f"{', '.join(sorted(CAPABILITIES_WITHOUT_GRANT))}")
-    _parse_with_vllm(profile)
+    if not shipped(profile):
+        _parse_with_vllm(profile)
     return profile
+
+
+def shipped(profile: Profile) -> bool:
+    """Whether ``profile`` is one flashnext ships. Their vllm_args are read by the supported vLLM's
+    parser in the test suite (tests/serving/test_profiles.py), not at every load: building that
+    parser imports vLLM, seconds that `serve --dry-run` and `doctor` would otherwise pay each run."""
+    return profile.path.resolve().parent == PROFILE_DIR
 
 
 def _read_profile(name: str, directory: Path = PROFILE_DIR) -> Profile:

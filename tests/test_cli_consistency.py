@@ -88,12 +88,23 @@ def test_dash_h_is_help_on_every_command_and_group(script):
 
 
 def test_an_unknown_option_is_a_usage_error_everywhere():
+    """One line, as every refusal: click's usage block and hint become the line's pointer to --help."""
     wrong = []
     for script, path in EVERY_COMMAND:
         done = CliRunner().invoke(ROOTS[script], [*path, "--no-such-option"], prog_name=script)
-        if done.exit_code != 2 or "No such option" not in done.output:
-            wrong.append(f"{_id((script, path))}: exit {done.exit_code}")
+        lines = done.output.strip().splitlines()
+        help_hint = f"(see `{' '.join((script, *path))} --help`)"
+        if done.exit_code != 2 or len(lines) != 1 or "No such option" not in lines[0] or help_hint not in lines[0]:
+            wrong.append(f"{_id((script, path))}: exit {done.exit_code}: {done.output!r}")
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("argv", [["no-such-command"], ["plan", "--kv-cache-memory-bytes"], ["doctor"],
+                                  ["ple", "ids", "--tokens"]], ids=" ".join)
+def test_a_line_click_cannot_parse_is_one_line(argv):
+    done = CliRunner().invoke(flashnext, argv, prog_name="flashnext")
+    lines = done.output.strip().splitlines()
+    assert done.exit_code == 2 and len(lines) == 1 and lines[0].startswith("Error: "), done.output
 
 
 def test_every_command_and_option_says_what_it_is():

@@ -21,6 +21,41 @@ from flashnext.errors import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
 
+@contextlib.contextmanager
+def _one_line_usage():
+    """A usage error click finds while it parses a line (an unknown option, a missing value, no such
+    command) as one line: click prints a usage block and a hint above the error where the error
+    carries its context, so the context becomes the line's pointer to --help instead."""
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:  # a group run bare: its help is the answer
+        raise
+    except click.UsageError as e:
+        if e.ctx is None:
+            raise
+        raise click.UsageError(f"{e.format_message()} (see `{e.ctx.command_path} --help`)") from None
+
+
+class _OneLineUsage:
+    """For each root (the classes below): a usage error anywhere under it is one line, exit 2."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with _one_line_usage():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        with _one_line_usage():
+            return super().invoke(ctx)
+
+
+class RootCommand(_OneLineUsage, click.Command):
+    """A command that is also a console script of its own (make-mtp-int4)."""
+
+
+class RootGroup(_OneLineUsage, click.Group):
+    """A group that is a console script (flashnext, serve)."""
+
+
 def begin_preflight(profile: str, engine: str) -> None:
     """The preflight's first line, said before the profile is resolved (its vllm_args go through
     vLLM's own parser, which imports vLLM: seconds)."""

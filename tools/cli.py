@@ -7,10 +7,10 @@ import click
 from flashnext import __version__
 from flashnext.tools import bench, demo_checkpoint, doctor, make_mtp_int4, overlay, patches, plan, ple, repack_int6, serve
 from flashnext.tools import selftest
-from flashnext.tools._common import CONTEXT_SETTINGS
+from flashnext.tools._common import CONTEXT_SETTINGS, RootGroup
 
 
-@click.group(context_settings=CONTEXT_SETTINGS)
+@click.group(cls=RootGroup, context_settings=CONTEXT_SETTINGS)
 @click.version_option(__version__, prog_name="flashnext")
 def main() -> None:
     """Checkpoint overlays and serving for Qwen3.8-Flash-Next on small rigs."""

@@ -10,7 +10,7 @@ import click
 from flashnext.errors import FlashnextError, UsageError
 from flashnext.quant.quantizers.base import SUPPORTED_GROUP_SIZES, available_quantizers
 from flashnext.sizes import format_size
-from flashnext.tools._common import CONTEXT_SETTINGS, begin, emit_json, json_option, user_errors
+from flashnext.tools._common import CONTEXT_SETTINGS, RootCommand, begin, emit_json, json_option, user_errors
 
 
 class RegisteredQuantizer(click.Choice):
@@ -25,7 +25,7 @@ class RegisteredQuantizer(click.Choice):
         return tuple(available_quantizers())
 
 
-@click.command("make-mtp-int4", context_settings=CONTEXT_SETTINGS)
+@click.command("make-mtp-int4", cls=RootCommand, context_settings=CONTEXT_SETTINGS)
 @click.option("--src", type=click.Path(path_type=Path), required=True,
               help="The downloaded snapshot (config.json, model.safetensors.index.json, shards). Never modified.")
 @click.option("--out", type=click.Path(path_type=Path), required=True,

@@ -11,7 +11,7 @@ from flashnext.errors import UsageError
 from flashnext.serving.run import (compose_command, compose_engine, engine_found, exec_native, find_compose,
                                    native_command, recorded_compose_file, refuse_missing_inputs, require_ple_table,
                                    run_command, serve_compose, summary_line)
-from flashnext.tools._common import CONTEXT_SETTINGS, begin, begin_preflight, preflight_report, user_errors
+from flashnext.tools._common import CONTEXT_SETTINGS, RootGroup, begin, begin_preflight, preflight_report, user_errors
 
 ENGINES = ("docker", "podman", "native")
 
@@ -41,7 +41,7 @@ def _native(deployment, listen: str, dry_run: bool) -> None:
     exec_native(cmd, env)
 
 
-@click.group("serve", invoke_without_command=True, context_settings=CONTEXT_SETTINGS)
+@click.group("serve", cls=RootGroup, invoke_without_command=True, context_settings=CONTEXT_SETTINGS)
 @click.option("--profile", help="Serving profile: a name (serving/profiles/NAME.json) or a profile file "
                                 "(`flashnext plan --write-profile`'s).")
 @click.option("--model", type=click.Path(path_type=Path), help="The base model snapshot.")

@@ -39,7 +39,7 @@ import torch
 
 from flashnext.errors import FlashnextError
 from flashnext.progress import Progress
-from flashnext.quant.checkpoint.snapshot import Snapshot
+from flashnext.quant.checkpoint.snapshot import Snapshot, text_config_of
 from flashnext.quant.formats import float_rows
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, read_rows
 from flashnext.quant.overlays.builder import OverlayBuilder, OverlayKind
@@ -341,8 +341,7 @@ class PleQuantize(OverlayBuilder):
 
     def new_config(self) -> dict:
         config = copy.deepcopy(self.snap.config)
-        text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-        text["ple_embedding_dtype"] = float_rows.FORMATS[self.fmt]
+        text_config_of(config)["ple_embedding_dtype"] = float_rows.FORMATS[self.fmt]
         return config
 
     def report(self) -> dict:
@@ -383,9 +382,7 @@ def served_ple_format(model, overlays=()) -> str | None:
     where = next((Path(o) for o in reversed(overlays) if (Path(o) / CONFIG_FILE).is_file()), Path(model))
     if not (where / CONFIG_FILE).is_file():
         return None
-    config = read_config(where / CONFIG_FILE)
-    text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-    return text.get("ple_embedding_dtype")
+    return text_config_of(read_config(where / CONFIG_FILE)).get("ple_embedding_dtype")
 
 
 def quantized_table_allocations(model, overlays=()) -> list[int]:

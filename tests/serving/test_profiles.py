@@ -53,6 +53,25 @@ def test_every_shipped_profile_passes_the_boundary_without_a_grant(name):
     assert len((ROOT / "serving" / "profiles" / f"{name}.json").read_bytes()) * 10 < profiles.MAX_PROFILE_BYTES
 
 
+@pytest.mark.skipif(not VLLM_RELEASE_HERE, reason="vLLM 0.34.0 is installed by .ci/run")
+@pytest.mark.parametrize("name", available())
+def test_every_shipped_profile_passes_vllms_own_parser(name):
+    """What load_profile leaves out for flashnext's own profiles (profiles.shipped), checked here."""
+    profile = load_profile(name)
+    assert profiles.shipped(profile)
+    profiles._parse_with_vllm(profile)
+
+
+def test_a_profile_file_is_read_by_vllms_parser_and_a_shipped_one_is_not(tmp_path, monkeypatch):
+    parsed = []
+    monkeypatch.setattr(profiles, "_parse_with_vllm", parsed.append)
+    load_profile("3x3090")
+    assert parsed == []
+    copy = profile_file(tmp_path, name="3x3090")
+    assert not profiles.shipped(load_profile(str(copy)))
+    assert [p.path for p in parsed] == [copy]
+
+
 @pytest.mark.parametrize("given", ["SYS_ADMIN", "CAP_SYS_ADMIN", "sys_admin", "cap_sys_admin"])
 def test_a_grant_is_named_as_docker_names_the_capability(given):
     assert capability(given) == "SYS_ADMIN"
@@ -180,7 +199,7 @@ def rules_table() -> str:
         ("`vllm_args`", "no NUL or line break, no `--`; not "
          f"{', '.join(f'`{o}`' for o in (*p.FLASHNEXT_OPTIONS, *p.ARGUMENTS_FILE_OPTIONS))}, however spelled "
          f"(a prefix, `_` for `-`, `--opt.key`); with vLLM {VLLM_VERSION} installed, accepted by its `vllm serve` "
-         "parser with flashnext's own options after them"),
+         "parser with flashnext's own options after them (a profile file at each load, flashnext's own in the tests)"),
     ]
     lines = ["| key | rule |", "|---|---|", *(f"| {key} | {rule} |" for key, rule in rows)]
     return "\n".join(lines)
