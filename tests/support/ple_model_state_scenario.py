@@ -55,7 +55,8 @@ torch.cuda.stream = lambda stream: NoCuda()
 from vllm.config import CacheConfig  # noqa: E402
 
 from flashnext.errors import FlashnextError  # noqa: E402
-from support.vllm_demo import demo_vllm, read_tensors  # noqa: E402
+from support.vllm_demo import (demo_vllm, initialize_runner_kv_cache, prefix_caching_scheduler,  # noqa: E402
+                               read_tensors)
 
 snapshot, port = sys.argv[1], sys.argv[2]
 CPU = torch.device("cpu")
@@ -72,24 +73,12 @@ def digest(t: torch.Tensor) -> str:
 
 out = {"steps": []}
 with demo_vllm(snapshot, port, drop_quantization,
-               CacheConfig(mamba_cache_mode="align", enable_prefix_caching=True), text_only=True) as (config, qsa):
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+               CacheConfig(mamba_cache_mode="align", enable_prefix_caching=True), text_only=True) as (config, _):
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
-    from vllm.platforms.interface import Platform
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get_request_block_hasher,
-                                             init_none_hash, resolve_cache_hit_alignment_tokens,
-                                             resolve_kv_cache_block_sizes)
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
     from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
@@ -113,27 +102,8 @@ with demo_vllm(snapshot, port, drop_quantization,
     out["backend"] = type(ple.ngram_embedding).__name__
 
     # EngineCore._initialize_kv_caches: the plan, the block sizes, the runner's KV cache
-    Platform._align_hybrid_block_size(config, qsa.Qwen4ExpQSABackend)
-    register_all_kvcache_specs(config)
-    specs = get_kv_cache_spec(config)
-    layouts = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))]
-    config.cache_config.kv_cache_layout = resolve_kv_cache_layout(config, [layouts], list(specs.values())).name
-    (kv_config,) = get_kv_cache_configs(config, [specs], [64 << 20], get_global_kv_cache_groups(config, [specs]))
-    scheduler_kv_config = generate_scheduler_kv_cache_config([kv_config])
-    config.cache_config.num_gpu_blocks = scheduler_kv_config.num_blocks
-    config.cache_config.block_size = min(g.kv_cache_spec.block_size for g in scheduler_kv_config.kv_cache_groups
-                                         if g.kv_cache_spec.prefix_cacheable)
-    block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_kv_config, config)
-    alignment = resolve_cache_hit_alignment_tokens(scheduler_kv_config, config, block_size, hash_block_size)
-    for c in (kv_config, scheduler_kv_config):
-        c.hash_block_size, c.cache_hit_alignment_tokens = hash_block_size, alignment
-    runner.initialize_kv_cache(kv_config)
-    runner._init_kv_zero_meta()  # as the worker does after initialize_kv_cache
-    scheduler = Scheduler(config, scheduler_kv_config, StructuredOutputManager(config), block_size=block_size,
-                          hash_block_size=hash_block_size)
-    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    block_hasher = get_request_block_hasher(hash_block_size, hash_fn, config.num_hash_lookahead_tokens)
+    kv = initialize_runner_kv_cache(config, runner, 64 << 20)
+    scheduler, block_hasher = prefix_caching_scheduler(config, *kv)
 
     serving = getattr(state, "ple_file", None)
     copies = []  # the step's copies of the row ids from the device (PleFileServing.ngram_ids)

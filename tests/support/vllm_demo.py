@@ -154,6 +154,55 @@ def plan_kv_cache(config, kv_bytes: int):
     return specs, layout, configs[get_pp_group().rank_in_group]
 
 
+def initialize_runner_kv_cache(config, runner, kv_bytes: int):
+    """``EngineCore._initialize_kv_caches`` for one Model Runner V2 ``runner`` (PP=1): the plan, the
+    block sizes and their prefix-cache alignment, the runner's KV cache and its zero metadata, as
+    the engine core and the worker do. ``(the scheduler's KV cache config, block size, hash block size)``."""
+    import importlib
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, resolve_cache_hit_alignment_tokens,
+                                             resolve_kv_cache_block_sizes)
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+
+    qsa = importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa")
+    Platform._align_hybrid_block_size(config, qsa.Qwen4ExpQSABackend)
+    register_all_kvcache_specs(config)
+    specs = get_kv_cache_spec(config)
+    layouts = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))]
+    config.cache_config.kv_cache_layout = resolve_kv_cache_layout(config, [layouts], list(specs.values())).name
+    (kv_config,) = get_kv_cache_configs(config, [specs], [kv_bytes], get_global_kv_cache_groups(config, [specs]))
+    scheduler_kv_config = generate_scheduler_kv_cache_config([kv_config])
+    config.cache_config.num_gpu_blocks = scheduler_kv_config.num_blocks
+    config.cache_config.block_size = min(g.kv_cache_spec.block_size for g in scheduler_kv_config.kv_cache_groups
+                                         if g.kv_cache_spec.prefix_cacheable)
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_kv_config, config)
+    alignment = resolve_cache_hit_alignment_tokens(scheduler_kv_config, config, block_size, hash_block_size)
+    for c in (kv_config, scheduler_kv_config):
+        c.hash_block_size, c.cache_hit_alignment_tokens = hash_block_size, alignment
+    runner.initialize_kv_cache(kv_config)
+    runner._init_kv_zero_meta()  # as the worker does after initialize_kv_cache
+    return scheduler_kv_config, block_size, hash_block_size
+
+
+def prefix_caching_scheduler(config, scheduler_kv_config, block_size: int, hash_block_size: int):
+    """vLLM's own ``Scheduler`` over that KV cache, and the block hasher its requests are made with."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    scheduler = Scheduler(config, scheduler_kv_config, StructuredOutputManager(config), block_size=block_size,
+                          hash_block_size=hash_block_size)
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return scheduler, get_request_block_hasher(hash_block_size, hash_fn, config.num_hash_lookahead_tokens)
+
+
 def allocate_kv_cache(config, kv_config, layout):
     """Model Runner V2's ``GPUModelRunner.initialize_kv_cache`` on the CPU: the attention backends
     and metadata builders, the allocation and the binding to the layers, all vLLM's own. Returns
