@@ -33,23 +33,10 @@ import torch
 
 import vllm.v1.worker.gpu.buffer_utils as buffer_utils
 
+import support.no_cuda
+
 buffer_utils.is_uva_available = lambda: False  # pinning needs the CUDA driver this machine lacks
-
-
-class NoCuda:  # CUDA streams and events: the CUDA runtime is what this machine lacks
-    def __init__(self, *args, **kwargs): pass
-    def synchronize(self): pass
-    def record(self, *args, **kwargs): pass
-    def wait_stream(self, stream): pass
-    def wait_event(self, event): pass
-    def __enter__(self): return self
-    def __exit__(self, *exc): return False
-
-
-torch.cuda.Stream = torch.cuda.Event = NoCuda
-torch.cuda.current_stream = lambda device=None: NoCuda()
-torch.cuda.stream = lambda stream: NoCuda()
-torch.accelerator.synchronize = lambda device=None: None
+support.no_cuda.install()
 
 from vllm.config import CacheConfig  # noqa: E402
 

@@ -34,17 +34,8 @@ MTP03_SCENARIO = textwrap.dedent('''
     from collections import deque
     import torch
 
-    class NoCuda:  # CUDA streams and events: the CUDA runtime is what this machine lacks
-        def __init__(self, *args, **kwargs): pass
-        def synchronize(self): pass
-        def record(self, *args, **kwargs): pass
-        def wait_stream(self, stream): pass
-        def __enter__(self): return self
-        def __exit__(self, *exc): return False
-    torch.cuda.Stream = torch.cuda.Event = NoCuda
-    torch.cuda.current_stream = lambda device=None: NoCuda()
-    torch.cuda.stream = lambda stream: NoCuda()
-    torch.Tensor.record_stream = lambda tensor, stream: None  # the D2H copy is synchronous here
+    import support.no_cuda
+    support.no_cuda.install()
 
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
