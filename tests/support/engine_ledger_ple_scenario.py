@@ -44,8 +44,8 @@ import flashnext.quant  # noqa: E402
 import flashnext.serving  # noqa: E402
 from support import SUPPORT_DIR  # noqa: E402
 from support.allocations import Allocations  # noqa: E402
-from support.vllm_demo import (demo_vllm, initialize_runner_kv_cache, prefix_caching_scheduler,  # noqa: E402
-                               read_tensors)
+from support.vllm_demo import (demo_vllm, execute_model_up_to_the_forward, initialize_runner_kv_cache,  # noqa: E402
+                               prefix_caching_scheduler, read_tensors, sample_stand_in)
 
 snapshot, port = sys.argv[1], sys.argv[2]
 batched_tokens, max_seqs = int(sys.argv[3]), int(sys.argv[4])
@@ -78,10 +78,7 @@ with demo_vllm(snapshot, port, drop_quantization, CacheConfig(mamba_cache_mode="
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
-    from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
-    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     with recorded("load", "start-up"):
@@ -136,32 +133,11 @@ with demo_vllm(snapshot, port, drop_quantization, CacheConfig(mamba_cache_mode="
         so = scheduler.schedule()
         name = " ".join(f"{r}+{n}" for r, n in sorted(so.num_scheduled_tokens.items()))
         with recorded(f"step {step}: {name}", "serving"):
-            # GPUModelRunner.execute_model, up to the forward
-            runner.finish_requests(so)
-            runner.free_states(so)
-            runner.add_requests(so)
-            runner.update_requests(so)
-            runner.block_tables.apply_staged_writes()
-            batch_req_state, uniform = runner.gather_batch_req_state(so, False)
-            batch_desc, _ = dispatch_cg_and_sync_dp(
-                runner.cudagraph_manager, len(so.num_scheduled_tokens), batch_req_state.num_tokens, uniform,
-                runner.dp_size, runner.dp_rank, max_query_len=max(so.num_scheduled_tokens.values()),
-                need_eager=False, num_active_loras=0, parallel_config=runner.parallel_config,
-                allow_ubatching=False, uniform_decode=uniform == runner.decode_query_len,
-                allow_skip_drafts=so.skip_drafts)
-            batch = runner.prepare_inputs(so, batch_req_state, batch_desc, 0)
+            batch = execute_model_up_to_the_forward(runner, so)  # GPUModelRunner.execute_model, to the forward
             inputs = state.prepare_inputs(batch, runner.req_states)
             forward(**{"input_ids": batch.input_ids, "positions": batch.positions, **inputs})  # as execute_model
         steps[-1]["tokens"] = int(batch.num_tokens)
         steps[-1]["decodes"] = int(sum(not p for p in batch.is_prefilling_np[:batch.num_reqs]))
-        # the sampler (stand-in): token 7 + the step, for every request whose prefill is done
-        num_reqs = batch.num_reqs
-        sampled = torch.tensor([[7 + step]] * num_reqs, dtype=torch.int64)
-        num_sampled, num_rejected = get_num_sampled_and_rejected(  # as vLLM's Sampler calls it
-            batch.seq_lens.new_ones(num_reqs), batch.seq_lens, batch.cu_num_logits, batch.idx_mapping,
-            runner.req_states.prefill_len.gpu)
-        runner.postprocess_sampled(batch.idx_mapping, sampled, num_sampled, num_rejected, batch.query_start_loc)
-        tokens = [[7 + step] if n else [] for n in num_sampled.tolist()]
-        scheduler.update_from_output(so, ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=tokens))
+        sample_stand_in(runner, scheduler, so, batch, 7 + step)  # the sampler (stand-in): token 7 + the step
     out["staging_kept"] = ple.ngram_embedding._staging is staging
 print(json.dumps(out))

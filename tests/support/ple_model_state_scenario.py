@@ -43,8 +43,8 @@ support.no_cuda.install()
 from vllm.config import CacheConfig  # noqa: E402
 
 from flashnext.errors import FlashnextError  # noqa: E402
-from support.vllm_demo import (demo_vllm, initialize_runner_kv_cache, prefix_caching_scheduler,  # noqa: E402
-                               read_tensors)
+from support.vllm_demo import (demo_vllm, execute_model_up_to_the_forward, initialize_runner_kv_cache,  # noqa: E402
+                               prefix_caching_scheduler, read_tensors, sample_stand_in)
 
 snapshot, port = sys.argv[1], sys.argv[2]
 CPU = torch.device("cpu")
@@ -65,10 +65,7 @@ with demo_vllm(snapshot, port, drop_quantization,
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
-    from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
-    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     config.scheduler_config.max_num_seqs = 4
@@ -137,20 +134,7 @@ with demo_vllm(snapshot, port, drop_quantization,
                   "new": {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs},
                   "finished": sorted(so.finished_req_ids)}
         del copies[:], advised[:], staged[:], prefetched[:]
-        # GPUModelRunner.execute_model, up to the forward
-        runner.finish_requests(so)
-        runner.free_states(so)
-        runner.add_requests(so)
-        runner.update_requests(so)
-        runner.block_tables.apply_staged_writes()
-        batch_req_state, uniform = runner.gather_batch_req_state(so, False)
-        batch_desc, _ = dispatch_cg_and_sync_dp(
-            runner.cudagraph_manager, len(so.num_scheduled_tokens), batch_req_state.num_tokens, uniform,
-            runner.dp_size, runner.dp_rank, max_query_len=max(so.num_scheduled_tokens.values()),
-            need_eager=False, num_active_loras=0, parallel_config=runner.parallel_config,
-            allow_ubatching=False, uniform_decode=uniform == runner.decode_query_len,
-            allow_skip_drafts=so.skip_drafts)
-        batch = runner.prepare_inputs(so, batch_req_state, batch_desc, 0)
+        batch = execute_model_up_to_the_forward(runner, so)  # GPUModelRunner.execute_model, to the forward
         inputs = state.prepare_inputs(batch, runner.req_states)
         # the forward, of which the PLE layer runs: the embeddings the model would add
         with torch.no_grad():
@@ -170,15 +154,7 @@ with demo_vllm(snapshot, port, drop_quantization,
                     prefill_rows.setdefault(req_id, []).append(rows)
             prefetcher.drain()
             record["prefetched_windows"] = len(prefetched)
-        # the sampler (stand-in): token 7 + the step, for every request whose prefill is done
-        num_reqs = batch.num_reqs
-        sampled = torch.tensor([[7 + step]] * num_reqs, dtype=torch.int64)
-        num_sampled, num_rejected = get_num_sampled_and_rejected(  # as vLLM's Sampler calls it
-            batch.seq_lens.new_ones(num_reqs), batch.seq_lens, batch.cu_num_logits, batch.idx_mapping,
-            runner.req_states.prefill_len.gpu)
-        runner.postprocess_sampled(batch.idx_mapping, sampled, num_sampled, num_rejected, batch.query_start_loc)
-        tokens = [[7 + step] if n else [] for n in num_sampled.tolist()]
-        scheduler.update_from_output(so, ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=tokens))
+        sample_stand_in(runner, scheduler, so, batch, 7 + step)  # the sampler (stand-in): token 7 + the step
         out["steps"].append(record)
 
     if serving is not None:

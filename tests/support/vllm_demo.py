@@ -203,6 +203,43 @@ def prefix_caching_scheduler(config, scheduler_kv_config, block_size: int, hash_
     return scheduler, get_request_block_hasher(hash_block_size, hash_fn, config.num_hash_lookahead_tokens)
 
 
+def execute_model_up_to_the_forward(runner, so):
+    """Model Runner V2's ``GPUModelRunner.execute_model`` for the scheduler's output ``so``, up to the
+    forward: requests finished, freed, added and updated, block tables written, the batch described
+    (eager) and prepared. Returns the prepared batch."""
+    from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
+
+    runner.finish_requests(so)
+    runner.free_states(so)
+    runner.add_requests(so)
+    runner.update_requests(so)
+    runner.block_tables.apply_staged_writes()
+    batch_req_state, uniform = runner.gather_batch_req_state(so, False)
+    batch_desc, _ = dispatch_cg_and_sync_dp(
+        runner.cudagraph_manager, len(so.num_scheduled_tokens), batch_req_state.num_tokens, uniform,
+        runner.dp_size, runner.dp_rank, max_query_len=max(so.num_scheduled_tokens.values()),
+        need_eager=False, num_active_loras=0, parallel_config=runner.parallel_config,
+        allow_ubatching=False, uniform_decode=uniform == runner.decode_query_len,
+        allow_skip_drafts=so.skip_drafts)
+    return runner.prepare_inputs(so, batch_req_state, batch_desc, 0)
+
+
+def sample_stand_in(runner, scheduler, so, batch, token: int) -> None:
+    """The sampler's stand-in (no logits are computed): ``token`` for every request whose prefill is
+    done, through vLLM's own accounting of sampled tokens and the scheduler's update."""
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+
+    num_reqs = batch.num_reqs
+    sampled = torch.tensor([[token]] * num_reqs, dtype=torch.int64)
+    num_sampled, num_rejected = get_num_sampled_and_rejected(  # as vLLM's Sampler calls it
+        batch.seq_lens.new_ones(num_reqs), batch.seq_lens, batch.cu_num_logits, batch.idx_mapping,
+        runner.req_states.prefill_len.gpu)
+    runner.postprocess_sampled(batch.idx_mapping, sampled, num_sampled, num_rejected, batch.query_start_loc)
+    tokens = [[token] if n else [] for n in num_sampled.tolist()]
+    scheduler.update_from_output(so, ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=tokens))
+
+
 def allocate_kv_cache(config, kv_config, layout):
     """Model Runner V2's ``GPUModelRunner.initialize_kv_cache`` on the CPU: the attention backends
     and metadata builders, the allocation and the binding to the layers, all vLLM's own. Returns
