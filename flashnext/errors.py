@@ -10,6 +10,31 @@ that every non-zero exit of every command comes from the one table below.
 from __future__ import annotations
 
 import enum
+import re
+
+
+# What marks an input named inside a message (:func:`named`): NUL, which no path holds.
+_NAMED = re.compile("\0(\\w+)\0")
+
+
+def named(field: str) -> str:
+    """``field`` (an input, by the library's name for it) named inside an error's message, say in
+    its advice ("choose another {named('out')}"): ``str()`` shows the field, a command the flag that
+    fills it (``tools/_flags.py``)."""
+    return f"\0{field}\0"
+
+
+def fields_shown(text: str, show=lambda field: field) -> str:
+    """``text`` with each input :func:`named` in it shown as ``show(field)``."""
+    return _NAMED.sub(lambda m: show(m[1]), text)
+
+
+def said(error: BaseException) -> str:
+    """``error``'s line for another text to quote (a preflight finding): ``str()``'s, with the inputs
+    it names still marked (:func:`named`), so that a command shows them as flags there too."""
+    if isinstance(error, FlashnextError):
+        return f"{named(error.field)} {error.message}" if error.field else Exception.__str__(error)
+    return str(error)
 
 
 class FlashnextError(Exception):
@@ -18,7 +43,8 @@ class FlashnextError(Exception):
     ``field``: the input the error is about, by the library's own name for it (``"calib"``, the
     parameter); the message then follows that name (``str()`` is ``"calib /x: no such file"``). The
     library never names a command-line flag: a command shows the flag its option fills the field
-    from instead of the field (``tools/_flags.py``)."""
+    from instead of the field (``tools/_flags.py``), and so for every other input the message names
+    (:func:`named`)."""
 
     # A verdict the command has already printed in full: only its exit status is left to give.
     printed = False
@@ -29,7 +55,7 @@ class FlashnextError(Exception):
         self.field = field
 
     def __str__(self) -> str:
-        return f"{self.field} {self.message}" if self.field else super().__str__()
+        return fields_shown(f"{self.field} {self.message}" if self.field else super().__str__())
 
 
 class UsageError(FlashnextError):

@@ -61,20 +61,21 @@ def _escape_values(node):
     return node
 
 
-def _bind_source(what: str, path: Path) -> str:
-    """``path`` as the absolute bind source Compose gets, refused in one line where no Compose file
-    can carry it: a control character (a newline would also split every message that names the
-    path) or bytes that are not UTF-8 (Compose files are UTF-8; YAML would escape them into
-    another name)."""
+def _bind_source(field: str, path: Path) -> str:
+    """``path`` (the input ``field``) as the absolute bind source Compose gets, refused in one line
+    where no Compose file can carry it: a control character (a newline would also split every
+    message that names the path) or bytes that are not UTF-8 (Compose files are UTF-8; YAML would
+    escape them into another name)."""
     text = str(Path(path).absolute())
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
-        raise FlashnextError(f"{what} {text!r} contains a newline or another control character, which a "
-                             "Compose mount cannot name: rename it, or pass a symlink to it whose path has none")
+        raise FlashnextError(f"{text!r} contains a newline or another control character, which a "
+                             "Compose mount cannot name: rename it, or pass a symlink to it whose path has none",
+                             field=field)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise FlashnextError(f"{what} {text!r} is not valid UTF-8, which a Compose file cannot name: rename it, "
-                             "or pass a symlink to it whose path is UTF-8") from None
+        raise FlashnextError(f"{text!r} is not valid UTF-8, which a Compose file cannot name: rename it, "
+                             "or pass a symlink to it whose path is UTF-8", field=field) from None
     return text
 
 
@@ -90,8 +91,8 @@ def _published_port(bind: str, host_port: int) -> dict:
     try:
         ipaddress.ip_address(bind)
     except ValueError:
-        raise FlashnextError(f"--bind {bind!r} is not an IP address (Docker publishes ports on an address, "
-                             "e.g. 127.0.0.1, 0.0.0.0 or ::)") from None
+        raise FlashnextError(f"{bind!r} is not an IP address (Docker publishes ports on an address, "
+                             "e.g. 127.0.0.1, 0.0.0.0 or ::)", field="bind") from None
     return {"target": CONTAINER_PORT, "published": str(host_port), "host_ip": bind, "protocol": "tcp"}
 
 
@@ -106,11 +107,11 @@ def compose_model(req: Deployment) -> dict:
     escaping a Compose file needs (:func:`render_compose`); paths need not exist (it may be meant
     for another host)."""
     p, c = req.profile, req.profile.container
-    volumes = [_bind(_bind_source("--model", req.model), MODEL_DIR)]
+    volumes = [_bind(_bind_source("model", req.model), MODEL_DIR)]
     profile_arg = p.name
     if not is_shipped(p):  # the image has the shipped profiles only: a profile file goes in read-only
         profile_arg = f"{PROFILE_DIR_IN_CONTAINER}/{p.name}.json"
-        volumes.append(_bind(_bind_source("--profile", p.path), profile_arg))
+        volumes.append(_bind(_bind_source("profile", p.path), profile_arg))
     # `serve` on the host ran the preflight before it started the container
     command = ["serve", "--engine", "native", "--profile", profile_arg, "--model", MODEL_DIR,
                "--listen", "0.0.0.0", "--port", str(CONTAINER_PORT), "--no-check"]
@@ -119,10 +120,10 @@ def compose_model(req: Deployment) -> dict:
         command += ["--grant", cap]
     for i, overlay in enumerate(req.overlays):
         target = f"{OVERLAY_DIR}/{i}"
-        volumes.append(_bind(_bind_source("--overlay", overlay), target))
+        volumes.append(_bind(_bind_source("overlay", overlay), target))
         command += ["--overlay", target]
     if p.uses_ple_table and req.ple_table is not None:
-        volumes.append(_bind(_bind_source("--ple-table", req.ple_table), PLE_PATH))
+        volumes.append(_bind(_bind_source("ple_table", req.ple_table), PLE_PATH))
         command += ["--ple-table", PLE_PATH]
     service: dict = {
         "image": IMAGE,

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 from flashnext import envs
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.quant.checkpoint.fsutil import (confined, fsync_dir, output_lock, read_output_marker, scratch_directory,
                                                write_marker)
 from flashnext.quant.records.inputs import open_regular, read_regular_bytes
@@ -99,7 +99,7 @@ def installed_vllm_root() -> Path:
     if spec is None or spec.origin is None:
         from flashnext.serving import vllm_release
 
-        raise FlashnextError(f"{vllm_release.support_line(None)}; or pass --vllm PATH")
+        raise FlashnextError(f"{vllm_release.support_line(None)}; or pass {named('vllm')} PATH")
     return Path(spec.origin).parent.parent
 
 
@@ -380,8 +380,8 @@ def apply_series(target_root: Path, series: Sequence[Patch] = SERIES) -> SeriesA
 def _target(target_root: Path) -> Path:
     target = Path(target_root).absolute()
     if not (target / "vllm" / "__init__.py").is_file():
-        raise FlashnextError(f"--target {target}: no vllm package there (pass the site-packages directory "
-                             "that holds vllm/)")
+        raise FlashnextError(f"{target}: no vllm package there (pass the site-packages directory "
+                             "that holds vllm/)", field="target")
     return target
 
 
@@ -490,7 +490,7 @@ def _extract_wheel(wheel: Path, dest: Path) -> None:
                 # ZipFile drops absolute and ".." parts of member names, so nothing lands outside dest.
                 whl.extractall(dest, [n for n in whl.namelist() if n.startswith("vllm/")])
         except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, NotImplementedError, ValueError) as e:
-            raise FlashnextError(f"--vllm {wheel}: not a vllm wheel or directory (not a readable zip: {e})") from None
+            raise FlashnextError(f"{wheel}: not a vllm wheel or directory (not a readable zip: {e})", field="vllm") from None
 
 
 def _source_tree(vllm: Path | None, tmp: Path) -> Path:

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from flashnext.errors import NoGoCode
+from flashnext.errors import NoGoCode, said
 from flashnext.serving.host_memory import CGROUP_MEMORY_MAX, MEMINFO, read_host_memory
 from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import Profile, shm_size_bytes
@@ -25,6 +25,9 @@ from flashnext.sizes import format_size
 
 @dataclass
 class Finding:
+    """One check's verdict. ``detail`` and ``fix`` may quote an error with the inputs it names marked
+    (:func:`flashnext.errors.said`): a command shows them as its flags."""
+
     check: str
     ok: bool
     detail: str
@@ -118,7 +121,7 @@ def check_gpus(profile: Profile, devices: list[GpuInfo]) -> Finding:
     try:
         util, extensible = gpu_memory_utilization(profile), extensible_kv_cache(profile)
     except FlashnextError as e:  # no vLLM here to read the profile with: the count is all that is known
-        return Finding("gpus", False, f"{profile.gpus} x {models}; free VRAM not checked ({e})",
+        return Finding("gpus", False, f"{profile.gpus} x {models}; free VRAM not checked ({said(e)})",
                        f"install vLLM beside flashnext to check it here: {vllm_release.INSTALL}", NoGoCode.GPU,
                        blocking=False)
     if extensible:
@@ -210,12 +213,13 @@ from flashnext.serving.capacity.ledger import (  # noqa: E402
 )
 
 
-def _no_plan_fix(profile: Profile, model: Path | None) -> str:
-    """What to do when the preflight cannot plan ``profile``: where vLLM is missing, install it;
-    with --model the plan is that snapshot's (the demo's 4 layers do not split as a profile made for
+def _no_plan_fix(deployment: Deployment) -> str:
+    """What to do when the preflight cannot plan ``deployment``: where vLLM is missing, install it;
+    with a model the plan is that snapshot's (the demo's 4 layers do not split as a profile made for
     the base checkpoint splits its 48), which `plan --profile` alone would not reproduce."""
     from flashnext.serving import vllm_release
 
+    profile, model = deployment.profile, deployment.model
     if vllm_release.installed_version() is None:
         return f"install vLLM to plan here: {vllm_release.INSTALL}"
     if model is not None:
@@ -224,23 +228,19 @@ def _no_plan_fix(profile: Profile, model: Path | None) -> str:
     return f"`flashnext plan --profile {profile.name}` says why"
 
 
-def check_host_ram(deployment: "Deployment | Profile", meminfo: Path = MEMINFO, memory_max: Path = CGROUP_MEMORY_MAX,
-                   *, model: Path | None = None, ple_table: Path | None = None, overlays=()) -> Finding:
+def check_host_ram(deployment: Deployment, meminfo: Path = MEMINFO, memory_max: Path = CGROUP_MEMORY_MAX) -> Finding:
     """Every pinned host byte (QSA K/V, a pinned PLE table, the MTP draft embedding, the streamed ViT)
-    of ``deployment`` against what this host (and its cgroup) can still give. A bare profile (with
-    ``model``, ``ple_table`` and ``overlays``) is judged as the deployment they make."""
+    of ``deployment`` (its plan, and its served model's tensors) against what this host (and its
+    cgroup) can still give."""
     from flashnext.errors import FlashnextError
     from flashnext.serving import capacity
-    from flashnext.serving.deployment import Deployment
 
-    if not isinstance(deployment, Deployment):
-        deployment = Deployment(deployment, model, tuple(overlays), ple_table)
-    profile, model, ple_table = deployment.profile, deployment.model, deployment.ple_table
+    profile, model = deployment.profile, deployment.model
     try:
         plan, shape = deployment.plan, deployment.shape
-        terms = pinned_host_terms(shape, plan, model, ple_table, deployment.overlays, served=deployment)
+        terms = pinned_host_terms(shape, plan, deployment)
     except FlashnextError as e:
-        return Finding("host-ram", False, f"no plan for this profile ({e})", _no_plan_fix(profile, model),
+        return Finding("host-ram", False, f"no plan for this profile ({said(e)})", _no_plan_fix(deployment),
                        NoGoCode.MEMORY, blocking=False)
     available = read_host_memory(meminfo, memory_max).allowance
     headroom = capacity.HOST_HEADROOM
@@ -308,7 +308,7 @@ def check_ple_drive(table: Path, seconds: float = 3.0) -> Finding:
     try:
         r = drive_check(table, seconds)
     except FlashnextError as e:
-        return Finding("ple-drive", False, str(e), "check the path given to --ple-table", NoGoCode.PLE)
+        return Finding("ple-drive", False, said(e), "check the path given to --ple-table", NoGoCode.PLE)
     q = r["qd1"]
     detail = f"{table}: QD1 p50 {q['p50_ms']:.3f} ms, p99 {q['p99_ms']:.3f} ms, max {q['max_ms']:.1f} ms; deep queue {r['deep']['iops']:.0f} IOPS"
     if not r["ok"]:
@@ -320,11 +320,10 @@ def check_ple_drive(table: Path, seconds: float = 3.0) -> Finding:
 PLE_HASH_SECONDS = 5.0  # the preflight's budget for hashing the PLE table against its sidecar
 
 
-def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_SECONDS, *,
-                    open_snapshot=None) -> Finding:
-    """The table file is whole and, given the snapshot, built from it: patch ple-mmap refuses a
-    wrong-sized file only after the engine has started. ``open_snapshot`` opens ``model`` (default:
-    :meth:`Snapshot.open`; the preflight's gives the deployment's, opened once).
+def check_ple_table(deployment: Deployment, seconds: float = PLE_HASH_SECONDS) -> Finding:
+    """The deployment's table file is whole and, given its snapshot, built from it (the base
+    snapshot, as the deployment opened it): patch ple-mmap refuses a wrong-sized file only after the
+    engine has started.
 
     Within ``seconds`` it hashes random 16 MiB blocks (both ends first) against the sidecar: all of a
     table of up to a few GiB, a sample of the real 95 GiB one. The finding says how much it covered,
@@ -334,8 +333,8 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
     from flashnext.quant.ple.sidecar import read_sidecar
     from flashnext.quant.ple.source import find_ple_source
     from flashnext.quant.ple.table import verify_table
-    from flashnext.quant.checkpoint.snapshot import Snapshot
 
+    table, model = deployment.ple_table, deployment.model
     src = model or "SNAPSHOT"
     try:
         sidecar = read_sidecar(table)
@@ -344,18 +343,18 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
         fix = (f"flashnext ple build --src {src} --out NEW.bin, then pass --ple-table NEW.bin (`ple build --force` "
                f"replaces only a table it made)" if os.path.lexists(table) else
                f"flashnext ple build --src {src} --out {table}")
-        return Finding("ple-table", False, str(e), fix, NoGoCode.PLE)
+        return Finding("ple-table", False, said(e), fix, NoGoCode.PLE)
     rebuild = f"flashnext ple build --src {src} --out {table} --force"
     try:
         result = verify_table(table, seconds=seconds)
         if model is not None:
-            source = find_ple_source((open_snapshot or Snapshot.open)(model), sidecar.dense_layer_id)
+            source = find_ple_source(deployment.snapshot, sidecar.dense_layer_id)
             differ = sidecar.mismatches(source)
             if differ:
                 return Finding("ple-table", False, f"{table} was built from another checkpoint than {model} "
                                f"(its {', '.join(differ)} differ)", rebuild, NoGoCode.PLE)
     except FlashnextError as e:
-        return Finding("ple-table", False, str(e), rebuild, NoGoCode.PLE)
+        return Finding("ple-table", False, said(e), rebuild, NoGoCode.PLE)
     covered = result["coverage"]
     detail = (f"{table}: {result['file_size']:,} bytes; {result['bytes_checked']:,} ({covered:.1%}) hashed "
               f"against its sidecar in {result['seconds']:.1f} s" + (f", built from {model}" if model else ""))
@@ -371,15 +370,18 @@ def check_ple_table(table: Path, model: Path | None, seconds: float = PLE_HASH_S
                    f"and {rest}", full, NoGoCode.PLE, blocking=False)
 
 
-def check_overlays(model: Path, overlays: list[Path]) -> Finding:
+def check_overlays(deployment: Deployment) -> Finding:
+    """Each overlay of ``deployment`` against its snapshot: its own files by the hashes its manifest
+    pins, the base files it replaces by theirs."""
     from flashnext.errors import FlashnextError
     from flashnext.quant.overlays.view import verify_overlay
 
+    model, overlays = deployment.model, deployment.overlays
     for overlay in overlays:
         try:
             problems = verify_overlay(model, overlay)
         except FlashnextError as e:
-            return Finding("overlay", False, str(e), "pass an overlay directory made by flashnext", NoGoCode.OVERLAY)
+            return Finding("overlay", False, said(e), "pass an overlay directory made by flashnext", NoGoCode.OVERLAY)
         if problems:
             return Finding("overlay", False, f"{overlay.name}: {problems[0]}",
                            f"rebuild it against this snapshot (e.g. make-mtp-int4 --src {model} --out NEW)", NoGoCode.OVERLAY)
@@ -437,8 +439,7 @@ def preflight(deployment: Deployment, engine: str, devices: list[GpuInfo] | None
     """Every check of ``deployment`` served by ``engine``: judged from what it holds, nothing loaded again."""
     from flashnext.serving.compose import IMAGE
 
-    profile, model, ple_table = deployment.profile, deployment.model, deployment.ple_table
-    overlays = list(deployment.overlays)
+    profile = deployment.profile
 
     findings = [check_gpus(profile, visible_gpus() if devices is None else devices),
                 check_memlock(profile, engine), check_shm(profile), check_cgroup(), check_process_madvise()]
@@ -446,11 +447,11 @@ def preflight(deployment: Deployment, engine: str, devices: list[GpuInfo] | None
 
     if profile.model_family in FAMILIES:
         findings.insert(1, check_host_ram(deployment))
-    if ple_table is not None:
-        findings.append(check_ple_table(ple_table, model, open_snapshot=deployment.open_snapshot))
-        findings.append(check_ple_drive(ple_table))
-    if model is not None:
-        findings.append(check_overlays(model, overlays))
+    if deployment.ple_table is not None:
+        findings.append(check_ple_table(deployment))
+        findings.append(check_ple_drive(deployment.ple_table))
+    if deployment.model is not None:
+        findings.append(check_overlays(deployment))
     findings.append(check_vllm(engine))
     if engine in ("docker", "podman"):
         findings.append(check_image(engine, IMAGE))

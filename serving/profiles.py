@@ -27,7 +27,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.quant.records.jsonfile import read_model
 from flashnext.quant.records.strict import strict_dataclass
 
@@ -143,7 +143,7 @@ def _vllm_args(args: list[str]) -> list[str]:
             raise ValueError(f"{named} names a file of further arguments, which could set flashnext's own "
                              f"({', '.join(FLASHNEXT_OPTIONS)}) out of sight: put its arguments in vllm_args")
         raise ValueError(f"{named} is set by flashnext: serve puts where vLLM listens and the model it serves "
-                         "(--listen, --port, --model) after the profile's arguments")
+                         "(vLLM's --host and --port, and its model) after the profile's arguments")
     return args
 
 
@@ -247,9 +247,10 @@ def load_profile(name: str, directory: Path = PROFILE_DIR, grants: Collection[st
     profile = _read_profile(name, directory)
     ungranted = [cap for cap in capabilities_to_grant(profile) if cap not in grants]
     if ungranted:
+        granting = " ".join(f"{named('grant')} {cap}" for cap in ungranted)
         raise FlashnextError(
             f"{profile.path}: container.cap_add asks for {', '.join(ungranted)}, which a profile gets only when "
-            f"serve is told to grant it ({' '.join(f'--grant {cap}' for cap in ungranted)}); unasked it gets "
+            f"serve is told to grant it ({granting}); unasked it gets "
             f"{', '.join(sorted(CAPABILITIES_WITHOUT_GRANT))}")
     if not shipped(profile):
         _parse_with_vllm(profile)

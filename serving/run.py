@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from flashnext import envs
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.sizes import format_size
 
 # The Compose implementations, in the order they are tried, by the engine whose images they run.
@@ -201,12 +201,12 @@ def require_ple_table(deployment) -> None:
         if quantized is not None:
             if ple_table is not None:
                 raise FlashnextError(f"the PLE table is {quantized} (config.json's ple_embedding_dtype): vLLM serves "
-                                     "it from pinned host memory, not from a file; drop --ple-table")
+                                     f"it from pinned host memory, not from a file; drop {named('ple_table')}")
             return
     if profile.uses_ple_table and ple_table is None:
         src = shlex.quote(str(model)) if model is not None and str(model).isprintable() else "SNAPSHOT"
         raise FlashnextError(
-            f"profile {profile.name} serves the PLE table from a file: pass --ple-table FILE, made with "
+            f"profile {profile.name} serves the PLE table from a file: pass {named('ple_table')} FILE, made with "
             f"`flashnext ple build --src {src} --out FILE`")
 
 
@@ -229,24 +229,27 @@ def refuse_missing_inputs(deployment) -> None:
     """Each path serve mounts or hands to vLLM must exist here: a missing one would become an empty
     bind mount, or a vLLM that fails minutes later."""
     overlays, ple_table = deployment.overlays, deployment.ple_table
-    for flag, path in (("--model", deployment.model), *(("--overlay", o) for o in overlays),
-                       *((("--ple-table", ple_table),) if ple_table is not None else ())):
+    for field, path in (("model", deployment.model), *(("overlay", o) for o in overlays),
+                        *((("ple_table", ple_table),) if ple_table is not None else ())):
         if not os.path.exists(path):
-            raise FlashnextError(f"{flag} {path} does not exist on this host")
+            raise FlashnextError(f"{path} does not exist on this host", field=field)
 
 
-def view_dir(profile, model: Path, overlays: tuple[Path, ...]) -> Path:
-    """Where ``serve --engine native`` makes the view of ``model`` with ``overlays``: one folder per
-    snapshot and overlays (made again by each start, which replaces only its own), so that
-    ``--dry-run`` names the path the start will use."""
-    key = "\0".join(str(Path(p).absolute()) for p in (model, *overlays))
-    return state_dir(profile.name) / "views" / hashlib.sha256(key.encode()).hexdigest()[:16]
+def view_dir(deployment) -> Path:
+    """Where ``serve --engine native`` makes the view of the deployment's model with its overlays:
+    one folder per snapshot and overlays (made again by each start, which replaces only its own), so
+    that ``--dry-run`` names the path the start will use."""
+    key = "\0".join(str(Path(p).absolute()) for p in (deployment.model, *deployment.overlays))
+    return state_dir(deployment.profile.name) / "views" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def native_command(deployment, listen: str, port: int, make_view: bool = True) -> tuple[list[str], dict[str, str]]:
+def native_command(deployment, listen: str, port: int, make_view: bool = True,
+                   verified: bool = False) -> tuple[list[str], dict[str, str]]:
     """``vllm serve`` and the environment that run ``deployment`` on this host, every path absolute
     (vLLM and its workers may run from another directory). With overlays, the model is the view of
-    the snapshot with them applied (:func:`view_dir`), made here unless ``make_view`` is False."""
+    the snapshot with them applied (:func:`view_dir`), made here unless ``make_view`` is False: the
+    deployment's overlay stack written out, as read once; its overlays checked against the snapshot
+    unless the preflight ``verified`` them."""
     from flashnext.serving.compose import runtime_env
     from flashnext.serving.profiles import vllm_command
 
@@ -255,9 +258,10 @@ def native_command(deployment, listen: str, port: int, make_view: bool = True) -
     if overlays:
         from flashnext.quant.overlays.view import apply_overlays
 
-        model_dir = view_dir(profile, model, overlays)
+        model_dir = view_dir(deployment)
         if make_view:
-            apply_overlays(model, list(overlays), model_dir, force=True)
+            apply_overlays(model, list(overlays), model_dir, verify=not verified, force=True,
+                           stack=deployment.overlay_stack)
     table = str(Path(deployment.ple_table).absolute()) if deployment.ple_table else None
     return vllm_command(profile, str(model_dir), listen, port), runtime_env(profile, table)
 
@@ -272,6 +276,6 @@ def exec_native(cmd: list[str], env: dict[str, str]) -> None:
     if shutil.which(cmd[0]) is None:
         from flashnext.serving import vllm_release
 
-        raise FlashnextError(f"{vllm_release.support_line(None)}; or use --engine docker")
+        raise FlashnextError(f"{vllm_release.support_line(None)}; or use {named('engine')} docker")
     inherited = {k: v for k, v in os.environ.items() if PLANNING_ENV.get(k) != v}
     os.execvpe(cmd[0], cmd, {**inherited, **env})

@@ -334,18 +334,53 @@ def test_the_answer_is_the_first_line(argv, first):
 
 # --- the library names fields, the commands name flags -----------------------------------------------
 
+# vLLM's own arguments, as a profile's vllm_args or vLLM's command line hold them, which a library
+# error names as such: plan's --kv-cache-memory-bytes overrides the profile's argument of that name;
+# serve's --port fills vLLM's, which a profile may not set (profiles.FLASHNEXT_OPTIONS).
+VLLMS_OWN = {("serving/capacity/shape.py", "--kv-cache-memory-bytes"),
+             ("serving/runtime/host_pool.py", "--kv-cache-memory-bytes"),
+             ("serving/profiles.py", "--port")}
+
+
+def error_texts(path):
+    """Each error a module raises (a call of a class named ``*Error``): its line, the string
+    constants of its message joined, with what it quotes in backticks (another command's line to
+    run) left out, and the inputs it names by field (``field=``, ``named(...)``)."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "id", None) or getattr(node.func, "attr", "")
+        if not name.endswith("Error"):
+            continue
+        text = "".join(c.value for a in node.args for c in ast.walk(a)
+                       if isinstance(c, ast.Constant) and isinstance(c.value, str))
+        fields = {k.value.value for k in node.keywords if k.arg == "field" and isinstance(k.value, ast.Constant)}
+        fields |= {c.args[0].value for a in node.args for c in ast.walk(a)
+                   if isinstance(c, ast.Call) and getattr(c.func, "id", None) == "named"
+                   and c.args and isinstance(c.args[0], ast.Constant)}
+        yield node.lineno, re.sub(r"`[^`]*`", "", text), fields
+
+
 def test_the_library_names_no_flag_and_every_field_it_names_has_one():
-    """An error of the library carries the input it is about as ``field``; tools/_flags.py is the one
-    map to the flag a command fills it from."""
+    """An error of the library (quant/, serving/) carries the input it is about as ``field`` and
+    names any other with ``named``; tools/_flags.py is the one map to the flag a command fills it
+    from. No error there names a flag of a flashnext command itself, but vLLM's own arguments."""
     from flashnext.tools._flags import FLAGS
 
-    fields = set()
-    for path in sorted((ROOT / "quant").rglob("*.py")):
-        text = path.read_text()
-        fields |= set(re.findall(r'field="(\w+)"', text))
-        for flag in ("--calib", "--rounding", "--no-scale-search", "--quantizer", "--targets", "--force-slower",
-                     "--cache-dir"):
-            assert not re.search(rf'(?:Error|raise)\(f?"[^"\n]*{flag}\b', text), f"{path} names {flag} in an error"
+    flags = {opt for root in console_scripts().values() for _, command in walk(root) for param in command.params
+             if isinstance(param, click.Option) for opt in (*param.opts, *param.secondary_opts)
+             if opt.startswith("--")} - {"--help"}
+    assert {"--out", "--force", "--ple-table", "--model", "--gpus"} <= flags
+    fields, named = set(), []
+    for path in sorted([*(ROOT / "quant").rglob("*.py"), *(ROOT / "serving").rglob("*.py")]):
+        where = path.relative_to(ROOT).as_posix()
+        for line, text, names in error_texts(path):
+            fields |= names
+            named += [f"{where}:{line} names {flag}" for flag in sorted(set(re.findall(r"--[a-z][a-z0-9-]*", text)))
+                      if flag in flags and (where, flag) not in VLLMS_OWN]
+    assert not named, named
     assert fields and fields <= set(FLAGS), fields - set(FLAGS)
 
 
@@ -357,3 +392,17 @@ def test_a_field_is_shown_as_its_flag(tmp_path):
     assert str(error) == f"calib {tmp_path}: no such file"
     assert as_typed(error) == f"--calib {tmp_path}: no such file"
     assert as_typed(FlashnextError("plain")) == "plain"
+    # an input named inside the message: its field in the library's line, its flag in the command's
+    from flashnext.errors import named, said
+
+    error = FlashnextError(f"{tmp_path} already exists: choose another {named('out')} or pass {named('force')}")
+    assert str(error) == f"{tmp_path} already exists: choose another out or pass force"
+    assert as_typed(error) == f"{tmp_path} already exists: choose another --out or pass --force"
+    both = FlashnextError(f"{tmp_path}: no such file; or pass {named('quantizer')}", field="calib")
+    assert as_typed(both) == f"--calib {tmp_path}: no such file; or pass --quantizer"
+    # quoted in another text (a preflight finding), its inputs stay marked for the command to show
+    from flashnext.errors import fields_shown
+    from flashnext.tools._flags import flag_of
+
+    assert fields_shown(f"no plan ({said(both)})", flag_of) == f"no plan (--calib {tmp_path}: no such file; or pass " \
+                                                                "--quantizer)"

@@ -166,6 +166,17 @@ json_option = click.option("--json", "as_json", is_flag=True,
                            help="Print a machine-readable JSON result on stdout.")
 
 
+def _as_typed(finding):
+    """A preflight finding with the inputs its quoted errors name shown as flags."""
+    import dataclasses
+
+    from flashnext.errors import fields_shown
+    from flashnext.tools._flags import flag_of
+
+    return dataclasses.replace(finding, detail=fields_shown(finding.detail, flag_of),
+                               fix=finding.fix and fields_shown(finding.fix, flag_of))
+
+
 def preflight_report(deployment, engine: str, as_json: bool, err: bool = False) -> None:
     """Run the preflight (``doctor``, ``serve --check``, ``serve`` before it starts) of ``deployment``
     (a :class:`~flashnext.serving.deployment.Deployment`, judged as resolved: nothing loaded again),
@@ -176,7 +187,7 @@ def preflight_report(deployment, engine: str, as_json: bool, err: bool = False) 
     from flashnext.serving.preflight import preflight, verdict
 
     with held_back_output():
-        findings = preflight(deployment, engine)
+        findings = [_as_typed(f) for f in preflight(deployment, engine)]
     code = verdict(findings)
     if as_json:
         emit_json({"go": code == 0, "exit_code": code, "findings": [f.to_json() for f in findings]})

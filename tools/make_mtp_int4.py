@@ -142,7 +142,7 @@ def _check_report_path(report: Path, src: Path, out: Path) -> None:
     from flashnext.quant.checkpoint.fsutil import check_file_destination
     from flashnext.quant.records.jsonfile import read_json
 
-    check_file_destination(report, "--report", {"the source snapshot": src, "--out": out})
+    check_file_destination(report, "report", {"the source snapshot": src, "--out": out})
     if report.exists() or report.is_symlink():
         try:
             earlier = read_json(report, "a make-mtp-int4 report")

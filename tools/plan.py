@@ -223,7 +223,7 @@ def main(profile: str | None, kv_cache_memory_bytes: int | None, prefix_caching:
     from flashnext.serving.deployment import resolve_deployment
 
     if gpu_memory is not None:
-        check_gpu_memory(gpu_memory, "--gpu-memory")
+        check_gpu_memory(gpu_memory, "gpu_memory")
     # before the profile is resolved: its vllm_args go through vLLM's own parser, which imports vLLM
     begin(f"planning {profile} with vLLM's own config classes and KV planner (vLLM loads first)")
     deployment = resolve_deployment(profile, model, kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -263,8 +263,8 @@ def _profile_table(deployment, ledger, card_gib: float | None):
 
     if ledger is None:
         return None
-    return profile_vram(deployment.profile, deployment.plan, ledger, deployment.model,
-                        None if card_gib is None else int(card_gib * GIB), served=deployment)
+    return profile_vram(deployment.profile, deployment.plan, ledger, None if card_gib is None else int(card_gib * GIB),
+                        deployment)
 
 
 def _rig(gpus: int, gpu_memory: float, host_ram: float, mtp: bool, context: int | None, ple_format: str | None,
@@ -347,8 +347,7 @@ def _ledger(deployment, ple_format: str | None):
 
     if deployment.profile.model_family != "qwen4_exp":
         return None
-    return profile_ledger(deployment.profile, deployment.plan, model=deployment.model, ple_format=ple_format,
-                          served=deployment)
+    return profile_ledger(deployment.profile, deployment.plan, deployment=deployment, ple_format=ple_format)
 
 
 def _print_ledger(ledger) -> None:
@@ -370,7 +369,7 @@ def _host(deployment, ple_format: str | None, host_ram: float | None) -> dict:
     if ple_format is None and profile.uses_ple_table:
         ple_format = "file"
     shape = capacity.ServingShape.from_profile(profile, plan.kv_cache_memory_bytes)
-    terms = pinned_host_terms(shape, plan, deployment.model, None, ple_format=ple_format, served=deployment)
+    terms = pinned_host_terms(shape, plan, deployment, ple_format=ple_format)
     available = int((host_ram or REFERENCE_HOST_GIB) * (1 << 30))
     fits, kv_fits = host_fit(shape, plan, terms, available)
     return {"host_bytes": available, "headroom_bytes": capacity.HOST_HEADROOM, "ple_format": ple_format,

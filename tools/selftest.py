@@ -41,6 +41,7 @@ def main(profile_name: str, out: Path, force: bool, gpus: str, keep: bool, as_js
     checks ran. `--gpus N` with fewer than N GPUs here is refused before anything runs.
     """
     from flashnext.quant.checkpoint.fsutil import refuse_existing_output
+    from flashnext.serving.deployment import resolve_deployment
     from flashnext.serving.selftest import SelftestFailed, selftest
     from flashnext.serving.selftest.report import headline
     from flashnext.serving.selftest.runner import MADE_BY, gpu_count
@@ -48,7 +49,9 @@ def main(profile_name: str, out: Path, force: bool, gpus: str, keep: bool, as_js
     refuse_existing_output(out, force, made_by=MADE_BY)  # before minutes of checks, not after
     gpu_count(gpus)  # more GPUs asked for than are here: refused now, not after the CPU part
     begin(f"selftest of {profile_name} into {out}: the patch series, the demo's layers against vLLM's kernels")
-    report, kept = selftest(profile_name, out, gpus=gpus, keep=keep, force=force,
+    # resolved once: the runner and its GPU part take it, none loads the profile again
+    deployment = resolve_deployment(profile_name)
+    report, kept = selftest(deployment, out, gpus=gpus, keep=keep, force=force,
                             progress=lambda line: click.echo(line, err=True))
     s = report.summary
     if as_json:

@@ -26,9 +26,9 @@ def _granted_capabilities(ctx, param, values: tuple[str, ...]) -> tuple[str, ...
         raise click.BadParameter(str(e)) from None
 
 
-def _native(deployment, listen: str, dry_run: bool) -> None:
+def _native(deployment, listen: str, dry_run: bool, verified: bool = False) -> None:
     port = deployment.host_port
-    cmd, env = native_command(deployment, listen, port, make_view=not dry_run)
+    cmd, env = native_command(deployment, listen, port, make_view=not dry_run, verified=verified)
     if dry_run:
         shown = {"command": cmd, "env": env}
         if deployment.overlays:  # the model vLLM gets is a view that serve makes (`overlay apply`) before it starts
@@ -125,8 +125,8 @@ def main(ctx, profile, model, overlays, ple_table, engine, dry_run, bind, listen
         if not found.ok:
             click.echo(f"Error: {found.detail}: {found.fix}", err=True)
             raise NoGo(found.detail, found.exit)
-    if engine == "native":
-        return _native(deployment, listen, dry_run)
+    if engine == "native":  # the preflight's GO checked the overlays against the snapshot
+        return _native(deployment, listen, dry_run, verified=not no_check)
     url = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{deployment.host_port}"
     models = serve_compose(compose, deployment, to_yaml(document), url, IMAGE,
                            say=lambda line: click.echo(line, err=True),

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.progress import Progress
 from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, Snapshot
 from flashnext.quant.formats.bitplane import (LAYOUT, BitplaneRecord, bitplane_to_dense6, dense6_to_bitplane,
@@ -89,7 +89,7 @@ def find_targets(snap: Snapshot, pattern: str, mode: str) -> list[Target]:
             what = "bit-plane"
         else:
             if module in bitplane_modules:
-                raise FlashnextError(f"{module} is already in the bit-plane layout; use --reverse first")
+                raise FlashnextError(f"{module} is already in the bit-plane layout; use {named('reverse')} first")
             expected = ("I32", (rows, packed_words(cols, 6)))
             what = "dense 6-bit"
         if (entry.dtype, entry.shape) != expected:
@@ -175,7 +175,7 @@ def _new_config(snap: Snapshot, targets: list[Target], mode: str) -> dict:
     else:
         qc = quantization_config_of(config)
         if not is_compressed_tensors(qc):
-            raise FlashnextError("--to int8 needs a compressed-tensors quantization_config in config.json")
+            raise FlashnextError("int8 needs a compressed-tensors quantization_config in config.json", field="to")
         checked_quantization_config(qc, str(snap.root / CONFIG_FILE))
         sizes = {_group_size(snap, m) for m in modules}
         if len(sizes) != 1:

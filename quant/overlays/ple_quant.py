@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.progress import Progress
 from flashnext.quant.checkpoint.snapshot import Snapshot, text_config_of
 from flashnext.quant.formats import float_rows
@@ -128,7 +128,7 @@ def _tables(snap: Snapshot) -> list[PleSource]:
         raise FlashnextError(f"{snap.root}: config.json has no PLE layers (ple_layer_ids)")
     for table in tables:
         if table.dtype != "BF16":
-            raise FlashnextError(f"{table.prefix}: the PLE table is {table.dtype}; --format quantizes a BF16 table "
+            raise FlashnextError(f"{table.prefix}: the PLE table is {table.dtype}; {named('fmt')} quantizes a BF16 table "
                                  "(build from the BF16 release)")
         if table.row_elements % float_rows.NVFP4_BLOCK:
             raise FlashnextError(f"{table.prefix}: rows of {table.row_elements} values are not whole blocks of "
@@ -370,49 +370,25 @@ class PleQuantize(OverlayBuilder):
 _PLE_PART = r"^(?P<table>.*ple\.ple_embedding\.ngram_embedding)\.shard_\d+\.(?P<part>weight|weight_scale)$"
 
 
-def served_ple_format(model, overlays=()) -> str | None:
-    """config.json's ``ple_embedding_dtype`` of what vLLM will load from ``model`` with ``overlays``
-    applied in order (a view's config.json is its last overlay's that has one): ``"nvfp4"``,
-    ``"float8_e4m3fn"``, or None for the BF16 table (and where no config.json is there to read:
-    the commands that need one say so themselves)."""
-    from pathlib import Path
-
-    from flashnext.quant.checkpoint.snapshot import CONFIG_FILE, read_config
-
-    where = next((Path(o) for o in reversed(overlays) if (Path(o) / CONFIG_FILE).is_file()), Path(model))
-    if not (where / CONFIG_FILE).is_file():
-        return None
-    return text_config_of(read_config(where / CONFIG_FILE)).get("ple_embedding_dtype")
-
-
-def quantized_table_allocations(model, overlays=()) -> list[int]:
+def quantized_table_allocations(model: Snapshot) -> list[int]:
     """The bytes of each tensor vLLM's NVFP4 or FP8 method allocates for the quantized PLE tables that
-    ``model`` with ``overlays`` serves (per table: its ``weight``, and for NVFP4 its ``weight_scale``),
-    from the safetensors headers of the last overlay (or the view) that holds them."""
+    ``model`` serves (per table: its ``weight``, and for NVFP4 its ``weight_scale``), from the
+    safetensors headers of the files that serve them: ``model`` is what vLLM loads, a view opened as
+    a snapshot or a stack of overlays merged in memory
+    (:attr:`~flashnext.quant.overlays.view.OverlayStack.served`)."""
     import re
-    from pathlib import Path
-
-    from flashnext.quant.checkpoint.snapshot import INDEX_FILE, read_index
-    from flashnext.quant.formats.safetensors_io import read_header
 
     part = re.compile(_PLE_PART)
-    for where in [*(Path(o) for o in reversed(overlays)), Path(model)]:
-        if not (where / INDEX_FILE).is_file():
-            continue
-        weight_map = read_index(where / INDEX_FILE)["weight_map"]
-        sizes: dict[tuple[str, str], int] = {}
-        headers = {}
-        for name, filename in weight_map.items():
-            m = part.match(name)
-            if not m or not (where / filename).is_file():
-                continue
-            header = headers.get(filename) or headers.setdefault(filename, read_header(where / filename))
-            if name in header.entries:
-                key = (m["table"], m["part"])
-                sizes[key] = sizes.get(key, 0) + header.entries[name].nbytes
-        if sizes:
-            return [sizes[key] for key in sorted(sizes)]
-    raise FlashnextError(f"{model}: config.json says the PLE table is quantized, but no PLE table tensors were found")
+    sizes: dict[tuple[str, str], int] = {}
+    for name in model.weight_map:
+        m = part.match(name)
+        if m:
+            key = (m["table"], m["part"])
+            sizes[key] = sizes.get(key, 0) + model.entry(name)[1].nbytes
+    if not sizes:
+        raise FlashnextError(f"{model.root}: config.json says the PLE table is quantized, but no PLE table tensors "
+                             "were found")
+    return [sizes[key] for key in sorted(sizes)]
 
 
 def quantize_ple_table(src, out, fmt: str, force: bool = False, progress: bool = False, device: str = "cpu") -> dict:

@@ -38,7 +38,7 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import Field
 
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.quant.checkpoint.fsutil import (OUTPUT_MARKER, HeldDirectory, OutputDirectory, confined, output_file,
                                                remove_leftovers, write_text_at)
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, WrittenBytes
@@ -126,7 +126,7 @@ class ResumableOutput:
             if parent.lstat(self.partial_name) is None:
                 return False
             raise FlashnextError(f"{self._shown(self.partial_name)} exists but is no interrupted flashnext build "
-                                 f"(no {self.journal_name}); remove it or choose another --out")
+                                 f"(no {self.journal_name}); remove it or choose another {named('out')}")
         why = self._why_not(plans, metadata, restore)
         if why is None:
             self.notice(f"resuming the interrupted build in {self._shown(self.partial_name)}")
@@ -134,7 +134,7 @@ class ResumableOutput:
         self._close()
         if not self.output.remove_partial(self.partial_name):
             raise FlashnextError(f"{self._shown(self.partial_name)} cannot be resumed ({why}) and is not a "
-                                 "partial overlay flashnext made: remove it yourself or choose another --out")
+                                 f"partial overlay flashnext made: remove it yourself or choose another {named('out')}")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.journal_name, dir_fd=parent.fd)
         self.notice(starting_over(self._shown(self.partial_name), why))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterable, Literal
 
@@ -293,48 +294,154 @@ def _refuse_given_twice(overlays: list[Path]) -> None:
             raise FlashnextError(f"the overlay {overlay} is given twice{also}; give each overlay once")
 
 
-def apply_overlays(base: Path, overlays: list[Path], out: Path, verify: bool = True, force: bool = False) -> dict:
-    """Build the view ``out`` of ``base`` with ``overlays`` applied in order. Returns a summary."""
+class OverlayStack:
+    """``overlays`` applied in order over the snapshot ``base``, merged in memory as a view serves
+    them: the one home of the stacking rule, which :func:`apply_overlays` writes out as a view and
+    the serving side reads as the model vLLM will load (:attr:`served`).
+
+    Each part is read the first time it is asked for and kept, so that a question about one part
+    reads only what that part needs: each overlay's manifest (``overlay.json``), its config.json and
+    its index once, the base through ``open_base`` (default: :meth:`Snapshot.open`) once. Only the
+    files an overlay's manifest lists are used; an index or config.json it ships unlisted is refused."""
+
+    def __init__(self, base: Path, overlays: Iterable[Path], open_base: Callable[[], Snapshot] | None = None):
+        self.base = Path(base)
+        self.overlays = [Path(o) for o in overlays]
+        self._open_base = open_base
+
+    @cached_property
+    def snapshot(self) -> Snapshot:
+        """The base snapshot."""
+        return self._open_base() if self._open_base is not None else Snapshot.open(self.base)
+
+    @cached_property
+    def manifests(self) -> list[OverlayManifest]:
+        manifests = [OverlayManifest.load(o) for o in self.overlays]
+        for overlay, manifest in zip(self.overlays, manifests):
+            refuse_unlisted_merged_files(manifest, _present_in(overlay), str(overlay))
+        return manifests
+
+    @cached_property
+    def _listed(self) -> list[set[str]]:
+        return [{entry.path for entry in manifest.files} for manifest in self.manifests]
+
+    @cached_property
+    def providers(self) -> dict[str, Path]:
+        """Which overlay provides each file it replaces or adds (the index and config.json aside,
+        which are merged): a shard cannot be merged without copying it, so two overlays that
+        provide the same file are refused."""
+        provider: dict[str, Path] = {}
+        for overlay, manifest in zip(self.overlays, self.manifests):
+            for entry in manifest.files:
+                name = entry.path
+                if name in MERGED:
+                    continue
+                if "/" in name:
+                    raise FlashnextError(f"{overlay / MANIFEST_FILE}: {name} is in a subdirectory; a view links "
+                                         "top-level files only")
+                if name in provider:
+                    raise FlashnextError(f"overlays {provider[name].name} and {overlay.name} both replace {name}; "
+                                         "a shard cannot be merged without copying it, so they cannot be stacked")
+                provider[name] = overlay
+        return provider
+
+    @cached_property
+    def _indexes(self) -> dict[int, dict]:
+        """Each overlay's index that its manifest lists, by the overlay's place in the stack."""
+        return {i: read_index(overlay / INDEX_FILE) for i, (overlay, names) in
+                enumerate(zip(self.overlays, self._listed)) if INDEX_FILE in names}
+
+    @cached_property
+    def _configs(self) -> dict[int, dict]:
+        """Each overlay's config.json that its manifest lists, by the overlay's place in the stack."""
+        return {i: read_config(overlay / CONFIG_FILE) for i, (overlay, names) in
+                enumerate(zip(self.overlays, self._listed)) if CONFIG_FILE in names}
+
+    def own_file(self, name: str) -> Path | None:
+        """The overlay file a view links as its ``name`` (the index or config.json): a single
+        overlay's own, which is the merge; None where the view holds a merged file."""
+        if len(self.overlays) == 1 and name in self._listed[0]:
+            return self.overlays[0] / name
+        return None
+
+    @cached_property
+    def merged_weight_map(self) -> dict[str, str]:
+        """The base index's ``weight_map`` with each overlay's changes to it applied in order."""
+        versions = [(self.overlays[i].name, index["weight_map"]) for i, index in self._indexes.items()]
+        return _merge_changes(self.snapshot.weight_map, versions, "the index entry of tensor")
+
+    @cached_property
+    def merged_config(self) -> dict:
+        """The base's config.json with each overlay's changes to it applied in order (by JSON path),
+        the compressed-tensors groups the overlays added first."""
+        versions = [(self.overlays[i].name, _flatten(config)) for i, config in self._configs.items()]
+        config = _unflatten(_merge_changes(_flatten(self.snapshot.config), versions, "config.json value"))
+        _order_groups(config, self.snapshot.config, list(self._configs.values()))
+        return config
+
+    @property
+    def config(self) -> dict:
+        """The config.json the view serves: a single overlay's own (the base is not read for it),
+        else the merge."""
+        return self._configs[0] if self.own_file(CONFIG_FILE) is not None else self.merged_config
+
+    @property
+    def index(self) -> dict:
+        """The index the view serves: a single overlay's own, else the base's with the merged ``weight_map``."""
+        if self.own_file(INDEX_FILE) is not None:
+            return self._indexes[0]
+        return dict(self.snapshot.index, weight_map=self.merged_weight_map)
+
+    @cached_property
+    def served(self) -> Snapshot:
+        """The model a view of the stack serves, as a :class:`Snapshot` held in memory: :attr:`config`
+        and :attr:`index`, each tensor's file the overlay's that provides it, else the base's (whose
+        shard headers are the base snapshot's, read once). The base itself without overlays."""
+        if not self.overlays:
+            return self.snapshot
+        return StackedSnapshot(self.base, self.config, self.index, base=self.snapshot, providers=self.providers)
+
+
+@dataclass
+class StackedSnapshot(Snapshot):
+    """A view that is not written out: :class:`OverlayStack`'s served model. A file an overlay
+    provides is read from that overlay; any other from the base snapshot, through its own reader."""
+
+    base: Snapshot | None = None
+    providers: dict[str, Path] | None = None
+
+    def path(self, filename: str) -> Path:
+        overlay = self.providers.get(filename)
+        if overlay is None:
+            return self.base.path(filename)
+        return confined(overlay, filename, str(overlay / INDEX_FILE))
+
+    def header(self, filename: str):
+        if filename not in self.providers:
+            return self.base.header(filename)
+        return super().header(filename)
+
+
+def apply_overlays(base: Path, overlays: list[Path], out: Path, verify: bool = True, force: bool = False,
+                   stack: OverlayStack | None = None) -> dict:
+    """Build the view ``out`` of ``base`` with ``overlays`` applied in order. Returns a summary.
+    ``stack``: the :class:`OverlayStack` of ``base`` and ``overlays`` already read (its base and
+    overlays as they were given to it), so that what it read is not read again."""
     base = Path(base).absolute()
     overlays = [Path(o).absolute() for o in overlays]
     _refuse_given_twice(overlays)
-    snap = Snapshot.open(base)
-    manifests = [OverlayManifest.load(o) for o in overlays]
-    for overlay, manifest in zip(overlays, manifests):
-        refuse_unlisted_merged_files(manifest, _present_in(overlay), str(overlay))
+    if stack is None:
+        stack = OverlayStack(base, overlays)
+    stack.snapshot, stack.manifests  # the base opened, each manifest read and its merged files listed
     if verify:
         for overlay in overlays:
             problems = verify_overlay(base, overlay)
             if problems:
                 raise FlashnextError(f"{overlay.name} does not fit {base}: {problems[0]}"
                                      + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-    # Which overlay provides each non-merged file.
-    provider: dict[str, Path] = {}
-    for overlay, manifest in zip(overlays, manifests):
-        for entry in manifest.files:
-            name = entry.path
-            if name in MERGED:
-                continue
-            if "/" in name:
-                raise FlashnextError(f"{overlay / MANIFEST_FILE}: {name} is in a subdirectory; a view links "
-                                     "top-level files only")
-            if name in provider:
-                raise FlashnextError(f"overlays {provider[name].name} and {overlay.name} both replace {name}; "
-                                     "a shard cannot be merged without copying it, so they cannot be stacked")
-            provider[name] = overlay
-
-    index_versions, config_versions, overlay_configs = [], [], []
-    listed = [{entry.path for entry in manifest.files} for manifest in manifests]
-    for overlay, names in zip(overlays, listed):
-        if INDEX_FILE in names:
-            index_versions.append((overlay.name, read_index(overlay / INDEX_FILE)["weight_map"]))
-        if CONFIG_FILE in names:
-            overlay_config = read_config(overlay / CONFIG_FILE)
-            overlay_configs.append(overlay_config)
-            config_versions.append((overlay.name, _flatten(overlay_config)))
-    weight_map = _merge_changes(snap.weight_map, index_versions, "the index entry of tensor")
-    config = _unflatten(_merge_changes(_flatten(snap.config), config_versions, "config.json value"))
-    _order_groups(config, snap.config, overlay_configs)
+    absolute = dict(zip(stack.overlays, overlays))  # the stack's overlays as given, in the same order
+    provider = {name: absolute[overlay] for name, overlay in stack.providers.items()}
+    stack.merged_weight_map, stack.merged_config  # a stack that cannot be merged is refused, whatever is linked
 
     links: dict[str, str] = {}
     for entry in sorted(base.iterdir()):
@@ -343,11 +450,11 @@ def apply_overlays(base: Path, overlays: list[Path], out: Path, verify: bool = T
     for name, overlay in provider.items():
         links[name] = str(overlay / name)
     merged: dict[str, object] = {}
-    for name, content in ((INDEX_FILE, dict(snap.index, weight_map=weight_map)), (CONFIG_FILE, config)):
-        if len(overlays) == 1 and name in listed[0]:
+    for name, content in ((INDEX_FILE, lambda: stack.index), (CONFIG_FILE, lambda: stack.config)):
+        if stack.own_file(name) is not None:
             links[name] = str(overlays[0] / name)  # one overlay: its own file is the merge
         else:
-            merged[name] = content
+            merged[name] = content()
 
     inputs: dict[str, Path | None] = {"the base snapshot": base}
     inputs.update({f"the overlay {o}": o for o in overlays})

@@ -79,7 +79,7 @@ def find_ple_source(snap: Snapshot, dense_layer_id: int = 0) -> PleSource:
     quantized = tc.get("ple_embedding_dtype")
     if quantized is not None:
         raise FlashnextError(f"{where} says ple_embedding_dtype {quantized!r}: the table is quantized for vLLM's own "
-                             "PLE methods (flashnext ple build --format); table files and their checks take the "
+                             "PLE methods (`flashnext ple build --format`); table files and their checks take the "
                              "BF16 snapshot")
     formula = ple_layout(tc, dense_layer_id, where)
     if dense_layer_id >= len(layer_ids):

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from flashnext.errors import FlashnextError, VerificationMismatch
+from flashnext.errors import FlashnextError, VerificationMismatch, named
 from flashnext.progress import Progress
 from flashnext.quant.checkpoint.fsutil import (HeldDirectory, OutputFile, atomic_file, check_free_space, refuse_overlap,
                                                remove_stale_lock, write_text_at)
@@ -208,7 +208,7 @@ def _resume(parent: HeldDirectory, out: Path, source: PleSource, identity: list,
     if parent.lstat(journal_path.name) is None:
         if parent.lstat(partial.name) is not None:
             raise FlashnextError(f"{partial} exists but is no interrupted flashnext build (no {journal_path.name}); "
-                                 "remove it or choose another --out")
+                                 f"remove it or choose another {named('out')}")
         return None, {}
     if parent.lstat(partial.name) is None:
         return None, {}
@@ -219,12 +219,12 @@ def _resume(parent: HeldDirectory, out: Path, source: PleSource, identity: list,
     except (FlashnextError, ValueError, OSError) as e:
         if force:
             return _start_over(parent, partial)
-        raise FlashnextError(f"{journal_path} is damaged ({e}); pass --force to start over") from None
+        raise FlashnextError(f"{journal_path} is damaged ({e}); pass {named('force')} to start over") from None
     if journal.source != identity:
         if force:
             return _start_over(parent, partial)
         raise FlashnextError(f"{partial} is an interrupted build from a different source (the PLE shards changed "
-                             "since); pass --force to start over")
+                             f"since); pass {named('force')} to start over")
     recorded = journal.partial
     try:
         fd = os.open(partial.name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent.fd)
@@ -243,7 +243,7 @@ def _resume(parent: HeldDirectory, out: Path, source: PleSource, identity: list,
     if force or (recorded is None and not shards):  # killed before the partial was recorded: none of it is ours
         return _start_over(parent, partial)
     raise FlashnextError(f"{partial} is not the partial file this build created (a link, or replaced since); "
-                         "flashnext will not write into it: remove it, or pass --force to start over")
+                         f"flashnext will not write into it: remove it, or pass {named('force')} to start over")
 
 
 def _sidecar(source: PleSource, stats: CopyStats | None, out: Path) -> tuple[Sidecar, str]:
@@ -274,7 +274,7 @@ def build_table(src: Path, out: Path, dense_layer_id: int = 0, force: bool = Fal
         what = "has the right size" if size == source.file_size else \
             f"is {size} bytes, not the {source.file_size} this table needs"
         remove_stale_lock(out)
-        raise FlashnextError(f"{out} already exists and {what}; pass --force to rebuild it")
+        raise FlashnextError(f"{out} already exists and {what}; pass {named('force')} to rebuild it")
     with atomic_file(out, force, inputs, is_ours=_flashnext_table,
                      maker=f"`{BUILDER}` (no valid {sidecar_path(out).name})",
                      companions=(sidecar_path(out), _journal_path(out)), what="the table file") as output:
@@ -292,7 +292,7 @@ def _build_locked(snap: Snapshot, source: PleSource, output: OutputFile, force: 
             read_sidecar(table)
         except FlashnextError:
             raise FlashnextError(f"{sidecar_path(out)} exists and is not a flashnext sidecar; remove it or "
-                                 "choose another --out") from None
+                                 f"choose another {named('out')}") from None
     partial, journal_path = _partial_path(out), _journal_path(out)
     identity = source_identity(source)
     fd, done = _resume(parent, out, source, identity, force, notice)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import httpx
 
 from flashnext import __version__
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.serving.bench import workloads
 from flashnext.serving.bench.ab import ab_report
 from flashnext.serving.bench.advice import advice_for
@@ -118,16 +118,16 @@ class Bench:
                  baseline: BenchReport | None = None, progress: Callable[[int], None] | None = None,
                  allow_different_settings: bool = False):
         if not 1 <= len(urls) <= 2:
-            raise FlashnextError("flashnext bench compares at most two endpoints (URL and --against URL)")
+            raise FlashnextError(f"flashnext bench compares at most two endpoints (URL and {named('against')} URL)")
         if baseline is not None and len(urls) != 1:
-            raise FlashnextError("give --against or --baseline, not both")
+            raise FlashnextError(f"give {named('against')} or {named('baseline')}, not both")
         # Refused before any request: numbers measured with other settings would be compared as equals.
         self.setting_differences = workload_differences(baseline.settings, settings) if baseline else []
         if self.setting_differences and not allow_different_settings:
             first = self.setting_differences[0]
             more = f" (and {len(self.setting_differences) - 1} more)" if len(self.setting_differences) > 1 else ""
             raise FlashnextError(f"the baseline was measured with other settings ({first}{more}): run with its "
-                                 "settings, or pass --allow-different-settings to compare anyway")
+                                 f"settings, or pass {named('allow_different_settings')} to compare anyway")
         for url in urls:
             check_url(url)
         for model in models:

@@ -56,14 +56,14 @@ class Rig:
 
     def __post_init__(self):
         if self.gpus < 1:
-            raise FlashnextError(f"--gpus must be at least 1, got {self.gpus}")
-        check_gpu_memory(self.gpu_memory_bytes / GIB, "--gpu-memory")  # a profile's gpu_memory_gib holds it
+            raise FlashnextError(f"must be at least 1, got {self.gpus}", field="gpus")
+        check_gpu_memory(self.gpu_memory_bytes / GIB, "gpu_memory")  # a profile's gpu_memory_gib holds it
         if self.host_ram_bytes <= 0:
-            raise FlashnextError(f"--host-ram must be positive, got {self.host_ram_bytes / GIB:g}")
+            raise FlashnextError(f"must be positive, got {self.host_ram_bytes / GIB:g}", field="host_ram")
         if self.context < 1:
-            raise FlashnextError(f"--context must be at least 1 token, got {self.context}")
+            raise FlashnextError(f"must be at least 1 token, got {self.context}", field="context")
         if self.ple_format not in PLE_FORMATS:
-            raise FlashnextError(f"--ple-format must be one of {', '.join(PLE_FORMATS)}, got {self.ple_format!r}")
+            raise FlashnextError(f"must be one of {', '.join(PLE_FORMATS)}, got {self.ple_format!r}", field="ple_format")
 
     @property
     def usable_vram_bytes(self) -> int:
@@ -180,7 +180,7 @@ def _host(profile, plan: Plan, rig: Rig) -> dict:
     from flashnext.serving.capacity.ledger import host_fit, pinned_host_terms
 
     shape = ServingShape.from_profile(profile)
-    terms = pinned_host_terms(shape, plan, None, None, ple_format=rig.ple_format)
+    terms = pinned_host_terms(shape, plan, ple_format=rig.ple_format)
     fits, kv_fits = host_fit(shape, plan, terms, rig.host_ram_bytes)
     return {"host_bytes": rig.host_ram_bytes, "headroom_bytes": capacity.HOST_HEADROOM, "ple_format": rig.ple_format,
             "pinned": {t.name: t.bytes for t in terms}, "pinned_total_bytes": sum(t.bytes for t in terms),
@@ -235,7 +235,7 @@ def plan_rig(rig: Rig, search: bool = True) -> RigPlan:
     text = load_text_config()
     shape = ServingShape.from_profile(template)
     if rig.gpus > text.num_hidden_layers:
-        raise FlashnextError(f"--gpus {rig.gpus}: the model has {text.num_hidden_layers} layers to split")
+        raise FlashnextError(f"{rig.gpus}: the model has {text.num_hidden_layers} layers to split", field="gpus")
     vision = load_vision_config() if shape.images else None
     vision_bytes = vision_plan(vision, shape.vit_stream, shape.max_pixels).vram_bytes if vision else 0
     loads = fixed_loads(rig, rig.gpus, vision_bytes)

@@ -282,11 +282,13 @@ def ple_format_ab(launcher: Launcher, profile, ple_view: Path, base_env: dict[st
                             agreement=agreement, decode_change_pct=change)
 
 
-def run_gpu_part(model: Path, profile, patches, ple_table: Path | None, launcher: Launcher, runs_dir: Path,
-                 out_root: Path, progress: Callable[[str], None], ready_timeout_s: float = 900.0,
+def run_gpu_part(deployment, patches, launcher: Launcher, runs_dir: Path, out_root: Path,
+                 progress: Callable[[str], None], ready_timeout_s: float = 900.0,
                  ple_view: Path | None = None) -> GpuPart:
-    """The runs in order: all on, all on again (A/A), then each switch off, then (``ple_view``: the
-    demo with the NVFP4 PLE overlay applied) the PLE table as NVFP4; and the verdicts."""
+    """The runs of ``deployment`` (the profile serving the demo checkpoint, with its PLE table file
+    where the profile serves one) in order: all on, all on again (A/A), then each switch off, then
+    (``ple_view``: the demo with the NVFP4 PLE overlay applied) the PLE table as NVFP4; and the verdicts."""
+    model, profile, ple_table = deployment.model, deployment.profile, deployment.ple_table
     runs_dir.mkdir(parents=True, exist_ok=True)
     sw = switches(patches, profile.env, ple_table)
     base_env = {**profile.env, **{s.name: s.on for s in sw}}

@@ -33,20 +33,21 @@ GATHER_ROWS = 4096
 
 # -- in the selftest's process --------------------------------------------------------------------
 
-def build_views(snapshot: Path, workdir: Path) -> dict[str, dict]:
-    """Per format: the overlay ``flashnext ple build --format`` writes from ``snapshot`` and a view
-    of the snapshot with it (``overlay``, ``view``, ``report``), or why it could not be built
-    (``error``)."""
+def build_views(snapshot, workdir: Path) -> dict[str, dict]:
+    """Per format: the overlay ``flashnext ple build --format`` writes from ``snapshot`` (a
+    :class:`~flashnext.quant.checkpoint.snapshot.Snapshot`, opened once for all of it) and a view of
+    the snapshot with it (``overlay``, ``view``, ``report``), or why it could not be built (``error``)."""
     from flashnext.errors import FlashnextError
-    from flashnext.quant.overlays.ple_quant import quantize_ple_table
-    from flashnext.quant.overlays.view import apply_overlays
+    from flashnext.quant.overlays.ple_quant import PleQuantize
+    from flashnext.quant.overlays.view import OverlayStack, apply_overlays
 
     out = {}
     for fmt in FORMATS:
         overlay, view = workdir / f"ple-{fmt}", workdir / f"view-ple-{fmt}"
         try:
-            report = quantize_ple_table(snapshot, overlay, fmt)
-            apply_overlays(snapshot, [overlay], view)
+            report = PleQuantize(snapshot, fmt).build(overlay, progress=False)
+            apply_overlays(snapshot.root, [overlay], view,
+                           stack=OverlayStack(snapshot.root, [overlay], open_base=lambda: snapshot))
         except FlashnextError as e:
             out[fmt] = {"error": f"ple build --format {fmt}: {e}"}
             continue
@@ -54,13 +55,19 @@ def build_views(snapshot: Path, workdir: Path) -> dict[str, dict]:
     return out
 
 
-def _tensors(root: Path, names) -> dict:
+def _tensors(root, names) -> dict:
+    """``names`` read from ``root``: a folder (its index read here) or a
+    :class:`~flashnext.quant.checkpoint.snapshot.Snapshot` (its index as opened)."""
     from safetensors import safe_open
 
-    index = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+    if isinstance(root, Path):
+        index = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+        path_of = {name: root / index[name] for name in names}
+    else:
+        path_of = {name: root.path(root.weight_map[name]) for name in names}
     out = {}
     for name in names:
-        with safe_open(str(root / index[name]), "pt") as f:
+        with safe_open(str(path_of[name]), "pt") as f:
             out[name] = f.get_tensor(name)
     return out
 
@@ -91,16 +98,17 @@ def decoded_table(view: Path, source, fmt: str):
     return torch.cat(parts)
 
 
-def bf16_table(snapshot: Path, source):
+def bf16_table(snapshot, source):
     import torch
 
     t = _tensors(snapshot, [s.name for s in source.shards])
     return torch.cat([t[s.name] for s in source.shards])
 
 
-def judge(snapshot: Path, built: dict[str, dict], read: dict | None, read_error: str | None):
+def judge(snapshot, built: dict[str, dict], read: dict | None, read_error: str | None):
     """The :class:`~.report.PleFormats` record: per format, vLLM's rows (``read``, from
-    :func:`read_back`) against flashnext's decoder and against the BF16 rows."""
+    :func:`read_back`) against flashnext's decoder and against the BF16 rows of ``snapshot`` (the
+    demo, a :class:`~flashnext.quant.checkpoint.snapshot.Snapshot`)."""
     import torch
 
     from flashnext.quant.checkpoint.snapshot import Snapshot
@@ -109,9 +117,8 @@ def judge(snapshot: Path, built: dict[str, dict], read: dict | None, read_error:
     from flashnext.quant.ple.source import find_ple_source
     from flashnext.serving.selftest.report import PleFormatCheck, PleFormats
 
-    snap = Snapshot.open(snapshot)
-    layers = snap.text_config.get("ple_layer_ids") or []
-    sources = [find_ple_source(snap, i) for i in range(len(set(layers)))]
+    layers = snapshot.text_config.get("ple_layer_ids") or []
+    sources = [find_ple_source(snapshot, i) for i in range(len(set(layers)))]
     checks = []
     for fmt in FORMATS:
         row = dict(format=fmt, ple_embedding_dtype=float_rows.FORMATS[fmt], vllm_method=None, vllm_backend=None,
@@ -127,7 +134,7 @@ def judge(snapshot: Path, built: dict[str, dict], read: dict | None, read_error:
             checks.append(PleFormatCheck(status="failed", detail=f"vLLM could not read the overlay: {why}", **row))
             continue
         row.update(vllm_method=got["method"], vllm_backend=got["backend"], allocated_bytes=sorted(got["allocated"]),
-                   preflight_bytes=sorted(quantized_table_allocations(Path(b["view"]))))
+                   preflight_bytes=sorted(quantized_table_allocations(Snapshot.open(Path(b["view"])))))
         problems, squared, reference, differing, rows = [], 0.0, 0.0, 0, 0
         for source in sources:
             vllm_rows = torch.load(got["rows"][source.prefix], weights_only=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from flashnext import __version__
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.serving import vllm_release
 from flashnext.serving.selftest.report import (
     KernelChoice, KernelChoices, KernelFit, KernelLayer, Machine, PatchResult, PleFormatAB, PleFormats, RunResult,
@@ -56,7 +56,7 @@ def _cpu_env(pythonpath: Path | None = None) -> dict[str, str]:
 # -- the series --------------------------------------------------------------------------------
 
 def check_series(patches) -> SeriesCheck:
-    from flashnext.serving import patch_series, vllm_release
+    from flashnext.serving import patch_series
 
     try:
         results = patch_series.check_series()
@@ -108,11 +108,12 @@ def check_kernel_fit(config: dict, workdir: Path, tree: Path | None) -> KernelFi
     return check_in_vllm(config, workdir, tree)[0]
 
 
-def check_in_vllm(config: dict, workdir: Path, tree: Path | None, snapshot: Path | None = None,
+def check_in_vllm(config: dict, workdir: Path, tree: Path | None, snapshot=None,
                   built: dict | None = None) -> tuple[KernelFit, PleFormats | None]:
     """The kernel fit (:func:`check_kernel_fit`) and, given the PLE overlays ``built`` from
-    ``snapshot`` (:func:`.ple_formats.build_views`), their read-back through vLLM's own PLE module:
-    one fresh vLLM interpreter for both, so that vLLM's import (10-20 s) is paid once."""
+    ``snapshot`` (the demo, a :class:`~flashnext.quant.checkpoint.snapshot.Snapshot`:
+    :func:`.ple_formats.build_views`), their read-back through vLLM's own PLE module: one fresh vLLM
+    interpreter for both, so that vLLM's import (10-20 s) is paid once."""
     from flashnext.serving.selftest import ple_formats
     from flashnext.serving.selftest.kernel_fit import CAPABILITIES, STAND_IN
 
@@ -125,7 +126,7 @@ def check_in_vllm(config: dict, workdir: Path, tree: Path | None, snapshot: Path
         ple_dir = workdir / "ple-read-back"
         ple_dir.mkdir(parents=True, exist_ok=True)
         request, ple_out = ple_dir / "request.json", ple_dir / "result.json"
-        request.write_text(json.dumps({"snapshot": str(snapshot),
+        request.write_text(json.dumps({"snapshot": str(snapshot.root),
                                        "views": {fmt: b["view"] for fmt, b in built.items() if "view" in b}}))
         argv += [str(request), str(ple_out)]
     done = subprocess.run(argv, capture_output=True, text=True, env=_cpu_env(tree), timeout=1200)
@@ -183,26 +184,30 @@ def gpu_count(gpus: str) -> tuple[int, list[str]]:
     if gpus == "auto":
         return len(devices), names
     if int(gpus) > len(devices):
-        raise FlashnextError(f"--gpus {gpus}: {len(devices)} GPU(s) visible here (NVML, nvidia-smi); "
-                             "pass --gpus auto, or --gpus 0 for the CPU part only")
+        raise FlashnextError(f"{gpus}: {len(devices)} GPU(s) visible here (NVML, nvidia-smi); "
+                             f"pass {named('gpus')} auto, or {named('gpus')} 0 for the CPU part only", field="gpus")
     return int(gpus), names[: int(gpus)]
 
 
-def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "auto",
+def run_selftest(deployment, out_tmp: Path, workdir: Path, gpus: str = "auto",
                  progress: Callable[[str], None] = lambda line: None, launcher=None,
                  config: dict | None = None) -> SelftestReport:
-    """Every part this machine can run, results written under ``out_tmp`` (the output being built),
-    scratch (the demo checkpoint, the patched tree) under ``workdir``. ``config``: the demo's
-    config.json to check instead of ``flashnext.quant.demo``'s; ``launcher``: how ``vllm serve``
-    starts (:class:`.gpu.Launcher`)."""
+    """Every part this machine can run for ``deployment`` (a
+    :class:`~flashnext.serving.deployment.Deployment` of the profile to test, resolved by the command;
+    the model it serves is the demo checkpoint written here), results written under ``out_tmp`` (the
+    output being built), scratch (the demo checkpoint, the patched tree) under ``workdir``.
+    ``config``: the demo's config.json to check instead of ``flashnext.quant.demo``'s; ``launcher``:
+    how ``vllm serve`` starts (:class:`.gpu.Launcher`)."""
+    import dataclasses
+
     from flashnext.quant import demo
     from flashnext.serving import patch_series
     from flashnext.serving.patch_series import load_series
-    from flashnext.serving.profiles import load_profile
     from flashnext.serving.selftest import gpu, ple_formats
 
     started = _now()
-    profile = load_profile(profile_name)
+    profile = deployment.profile
+    profile_name = profile.name
     if profile.model_family != "qwen4_exp":
         raise FlashnextError(f"profile {profile_name} serves {profile.model_family}; the selftest's demo checkpoint "
                              "is a qwen4_exp model: choose a qwen4_exp profile")
@@ -222,10 +227,14 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
     progress("[cpu 2/3] PLE formats: the demo's PLE table built as NVFP4 and FP8 overlays")
     snapshot = workdir / "demo"
     demo.write_demo_checkpoint(snapshot)
-    built = ple_formats.build_views(snapshot, workdir / "ple-formats")
+    # the profile, as resolved, serving the demo (with its table file where the profile serves one):
+    # what the rest of the selftest takes, the demo opened once
+    demo_deployment = dataclasses.replace(deployment, model=snapshot, overlays=(),
+                                          ple_table=workdir / "ple-table.bin" if profile.uses_ple_table else None)
+    built = ple_formats.build_views(demo_deployment.snapshot, workdir / "ple-formats")
     progress("[cpu 3/3] in vLLM's own code on the CPU: kernel fit (the demo's quantized layers at 8.6 and 9.0) "
              "and the PLE overlays read back by Qwen4ExpNGramEmbedding")
-    fit, ple = check_in_vllm(config, workdir, tree, snapshot, built)
+    fit, ple = check_in_vllm(config, workdir, tree, demo_deployment.snapshot, built)
     if tree is None:
         fit.detail += " (built with the installed vLLM: the series did not apply)"
         ple.detail += " (read with the installed vLLM: the series did not apply)"
@@ -253,24 +262,23 @@ def run_selftest(profile_name: str, out_tmp: Path, workdir: Path, gpus: str = "a
     runs: list[RunResult] = []
     part = None
     if gpu_status == "passed":
+        from flashnext.quant.overlays.view import OverlayStack, apply_overlays
         from flashnext.quant.ple.table import build_table
         from flashnext.serving.selftest.tokenizer import write_tokenizer
 
-        from flashnext.quant.overlays.view import apply_overlays
-
         progress("[gpu] writing the demo's tokenizer, its PLE table and a view of its NVFP4 PLE overlay")
         write_tokenizer(snapshot)
-        table = None
-        if profile.uses_ple_table:
-            table = workdir / "ple-table.bin"
-            build_table(snapshot, table, progress=False)
+        if demo_deployment.ple_table is not None:
+            build_table(snapshot, demo_deployment.ple_table, progress=False)
         # A view made now holds the tokenizer too (`flashnext overlay apply`'s machinery, as `serve --overlay`).
         nvfp4_view = None
         if "overlay" in built["nvfp4"]:
             nvfp4_view = workdir / "demo-ple-nvfp4"
-            apply_overlays(snapshot, [Path(built["nvfp4"]["overlay"])], nvfp4_view)
-        part = gpu.run_gpu_part(snapshot, profile, patches, table, launcher or gpu.Launcher(), out_tmp / "runs",
-                                out_tmp, progress, ple_view=nvfp4_view)
+            overlay = Path(built["nvfp4"]["overlay"])
+            apply_overlays(snapshot, [overlay], nvfp4_view,
+                           stack=OverlayStack(snapshot, [overlay], open_base=lambda: demo_deployment.snapshot))
+        part = gpu.run_gpu_part(demo_deployment, patches, launcher or gpu.Launcher(), out_tmp / "runs", out_tmp,
+                                progress, ple_view=nvfp4_view)
         runs = [r.result for r in part.runs]
         failed_runs = [r for r in runs if r.name in ("on", "on-again") and r.error]
         if failed_runs:
@@ -379,15 +387,15 @@ def write_outputs(report: SelftestReport, out_tmp: Path) -> list[str]:
     return ["report.json", "report.html"]
 
 
-def selftest(profile_name: str, out: Path, gpus: str = "auto", keep: bool = False, force: bool = False,
+def selftest(deployment, out: Path, gpus: str = "auto", keep: bool = False, force: bool = False,
              progress: Callable[[str], None] = lambda line: None, launcher=None,
              config: dict | None = None) -> tuple[SelftestReport, Path | None]:
-    """:func:`run_selftest` into ``out`` (whole or not at all); with ``keep`` the scratch directory
-    stays, and is returned."""
+    """:func:`run_selftest` of ``deployment`` into ``out`` (whole or not at all); with ``keep`` the
+    scratch directory stays, and is returned."""
     from flashnext.quant.checkpoint.fsutil import atomic_directory, scratch_directory
 
     with scratch_directory("selftest", MADE_BY, keep=keep) as workdir, \
             atomic_directory(Path(out), force=force, made_by=MADE_BY) as tmp:
-        report = run_selftest(profile_name, tmp, workdir, gpus, progress, launcher, config)
+        report = run_selftest(deployment, tmp, workdir, gpus, progress, launcher, config)
         write_outputs(report, tmp)
     return report, workdir if keep else None

@@ -300,6 +300,6 @@ def test_serve_plans_the_snapshot_the_preflight_checks(demo_snapshot, tmp_path):
     assert summary_line(Deployment(profile, demo_snapshot)).startswith(f"plan: {planned['blocks']} blocks per rank")
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: {125 * GIB // 1024} kB\nMemAvailable: {118 * GIB // 1024} kB\n")
-    finding = preflight.check_host_ram(profile, meminfo, tmp_path / "absent", model=demo_snapshot,
-                                       ple_table=tmp_path / "table.bin")
+    finding = preflight.check_host_ram(Deployment(profile, demo_snapshot, ple_table=tmp_path / "table.bin"), meminfo,
+                                       tmp_path / "absent")
     assert finding.terms["QSA K/V"] == planned["pinned_host_bytes_needed"] != base.pinned_host_bytes_needed

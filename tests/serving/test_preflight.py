@@ -9,6 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from flashnext.serving import preflight as pf
+from flashnext.quant.checkpoint.snapshot import Snapshot
+from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import available, load_profile
 from flashnext.tools.cli import main as cli
 
@@ -131,8 +133,8 @@ def test_the_host_ram_check_reads_the_pipeline_size_as_vllm_does(tmp_path):
     at = rest.index("--pipeline-parallel-size")
     short = dataclasses.replace(profile, vllm_args=[*rest[:at], "-pp", rest[at + 1], *rest[at + 2:]])
     for p in (profile, short):
-        finding = pf.check_host_ram(p, meminfo_file(tmp_path, 125, 118), tmp_path / "absent",
-                                    ple_table=tmp_path / "table.bin")
+        finding = pf.check_host_ram(Deployment(p, ple_table=tmp_path / "table.bin"), meminfo_file(tmp_path, 125, 118),
+                                    tmp_path / "absent")
         assert finding.terms["MTP draft embedding"] == DRAFT_EMBED
 
 
@@ -170,50 +172,52 @@ def test_host_ram_against_the_plan(tmp_path):
     unlimited = tmp_path / "memory.max"
     unlimited.write_text("max\n")
     table = tmp_path / "table.bin"  # served from the file: never pinned, so never read here
-    rig = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), unlimited, ple_table=table)
+    rig = pf.check_host_ram(Deployment(profile, ple_table=table), meminfo_file(tmp_path, 125, 118), unlimited)
     assert rig.ok and rig.terms == {"QSA K/V": QSA_783MB, "PLE staging rows": PLE_STAGING, "ViT blocks": VIT_BLOCKS}
     assert "QSA K/V 67.82 GiB + PLE staging rows 4.00 MiB + ViT blocks 784.81 MiB = 68.59 GiB" in rig.detail
 
-    small = pf.check_host_ram(profile, meminfo_file(tmp_path, 64, 60), unlimited, ple_table=table)
+    small = pf.check_host_ram(Deployment(profile, ple_table=table), meminfo_file(tmp_path, 64, 60), unlimited)
     assert not small.ok and small.exit == pf.NoGoCode.MEMORY
     # each block pins 12 x 12,144 x 2,048 B = 0.278 GiB: (60 - 4) GiB less the ViT's 0.77 hold 198 blocks
     assert "lower --kv-cache-memory-bytes to 635,019,264 (198 blocks" in small.fix
 
     # a cgroup limit below MemAvailable is what counts
     unlimited.write_text(str(40 * GIB))
-    assert not pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), unlimited, ple_table=table).ok
+    assert not pf.check_host_ram(Deployment(profile, ple_table=table), meminfo_file(tmp_path, 125, 118), unlimited).ok
 
 
 def test_host_ram_counts_a_pinned_ple_table(tmp_path):
     """Without --ple-table vLLM's engram default (cpu_offload) pins the whole 95.37 GiB table: with
     the 67.82 GiB of QSA K/V that is more than a 125 GiB host has; the fix is the table file."""
     profile = load_profile("3x3090")
-    finding = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), tmp_path / "absent")
+    finding = pf.check_host_ram(Deployment(profile), meminfo_file(tmp_path, 125, 118), tmp_path / "absent")
     assert finding.terms == {"QSA K/V": QSA_783MB, "PLE table": PLE_TABLE, "ViT blocks": VIT_BLOCKS}
     assert not finding.ok and finding.blocking and finding.exit == pf.NoGoCode.MEMORY
     assert "QSA K/V 67.82 GiB + PLE table 95.37 GiB + ViT blocks 784.81 MiB = 163.96 GiB" in finding.detail
     assert "--ple-table FILE" in finding.fix and "flashnext ple build --src SNAPSHOT --out FILE" in finding.fix
     # the engram table kept on the GPU instead pins nothing on the host
     on_gpu = dataclasses.replace(profile, vllm_args=[*profile.vllm_args, "--engram-config", '{"cpu_offload": false}'])
-    assert "PLE table" not in pf.check_host_ram(on_gpu, meminfo_file(tmp_path, 125, 118), tmp_path / "absent").terms
+    assert "PLE table" not in pf.check_host_ram(Deployment(on_gpu), meminfo_file(tmp_path, 125, 118),
+                                                tmp_path / "absent").terms
     # nor does vLLM 0.34.0's disk_offload, which reads the rows from the shards and wins over cpu_offload
     on_disk = with_args("3x3090", "--engram-config", '{"cpu_offload": true, "disk_offload": true}')
-    assert "PLE table" not in pf.check_host_ram(on_disk, meminfo_file(tmp_path, 125, 118), tmp_path / "absent").terms
+    assert "PLE table" not in pf.check_host_ram(Deployment(on_disk), meminfo_file(tmp_path, 125, 118),
+                                                tmp_path / "absent").terms
 
 
 def test_host_ram_counts_the_mtp_draft_embedding(tmp_path):
     """3x3090-mtp at 550 MB: 170 blocks of 9,776 tokens over 12 QSA layers and the draft's one,
     plus the draft's INT8 embedding that patch mtp-02 pins on the last rank (0.60 GiB)."""
     profile = load_profile("3x3090-mtp")
-    finding = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), tmp_path / "absent",
-                                ple_table=tmp_path / "table.bin")
+    finding = pf.check_host_ram(Deployment(profile, ple_table=tmp_path / "table.bin"),
+                                meminfo_file(tmp_path, 125, 118), tmp_path / "absent")
     qsa = 170 * 9_776 * 2_048 * 13
     assert finding.terms == {"QSA K/V": qsa, "PLE staging rows": PLE_STAGING, "MTP draft embedding": DRAFT_EMBED,
                              "ViT blocks": VIT_BLOCKS}
     assert finding.ok and f"= {(qsa + DRAFT_EMBED + VIT_BLOCKS) / GIB:.2f} GiB" in finding.detail
     slim_off = dataclasses.replace(profile, env={**profile.env, "VLLM_MTP_SLIM_DRAFT": "0"})
-    assert "MTP draft embedding" not in pf.check_host_ram(slim_off, meminfo_file(tmp_path, 125, 118),
-                                                          tmp_path / "absent", ple_table=tmp_path / "t").terms
+    assert "MTP draft embedding" not in pf.check_host_ram(Deployment(slim_off, ple_table=tmp_path / "t"),
+                                                          meminfo_file(tmp_path, 125, 118), tmp_path / "absent").terms
 
 
 def test_pinned_sizes_from_the_snapshots_tensors(demo_snapshot, demo_table):
@@ -221,7 +225,7 @@ def test_pinned_sizes_from_the_snapshots_tensors(demo_snapshot, demo_table):
     file `ple build` wrote, the embedding from its tensors as the safetensors library reads them."""
     from safetensors import safe_open
 
-    assert pf.ple_table_bytes(demo_snapshot) == demo_table.stat().st_size
+    assert pf.ple_table_bytes(Snapshot.open(demo_snapshot)) == demo_table.stat().st_size
     config = json.loads((demo_snapshot / "config.json").read_text())
     vocab = config["text_config"]["vocab_size"]
     index = json.loads((demo_snapshot / "model.safetensors.index.json").read_text())["weight_map"]
@@ -231,7 +235,7 @@ def test_pinned_sizes_from_the_snapshots_tensors(demo_snapshot, demo_table):
         with safe_open(demo_snapshot / index[name], "pt") as f:
             t = f.get_tensor(name)
         stored += t.numel() * t.element_size() // t.shape[0] * (-(-vocab // 64) * 64)
-    assert pf.draft_embedding_bytes(demo_snapshot) == stored
+    assert pf.draft_embedding_bytes(Snapshot.open(demo_snapshot)) == stored
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -241,17 +245,16 @@ def test_a_quantized_ple_table_is_pinned_at_its_own_size(fmt, demo_snapshot, tmp
     from flashnext.quant.overlays.ple_quant import quantize_ple_table
     from flashnext.quant.overlays.view import apply_overlays
     from flashnext.quant.ple.table import find_ple_source
-    from flashnext.quant.checkpoint.snapshot import Snapshot
 
     quantize_ple_table(demo_snapshot, tmp_path / "ov", fmt)
     apply_overlays(demo_snapshot, [tmp_path / "ov"], tmp_path / "view")
     source = find_ple_source(Snapshot.open(demo_snapshot))
     rows, d = source.layout.padded_rows, source.row_elements
     expected = sorted([rows * d // 2, rows * d // 16] if fmt == "nvfp4" else [rows * d])
-    assert sorted(pf.ple_table_allocations(tmp_path / "view")) == expected
-    assert pf.ple_table_bytes(demo_snapshot) == rows * d * 2  # the BF16 table, for comparison
-    finding = pf.check_host_ram(load_profile("3x3090"), meminfo_file(tmp_path, 125, 118), tmp_path / "absent",
-                                model=tmp_path / "view")
+    assert sorted(pf.ple_table_allocations(Snapshot.open(tmp_path / "view"))) == expected
+    assert pf.ple_table_bytes(Snapshot.open(demo_snapshot)) == rows * d * 2  # the BF16 table, for comparison
+    finding = pf.check_host_ram(Deployment(load_profile("3x3090"), tmp_path / "view"), meminfo_file(tmp_path, 125, 118),
+                                tmp_path / "absent")
     assert finding.terms["PLE table"] == sum(expected)  # the exact-size pool: no rounding
 
 
@@ -260,8 +263,8 @@ def test_host_ram_counts_pytorch_power_of_two_rounding(tmp_path):
     and the ViT's 0.77 GiB row becomes 1 GiB."""
     profile = load_profile("3x3090")
     off = dataclasses.replace(profile, env={**profile.env, "VLLM_EXACT_HOST_POOL": "0"})
-    finding = pf.check_host_ram(off, meminfo_file(tmp_path, 125, 90), tmp_path / "absent",
-                                ple_table=tmp_path / "table.bin")
+    finding = pf.check_host_ram(Deployment(off, ple_table=tmp_path / "table.bin"), meminfo_file(tmp_path, 125, 90),
+                                tmp_path / "absent")
     assert not finding.ok and "QSA K/V 96.00 GiB + PLE staging rows 4.00 MiB + ViT blocks 1.00 GiB" in finding.detail
     assert "67.82 GiB exact" in finding.detail
     assert 'VLLM_EXACT_HOST_POOL: "1"' in finding.fix
@@ -322,12 +325,12 @@ def test_ple_drive_for_real(tmp_path):
 
 
 def test_overlay_findings(demo_snapshot, demo_overlay, tmp_path):
-    assert pf.check_overlays(demo_snapshot, [demo_overlay]).ok
+    assert pf.check_overlays(Deployment(load_profile("3x3090"), demo_snapshot, (demo_overlay,))).ok
     bad = tmp_path / "ov"
     shutil.copytree(demo_overlay, bad)
     with open(bad / "config.json", "a") as f:
         f.write(" ")
-    finding = pf.check_overlays(demo_snapshot, [bad])
+    finding = pf.check_overlays(Deployment(load_profile("3x3090"), demo_snapshot, (bad,)))
     assert not finding.ok and finding.exit == pf.NoGoCode.OVERLAY and "config.json" in finding.detail
 
 
@@ -354,22 +357,27 @@ def test_verdict_and_exit_codes(demo_snapshot, demo_overlay, demo_table, monkeyp
     assert result.exit_code == pf.NoGoCode.GPU and "NO-GO (exit 10)" in result.output and "fix:" in result.output
 
 
+def served_table(table, model) -> Deployment:
+    """A deployment of ``model`` serving the PLE table file ``table``: what the preflight checks it for."""
+    return Deployment(load_profile("3x3090"), model, ple_table=table)
+
+
 def test_ple_table_findings(demo_snapshot, tmp_path):
     from flashnext.quant.ple.table import build_table
 
     table = tmp_path / "table.bin"
     build_table(demo_snapshot, table, progress=False)
-    good = pf.check_ple_table(table, demo_snapshot)
+    good = pf.check_ple_table(served_table(table, demo_snapshot))
     assert good.ok and "built from" in good.detail
-    assert pf.check_ple_table(table, None).ok
+    assert pf.check_ple_table(served_table(table, None)).ok
     with open(table, "r+b") as f:  # a byte changed on disk
         f.seek(5)
         f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
-    changed = pf.check_ple_table(table, demo_snapshot)
+    changed = pf.check_ple_table(served_table(table, demo_snapshot))
     assert not changed.ok and changed.exit == pf.NoGoCode.PLE and "differs from its source" in changed.detail
     assert f"flashnext ple build --src {demo_snapshot} --out {table} --force" == changed.fix
     table.write_bytes(b"\0" * 64)
-    short = pf.check_ple_table(table, demo_snapshot)
+    short = pf.check_ple_table(served_table(table, demo_snapshot))
     assert not short.ok and "needs exactly" in short.detail
 
 
@@ -380,8 +388,8 @@ def test_ple_table_sidecar_and_sampling(demo_snapshot, tmp_path):
 
     table = tmp_path / "table.bin"
     build_table(demo_snapshot, table, progress=False)
-    assert "100.0%" in pf.check_ple_table(table, demo_snapshot).detail
-    partial = pf.check_ple_table(table, demo_snapshot, seconds=0)
+    assert "100.0%" in pf.check_ple_table(served_table(table, demo_snapshot)).detail
+    partial = pf.check_ple_table(served_table(table, demo_snapshot), seconds=0)
     assert partial.ok and "ple verify --full" in partial.detail and "as `ple build` left them" in partial.detail
     size = table.stat().st_size
     with open(table, "r+b") as f:  # the middle block, never one of the ends
@@ -389,12 +397,12 @@ def test_ple_table_sidecar_and_sampling(demo_snapshot, tmp_path):
         b = f.read(1)
         f.seek(size // 2)
         f.write(bytes([b[0] ^ 1]))
-    flipped = pf.check_ple_table(table, demo_snapshot)
+    flipped = pf.check_ple_table(served_table(table, demo_snapshot))
     assert not flipped.ok and flipped.blocking and "differs from its source" in flipped.detail
     sidecar = table.with_name("table.bin.json")
     for broken in ("[]", '{"format": "flashnext.ple-table/1"}', "{"):
         sidecar.write_text(broken)
-        finding = pf.check_ple_table(table, demo_snapshot)
+        finding = pf.check_ple_table(served_table(table, demo_snapshot))
         assert not finding.ok and finding.blocking and finding.exit == pf.NoGoCode.PLE
         # without a valid sidecar the table is not ple build's, which --force would refuse to replace
         assert finding.fix.startswith(f"flashnext ple build --src {demo_snapshot} --out NEW.bin, then pass "
@@ -409,7 +417,6 @@ def test_serve_takes_a_quantized_ple_overlay_without_a_table_file(demo_snapshot,
     """`serve --profile 3x3090 --model SNAPSHOT --overlay PLE-NVFP4`: the table is vLLM's to pin, so no
     --ple-table is asked for (and one given is refused), and the preflight counts the quantized table."""
     from flashnext.errors import FlashnextError
-    from flashnext.quant.checkpoint.snapshot import Snapshot
     from flashnext.quant.overlays.ple_quant import quantize_ple_table
     from flashnext.quant.ple.table import find_ple_source
     from flashnext.serving.deployment import Deployment
@@ -417,14 +424,14 @@ def test_serve_takes_a_quantized_ple_overlay_without_a_table_file(demo_snapshot,
 
     quantize_ple_table(demo_snapshot, tmp_path / "nvfp4", "nvfp4")
     profile = load_profile("3x3090")
-    with pytest.raises(FlashnextError, match="--ple-table FILE"):
+    with pytest.raises(FlashnextError, match="pass ple_table FILE"):
         require_ple_table(Deployment(profile, demo_snapshot))
     require_ple_table(Deployment(profile, demo_snapshot, (tmp_path / "nvfp4",)))
-    with pytest.raises(FlashnextError, match="drop --ple-table"):
+    with pytest.raises(FlashnextError, match="drop ple_table"):
         require_ple_table(Deployment(profile, demo_snapshot, (tmp_path / "nvfp4",), tmp_path / "table.bin"))
-    finding = pf.check_host_ram(profile, meminfo_file(tmp_path, 125, 118), tmp_path / "absent", model=demo_snapshot,
-                                overlays=(tmp_path / "nvfp4",))
+    finding = pf.check_host_ram(Deployment(profile, demo_snapshot, (tmp_path / "nvfp4",)),
+                                meminfo_file(tmp_path, 125, 118), tmp_path / "absent")
     source = find_ple_source(Snapshot.open(demo_snapshot))
     rows, d = source.layout.padded_rows, source.row_elements
     assert finding.terms["PLE table"] == rows * d // 2 + rows * d // 16  # codes and block scales, 4.5 bits a value
-    assert finding.terms["PLE table"] < pf.ple_table_bytes(demo_snapshot) / 3
+    assert finding.terms["PLE table"] < pf.ple_table_bytes(Snapshot.open(demo_snapshot)) / 3

@@ -142,12 +142,12 @@ def test_a_table_flashnext_did_not_make_is_not_rebuilt_over(demo_snapshot, tmp_p
     new path (before issue 41 it said `--out big.bin --force`, which then failed)."""
     big = tmp_path / "big.bin"
     big.write_bytes(b"\0" * (8 << 20))
-    finding = pf.check_ple_table(big, demo_snapshot)
+    finding = pf.check_ple_table(Deployment(load_profile("3x3090"), demo_snapshot, ple_table=big))
     assert not finding.ok and "--force" not in finding.fix.split("(")[0] and "NEW.bin" in finding.fix, finding.fix
     followed = subprocess.run([sys.executable, "-m", "flashnext", "ple", "build", "--src", str(demo_snapshot),
                                "--out", str(tmp_path / "NEW.bin"), "--no-progress"], capture_output=True, text=True)
     assert followed.returncode == 0, followed.stderr
-    missing = pf.check_ple_table(tmp_path / "absent.bin", demo_snapshot)
+    missing = pf.check_ple_table(Deployment(load_profile("3x3090"), demo_snapshot, ple_table=tmp_path / "absent.bin"))
     assert missing.fix == f"flashnext ple build --src {demo_snapshot} --out {tmp_path / 'absent.bin'}"
 
 
@@ -163,7 +163,7 @@ def test_a_plan_that_fails_for_the_models_layers_points_at_that_models_plan(demo
     """The demo's 4 layers do not split as 3x3090-mtp splits 48: the fix names --model (before
     issue 41 it pointed at `plan --profile 3x3090-mtp`, which plans the real model and succeeds)."""
     pytest.importorskip("vllm")
-    finding = pf.check_host_ram(load_profile("3x3090-mtp"), model=demo_snapshot)
+    finding = pf.check_host_ram(Deployment(load_profile("3x3090-mtp"), demo_snapshot))
     assert not finding.ok and "does not split 4 layers" in finding.detail, finding
     assert f"--model {demo_snapshot}" in finding.fix and "made for the base checkpoint" in finding.fix
 
@@ -177,5 +177,5 @@ def test_without_vllm_the_host_ram_fix_is_the_install(monkeypatch):
 
     monkeypatch.setattr(capacity, "plan_profile", no_vllm)
     monkeypatch.setattr(vllm_release, "installed_version", lambda: None)
-    finding = pf.check_host_ram(load_profile("3x3090"))
+    finding = pf.check_host_ram(Deployment(load_profile("3x3090")))
     assert not finding.ok and not finding.blocking and vllm_release.INSTALL in finding.fix

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.quant.checkpoint.fsutil.held import HeldDirectory, make_parents, remove_empty, stat_identity
 from flashnext.quant.checkpoint.fsutil.leftovers import remove_leftovers
 from flashnext.quant.checkpoint.fsutil.locks import output_lock
@@ -92,8 +92,8 @@ def write_new_file(path: Path, text: str) -> None:
                 os.unlink(tmp, dir_fd=parent.fd)
 
 
-def check_file_destination(path: Path, option: str, inputs: dict[str, Path | None] | None = None) -> None:
-    """Refuse up front, before any work, a file output (``option`` names it: ``--report``) that could
+def check_file_destination(path: Path, field: str, inputs: dict[str, Path | None] | None = None) -> None:
+    """Refuse up front, before any work, a file output (the input ``field``: ``report``) that could
     only fail once the work is done, minutes of it on the real model: one that is, contains or lies
     inside one of ``inputs`` (:func:`refuse_overlap`), a directory, or one whose nearest existing
     folder is no directory or takes no new file (read-only, not permitted): that is found as the write
@@ -102,20 +102,20 @@ def check_file_destination(path: Path, option: str, inputs: dict[str, Path | Non
     path = Path(path)
     refuse_overlap(path, inputs or {})
     if path.is_dir():
-        raise FlashnextError(f"{option} {path} is a directory; name a file")
+        raise FlashnextError(f"{path} is a directory; name a file", field=field)
     where = path.absolute().parent
     while not os.path.lexists(where):
         where = where.parent
     try:
         held = HeldDirectory.open(where)
     except FlashnextError as e:
-        raise FlashnextError(f"{option} {path} cannot be written: {e}; choose another file") from None
+        raise FlashnextError(f"{path} cannot be written: {e}; choose another file", field=field) from None
     with held:
         try:
             tmp, fd = _create_temporary(held, path.name)
         except OSError as e:
-            raise FlashnextError(f"{option} {path} cannot be written: cannot create a file in {where} "
-                                 f"({e.strerror}); choose another file") from None
+            raise FlashnextError(f"{path} cannot be written: cannot create a file in {where} "
+                                 f"({e.strerror}); choose another file", field=field) from None
         try:
             os.close(fd)
         finally:
@@ -179,7 +179,7 @@ def atomic_file(out: Path, force: bool, inputs: dict[str, Path | None], is_ours:
     out = Path(out).absolute()
     refuse_overlap(out, inputs)
     if out.is_dir():
-        raise FlashnextError(f"{out} is a directory; --out names {what} to write")
+        raise FlashnextError(f"{out} is a directory; {named('out')} names {what} to write")
     created = make_parents(out)
     try:
         with output_lock(out) as parent:
@@ -191,8 +191,8 @@ def atomic_file(out: Path, force: bool, inputs: dict[str, Path | None], is_ours:
                 if not force:
                     raise already_exists(out)
                 if stat.S_ISDIR(existing.st_mode) or not is_ours(parent.through(out.name)):
-                    raise FlashnextError(f"{out} exists and was not made by {maker}; --force only replaces "
-                                         "flashnext's own output: remove it yourself or choose another --out")
+                    raise FlashnextError(f"{out} exists and was not made by {maker}; {named('force')} only replaces "
+                                         f"flashnext's own output: remove it yourself or choose another {named('out')}")
             yield OutputFile(out, parent, inputs)
     except BaseException as e:
         remove_empty(created)

@@ -12,7 +12,7 @@ import socket
 import stat
 from pathlib import Path
 
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.quant.checkpoint.fsutil.held import HeldDirectory, write_new
 from flashnext.quant.records.inputs import open_regular
 
@@ -73,8 +73,8 @@ def refuse_unless_replaceable(out: Path, marker: dict | None, made_by: str | Non
         _not_flashnexts(out)
     if made_by is not None and marker["made_by"] != made_by:
         # The marker is a file anyone could edit: its text is quoted, and only so far.
-        raise FlashnextError(f"{out} was made by {marker['made_by'][:80]!r}, not by {made_by}; --force only "
-                             f"replaces {made_by}'s own output: remove it yourself or choose another --out")
+        raise FlashnextError(f"{out} was made by {marker['made_by'][:80]!r}, not by {made_by}; {named('force')} only "
+                             f"replaces {made_by}'s own output: remove it yourself or choose another {named('out')}")
 
 
 def require_flashnext_output(out: Path, made_by: str | None) -> None:
@@ -84,12 +84,12 @@ def require_flashnext_output(out: Path, made_by: str | None) -> None:
 
 
 def already_exists(out: Path, how: str = "") -> FlashnextError:
-    return FlashnextError(f"{out} already exists{how}: choose another --out or pass --force")
+    return FlashnextError(f"{out} already exists{how}: choose another {named('out')} or pass {named('force')}")
 
 
 def _not_flashnexts(out: Path):
-    raise FlashnextError(f"{out} exists and was not made by flashnext (no {OUTPUT_MARKER}); --force only "
-                         "replaces flashnext's own output: remove it yourself or choose another --out")
+    raise FlashnextError(f"{out} exists and was not made by flashnext (no {OUTPUT_MARKER}); {named('force')} only "
+                         f"replaces flashnext's own output: remove it yourself or choose another {named('out')}")
 
 
 def where_pids_count() -> dict:

@@ -89,10 +89,14 @@ def test_vllms_own_method_reads_the_overlay(fmt, built, demo_snapshot):
     assert relative < BOUNDS[fmt], relative
     assert report["tables"][0]["relative_mse"] < BOUNDS[fmt]
     # what vLLM's method asked the embedding to allocate (patch host-pool pins exactly that much) is
-    # what the preflight counts for this table, tensor for tensor
+    # what the preflight counts for this table, tensor for tensor: from the view, and from the overlay
+    # stacked over the snapshot in memory (what `serve --overlay` plans from, no view written)
     from flashnext.quant.overlays.ple_quant import quantized_table_allocations
+    from flashnext.quant.overlays.view import OverlayStack
 
-    assert sorted(got["allocated"]) == sorted(quantized_table_allocations(view))
+    assert sorted(got["allocated"]) == sorted(quantized_table_allocations(Snapshot.open(view)))
+    stacked = OverlayStack(demo_snapshot, [built[fmt][1]]).served
+    assert sorted(got["allocated"]) == sorted(quantized_table_allocations(stacked))
 
 
 def test_the_overlay_is_an_overlay_like_any_other(built, demo_snapshot):

@@ -19,6 +19,7 @@ import sys
 import jsonschema
 import pytest
 
+from flashnext.serving.deployment import Deployment
 from flashnext.serving.patch_series import load_series
 from flashnext.serving.profiles import load_profile
 from flashnext.serving.selftest import gpu, runner
@@ -68,8 +69,8 @@ def test_every_switch_is_served_off_against_on_with_an_a_a_floor(tmp_path, nvfp4
                                 "STANDIN_PLE_SHIFT": "0.05"})
     out = tmp_path / "out"
     lines: list[str] = []
-    part = gpu.run_gpu_part(tmp_path / "demo", profile, patches, table, launcher, out / "runs", out, lines.append,
-                            ready_timeout_s=60, ple_view=nvfp4_view)
+    part = gpu.run_gpu_part(Deployment(profile, tmp_path / "demo", ple_table=table), patches, launcher, out / "runs",
+                            out, lines.append, ready_timeout_s=60, ple_view=nvfp4_view)
 
     # One server per run: all on, the A/A rerun, then each switch off, in series order, then NVFP4.
     assert len(launcher.calls) == len(patches) + 3
@@ -141,8 +142,9 @@ def test_every_switch_is_served_off_against_on_with_an_a_a_floor(tmp_path, nvfp4
 def _ple_only(tmp_path, nvfp4_view, knobs: dict[str, str]):
     """The all-on run, the A/A rerun and the NVFP4 run only (no patch switched off)."""
     launcher = StandInLauncher(knobs)
-    part = gpu.run_gpu_part(tmp_path / "demo", load_profile("3x3090"), [], tmp_path / "ple-table.bin", launcher,
-                            tmp_path / "runs", tmp_path, lambda line: None, ready_timeout_s=60, ple_view=nvfp4_view)
+    demo = Deployment(load_profile("3x3090"), tmp_path / "demo", ple_table=tmp_path / "ple-table.bin")
+    part = gpu.run_gpu_part(demo, [], launcher, tmp_path / "runs", tmp_path, lambda line: None, ready_timeout_s=60,
+                            ple_view=nvfp4_view)
     assert [argv[2] for argv, _ in launcher.calls] == [str(tmp_path / "demo")] * 2 + [str(nvfp4_view)]
     return part
 
@@ -185,7 +187,7 @@ def test_a_server_that_cannot_serve_the_nvfp4_table_fails_the_selftest(tmp_path,
 def test_a_server_that_never_comes_up_is_a_could_not_run_for_every_patch(tmp_path):
     profile, patches = load_profile("3x3090"), load_series()
     launcher = StandInLauncher({"STANDIN_REFUSE": "VLLM_QSA_KV_OFFLOAD=1"})  # refuses the all-on run
-    part = gpu.run_gpu_part(tmp_path / "demo", profile, patches, None, launcher, tmp_path / "runs", tmp_path,
+    part = gpu.run_gpu_part(Deployment(profile, tmp_path / "demo"), patches, launcher, tmp_path / "runs", tmp_path,
                             lambda line: None, ready_timeout_s=60)
     assert len(launcher.calls) == 1
     assert {v[0] for v in part.verdicts.values()} == {"could_not_run"}

@@ -20,7 +20,7 @@ from flashnext.serving.selftest import ple_formats, runner
 
 @pytest.fixture(scope="module")
 def built(demo_snapshot, tmp_path_factory):
-    return ple_formats.build_views(demo_snapshot, tmp_path_factory.mktemp("ple-formats"))
+    return ple_formats.build_views(Snapshot.open(demo_snapshot), tmp_path_factory.mktemp("ple-formats"))
 
 
 def read_as_vllm_would(demo_snapshot, built, tmp_path, tamper=None) -> dict:
@@ -34,13 +34,15 @@ def read_as_vllm_would(demo_snapshot, built, tmp_path, tamper=None) -> dict:
         path = tmp_path / f"{fmt}.pt"
         torch.save(rows, path)
         out[fmt] = {"method": ple_formats.VLLM_METHODS[fmt], "backend": "Qwen4ExpPLEDeviceEmbedding",
-                    "allocated": quantized_table_allocations(b["view"]), "rows": {source.prefix: str(path)}}
+                    "allocated": quantized_table_allocations(Snapshot.open(Path(b["view"]))),
+                    "rows": {source.prefix: str(path)}}
     return out
 
 
 def test_the_overlays_are_built_and_exact_rows_pass_with_the_formats_error(demo_snapshot, built, tmp_path):
     assert set(built) == {"nvfp4", "fp8"} and all("view" in b for b in built.values())
-    checks = ple_formats.judge(demo_snapshot, built, read_as_vllm_would(demo_snapshot, built, tmp_path), None)
+    checks = ple_formats.judge(Snapshot.open(demo_snapshot), built, read_as_vllm_would(demo_snapshot, built, tmp_path),
+                               None)
     assert checks.status == "passed", checks.detail
     by = {c.format: c for c in checks.formats}
     rows = find_ple_source(Snapshot.open(demo_snapshot)).layout.padded_rows
@@ -57,7 +59,8 @@ def test_a_row_that_is_not_the_decoders_fails(demo_snapshot, built, tmp_path):
         if fmt == "nvfp4":
             rows[4225, 3] = -rows[4225, 3] if rows[4225, 3] != 0 else 1.0  # a nibble read wrong, in shard 1
 
-    checks = ple_formats.judge(demo_snapshot, built, read_as_vllm_would(demo_snapshot, built, tmp_path, tamper), None)
+    checks = ple_formats.judge(Snapshot.open(demo_snapshot), built,
+                               read_as_vllm_would(demo_snapshot, built, tmp_path, tamper), None)
     by = {c.format: c for c in checks.formats}
     assert checks.status == "failed" and by["fp8"].status == "passed"
     assert by["nvfp4"].rows_differing == 1 and "1 of 16896 rows differ from flashnext's decoder (first: row 4225" \
@@ -68,19 +71,20 @@ def test_vllm_refusing_an_overlay_or_allocating_other_sizes_fails(demo_snapshot,
     read = read_as_vllm_would(demo_snapshot, built, tmp_path)
     read["nvfp4"] = {"error": "ValueError: ple_embedding_dtype must be 'nvfp4' or 'float8_e4m3fn'"}
     read["fp8"]["allocated"] = [123]
-    checks = ple_formats.judge(demo_snapshot, built, read, None)
+    checks = ple_formats.judge(Snapshot.open(demo_snapshot), built, read, None)
     by = {c.format: c for c in checks.formats}
     assert by["nvfp4"].status == "failed" and "vLLM could not read the overlay: ValueError" in by["nvfp4"].detail
     assert by["fp8"].status == "failed" and "the preflight counts" in by["fp8"].detail
     # the interpreter died before the read-back: both fail with its last line
-    gone = ple_formats.judge(demo_snapshot, built, None, "the vLLM interpreter stopped before the read-back: boom")
+    gone = ple_formats.judge(Snapshot.open(demo_snapshot), built, None,
+                             "the vLLM interpreter stopped before the read-back: boom")
     assert [c.status for c in gone.formats] == ["failed", "failed"] and "boom" in gone.detail
 
 
 def test_a_failed_build_is_a_failure_and_the_nvfp4_ab_says_why_it_could_not_run(demo_snapshot, built, tmp_path):
     broken = {**built, "nvfp4": {"error": "ple build --format nvfp4: not enough free space"}}
     read = read_as_vllm_would(demo_snapshot, built, tmp_path)
-    checks = ple_formats.judge(demo_snapshot, broken, {"fp8": read["fp8"]}, None)
+    checks = ple_formats.judge(Snapshot.open(demo_snapshot), broken, {"fp8": read["fp8"]}, None)
     assert checks.status == "failed" and "nvfp4: ple build --format nvfp4: not enough free space" in checks.detail
 
 
