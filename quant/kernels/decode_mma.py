@@ -27,6 +27,8 @@ rounded where vLLM's unfused ``hc_silu`` rounds.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -88,6 +90,35 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, str
             tl.store(count_ptr + pid_n, 0)
 
 
+def partials_shape(split: int, N: int) -> tuple[int, int, int]:
+    """The fp32 split-K partials a launch split ``split`` ways writes (none when 1): every program
+    its 16 token rows of the ``N`` outputs."""
+    return split, MMA_MAX_TOKENS, N
+
+
+def _splitk_partials(split: int, N: int, device) -> torch.Tensor | None:
+    return torch.empty(partials_shape(split, N), dtype=torch.float32, device=device) if split > 1 else None
+
+
+def _step(config: configs.MmaConfig, K: int, group: int, bits: int) -> int:
+    return config.step(K, group) if bits == 6 else group
+
+
+def mma_scratch_bytes(kernel: str, N: int, K: int, group: int, family: str = configs.DEFAULT) -> tuple[int, int]:
+    """What one call over an ``[N, K]`` weight in groups of ``group`` allocates beyond its output,
+    launched as ``configs``' ``kernel`` row (``bitplane_mma``: INT6 planes; ``int8_mma`` or
+    ``hc_down_inject``: INT8 words) for ``family``: ``(its fp32 split-K partials at the most splits
+    any device gives it (the row's fixed split, else one a K step, as the split follows the SMs),
+    freed when it returns; the split-K counters its launches need, _common.splitk_counters: made at
+    the first launch on a device and kept, shared by every call there)``. ``flashnext plan``'s
+    ledger counts them from here."""
+    config = configs.config_for(kernel, N, K, family=family)
+    steps = K // _step(config, K, group, 6 if kernel == "bitplane_mma" else 8)
+    split = max(1, min(config.split_k, steps) if config.split_k else steps)
+    partials = 4 * math.prod(partials_shape(split, N)) if split > 1 else 0
+    return partials, 4 * max(triton.cdiv(N, config.block_n), _common.SPLITK_COUNTERS)
+
+
 def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int, config: configs.MmaConfig,
          silu_columns: int = 0, silu_div: int = 1) -> torch.Tensor:
     M, K = x.shape
@@ -97,18 +128,19 @@ def _mma(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, bits: int
     group = K // scales.shape[1]
     if scales.shape[0] != N or group * scales.shape[1] != K or group % 16:
         raise ValueError(f"scales {list(scales.shape)} do not fit [{N}, {K}] in groups of a multiple of 16")
-    step = config.step(K, group) if bits == 6 else group
+    step = _step(config, K, group, bits)
     block_n = config.block_n
     blocks = triton.cdiv(N, block_n)
     split = config.splits(blocks, K // step, _common.sm_count(x.device))
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    partial = torch.empty((split, 16, N), dtype=torch.float32, device=x.device) if split > 1 else y
+    partial = _splitk_partials(split, N, x.device)
     counters = splitk_counters(x.device, blocks, "decode_mma")
-    _mma_kernel[(blocks, split)](x, weights, scales, y, partial, counters, M, N, K, x.stride(0),
-                                 weights.stride(0), scales.stride(0), y.stride(0), GROUP=group, STEP=step,
-                                 BLOCK_M=16, BLOCK_N=block_n, SPLIT_K=split, DOT_FP32=INTERPRETED, BITS=bits,
+    _mma_kernel[(blocks, split)](x, weights, scales, y, y if partial is None else partial, counters, M, N, K,
+                                 x.stride(0), weights.stride(0), scales.stride(0), y.stride(0), GROUP=group,
+                                 STEP=step, BLOCK_M=MMA_MAX_TOKENS, BLOCK_N=block_n, SPLIT_K=split,
+                                 DOT_FP32=INTERPRETED, BITS=bits,
                                  SILU_COLUMNS=silu_columns, SILU_DIV=silu_div, num_warps=config.num_warps,
                                  num_stages=config.num_stages)
     return y
@@ -165,6 +197,18 @@ def int8_weights(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
     """The weights ``q * s`` of compressed-tensors INT8 words (``int32 [rows, K/4]``) in ``dtype``,
     each rounded once: what :func:`int8_mma` multiplies by, for a GEMM or a row gather."""
     return dequantize_groups(unpack_int32(packed, 8, packed.shape[1] * 4), scales, dtype)
+
+
+def gathered_rows_bytes(rows: int, cols: int, group: int, scale_bytes: int = 2) -> int:
+    """The bytes held at once by gathering ``rows`` rows of compressed-tensors INT8 words (``cols``
+    wide, one byte a weight) with their group scales and taking :func:`int8_weights` of them: the
+    gathered words and scales, the int8 codes, and the fp32 codes, scales and product. Its
+    ``dtype`` rows are made once the fp32 codes are freed, inside that peak. (What an INT8
+    embedding holds for a step of ``rows`` tokens: ``flashnext plan``'s ledger counts it.)"""
+    gathered = rows * (cols + cols // group * scale_bytes)
+    codes = rows * cols
+    fp32 = rows * (2 * cols + cols // group) * 4
+    return gathered + codes + fp32
 
 
 def matmul_variant(M: int, N: int, K: int, device=None, family: str | None = None) -> str:

@@ -29,6 +29,20 @@ from flashnext.quant.kernels import configs
 from flashnext.quant.kernels._common import INTERPRETED, dot, int8_codes
 from flashnext.quant.kernels.decode_mma import MMA_MAX_TOKENS, int8_mma
 
+HC_COUNT = 4  # the streams the fused mix takes (Qwen3.8-Flash-Next's)
+# vLLM's GatedResidual pads its merged down/inject projection to a multiple of this many rows
+DOWN_INJECT_ROWS = 16
+
+
+def mixer_shapes(hidden_size: int, hc_count: int, lowrank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``([N, K] of the down/inject projection, [N, K] of the up projection)`` of a mixer that
+    injects, as vLLM 0.34.0's ``GatedResidual`` builds them: the low-rank rows and the ``hc_count``
+    injection rows, padded (its ``pad_size``), over the streams; the streams over the low rank. (The
+    final mixer, which injects nothing, has the low-rank rows alone.)"""
+    streams = hc_count * hidden_size
+    rows = lowrank + hc_count
+    return (rows + (-rows) % DOWN_INJECT_ROWS, streams), (streams, lowrank)
+
 
 @triton.jit
 def _stream_gate(x, w_ptr, s_ptr, rows, j_mask, stride_wn, stride_sn, g, GROUP: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -110,8 +124,8 @@ def hc_up_gate_mix(lowrank: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     group = _check_int8(packed, scales, K, "up")
     if not 1 <= M <= MMA_MAX_TOKENS:
         raise ValueError(f"the fused HC mix takes 1..{MMA_MAX_TOKENS} tokens, got {M}")
-    if hc_count != 4:
-        raise ValueError(f"the fused HC mix takes 4 streams (Qwen3.8-Flash-Next's), got {hc_count}")
+    if hc_count != HC_COUNT:
+        raise ValueError(f"the fused HC mix takes {HC_COUNT} streams (Qwen3.8-Flash-Next's), got {hc_count}")
     if xn.shape != (M, packed.shape[0]) or packed.shape[0] % hc_count or xn.stride(1) != 1 or lowrank.stride(1) != 1:
         raise ValueError(f"xn {list(xn.shape)} does not match the up projection's {packed.shape[0]} rows")
     if xn.dtype != torch.bfloat16 or lowrank.dtype != torch.bfloat16:

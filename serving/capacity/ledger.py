@@ -25,11 +25,12 @@ the pinned terms of :func:`pinned_host_terms`, which sums the ledger's host entr
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashnext.serving.capacity.kv import qsa_arena_blocks, qsa_host_bytes_per_token, rank_layers, row_cache_bytes
-from flashnext.serving.capacity.model import TextConfig, VisionConfig, load_text_config, load_vision_config
+from flashnext.serving.capacity.model import TextConfig, load_text_config, load_vision_config
 from flashnext.serving.capacity.rules import HOST_HEADROOM, next_power_of_two, pinned_bytes
 from flashnext.serving.capacity.shape import ServingShape
 from flashnext.serving.capacity.vision import VIT_STREAM_SLOTS, slot_bytes, streamed_host_bytes
@@ -43,6 +44,7 @@ PLE_FORMATS = ("file", "nvfp4", "fp8", "bf16")
 # stores it (manifests/qwen3.8-flash-next.json "releases": embed_tokens INT8 g128, bf16 scales).
 DRAFT_EMBED = "model.language_model.embed_tokens"
 RELEASE_EMBED_GROUP = 128
+RELEASE_HC_GROUP = 64  # the release's hyper-connection mixers: INT8 g64 (the same manifest's "releases")
 
 
 @dataclass(frozen=True)
@@ -120,13 +122,15 @@ class PinnedTerm:
 
 # --- the model facts the host terms read -----------------------------------------------------------
 
-def _text_config(model: Path | None, served=None) -> tuple[dict, str]:
-    from flashnext.quant.checkpoint.snapshot import Snapshot, text_config_of
-    from flashnext.serving.capacity.model import MANIFEST, base_manifest
+def _model_config(deployment):
+    """The config.json the plan reads (the Deployment's, read once), or the pinned manifest's."""
+    return deployment.model_config if deployment is not None else None
 
-    if model is None:
-        return text_config_of(base_manifest()), MANIFEST.name
-    return (served.snapshot if served is not None else Snapshot.open(model)).text_config, str(model)
+
+def _served(deployment):
+    """The model vLLM serves (:attr:`~flashnext.serving.deployment.Deployment.served_model`, opened
+    once, the overlays merged); None for the pinned base checkpoint."""
+    return deployment.served_model if deployment is not None else None
 
 
 def manifest_table_allocations(fmt: str) -> list[int]:
@@ -140,59 +144,58 @@ def manifest_table_allocations(fmt: str) -> list[int]:
             "nvfp4": [rows * d // 2, rows * d // float_rows.NVFP4_BLOCK]}[fmt]
 
 
-def ple_table_allocations(model: Path | None, overlays=(), served=None) -> list[int]:
-    """The pinned allocations of the PLE tables, in bytes: one a table (its BF16 rows, from the
-    snapshot's shards and config, else the pinned manifest); for a table that ``flashnext ple build
-    --format`` quantized (config.json's ``ple_embedding_dtype``), vLLM's method allocates its
-    ``weight`` (NVFP4 codes or FP8 rows) and, for NVFP4, its ``weight_scale`` blocks, each whole.
-    ``served``: the :class:`~flashnext.serving.deployment.Deployment` of ``model`` and ``overlays``,
-    whose snapshot and served config are read once (None: read here)."""
+def ple_table_allocations(model) -> list[int]:
+    """The pinned allocations of the PLE tables, in bytes, of ``model`` (the served model, a
+    :class:`~flashnext.quant.checkpoint.snapshot.Snapshot`: a Deployment's ``served_model``; None:
+    the pinned manifest): one a table (its BF16 rows, from the shards and config); for a table that
+    ``flashnext ple build --format`` quantized (config.json's ``ple_embedding_dtype``), vLLM's method
+    allocates its ``weight`` (NVFP4 codes or FP8 rows) and, for NVFP4, its ``weight_scale`` blocks,
+    each whole."""
     from flashnext.serving.capacity.model import base_manifest
 
     if model is None:
         table = base_manifest()["ple_table"]
         return [int(table["padded_rows"]) * int(table["row_elements"]) * BF16_BYTES]
-    from flashnext.quant.checkpoint.snapshot import Snapshot
-    from flashnext.quant.overlays.ple_quant import quantized_table_allocations, served_ple_format
+    from flashnext.quant.overlays.ple_quant import quantized_table_allocations
     from flashnext.quant.ple.table import find_ple_source
 
-    quantized = served.ple_format if served is not None else served_ple_format(model, overlays)
-    if quantized is not None:
-        return quantized_table_allocations(model, overlays)
-    snap = served.snapshot if served is not None else Snapshot.open(model)
-    layers = sorted(set(snap.text_config.get("ple_layer_ids") or ()))
-    return [find_ple_source(snap, i).file_size for i in range(len(layers))]
+    if model.text_config.get("ple_embedding_dtype") is not None:
+        return quantized_table_allocations(model)
+    layers = sorted(set(model.text_config.get("ple_layer_ids") or ()))
+    return [find_ple_source(model, i).file_size for i in range(len(layers))]
 
 
-def ple_table_bytes(model: Path | None) -> int:
+def ple_table_bytes(model) -> int:
     """The PLE tables' bytes as vLLM holds them (:func:`ple_table_allocations`)."""
     return sum(ple_table_allocations(model))
 
 
-def draft_embedding_bytes(model: Path | None, served=None) -> int:
+def draft_embedding_bytes(model) -> int:
     """The MTP draft's ``embed_tokens`` as patch mtp-02 pins it at PP > 1: for the pinned base
-    checkpoint the release's INT8 g128 rows (``hooks/mtp.py``'s :func:`draft_embedding_pinned_bytes`,
-    what ``finish_draft_embedding`` pins); for a snapshot its tensors of that embedding (INT8 words
-    and scales, or bf16 rows), per row as stored, over the vocabulary padded to 64 rows as vLLM's
-    ``VocabParallelEmbedding`` allocates it. ``served`` as for :func:`ple_table_allocations`."""
+    checkpoint (``model`` None) the release's INT8 g128 rows (``hooks/mtp.py``'s
+    :func:`draft_embedding_pinned_bytes`, what ``finish_draft_embedding`` pins); for a served model
+    (as for :func:`ple_table_allocations`) its tensors of that embedding (INT8 words and scales, or
+    bf16 rows), per row as stored, over the vocabulary padded to 64 rows as vLLM's
+    ``VocabParallelEmbedding`` allocates it."""
+    from flashnext.quant.checkpoint.snapshot import text_config_of
+    from flashnext.serving.capacity.model import base_manifest
     from flashnext.serving.hooks.mtp import draft_embedding_pinned_bytes
 
-    text, _ = _text_config(model, served)
+    text = text_config_of(base_manifest()) if model is None else model.text_config
     vocab, hidden = int(text["vocab_size"]), int(text["hidden_size"])
     if model is None:
         return draft_embedding_pinned_bytes(vocab, hidden, RELEASE_EMBED_GROUP, BF16_BYTES)
     from flashnext.errors import FlashnextError
-    from flashnext.quant.checkpoint.snapshot import Snapshot
 
     padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-    snap = served.snapshot if served is not None else Snapshot.open(model)
     quantized = [f"{DRAFT_EMBED}.weight_packed", f"{DRAFT_EMBED}.weight_scale"]
-    names = quantized if all(n in snap.weight_map for n in quantized) else [f"{DRAFT_EMBED}.weight"]
+    names = quantized if all(n in model.weight_map for n in quantized) else [f"{DRAFT_EMBED}.weight"]
     total = 0
     for name in names:
-        _, entry = snap.entry(name)
+        _, entry = model.entry(name)
         if not entry.shape or entry.shape[0] != vocab:
-            raise FlashnextError(f"{model}: {name} has shape {list(entry.shape)}; config.json's vocab_size is {vocab}")
+            raise FlashnextError(f"{model.root}: {name} has shape {list(entry.shape)}; config.json's vocab_size "
+                                 f"is {vocab}")
         total += entry.nbytes // vocab * padded
     return total
 
@@ -221,9 +224,81 @@ def _decode_rows(shape: ServingShape) -> tuple[int, int]:
     return max(sizes, default=0), rows
 
 
-def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range], model: Path | None,
-                  ple_table: Path | None, overlays, ple_format: str | None,
-                  served=None) -> list[list[LedgerEntry]]:
+def _bitplane_layers(deployment) -> list[tuple[str, int, int, int]]:
+    """The layers the served config.json lists as INT6 bit planes (patch int6-bitplane), as vLLM
+    builds them: ``(module, N, K, group)`` from the served tensors (``uint8 [N, 3K/4]`` planes and
+    their group scales), the modules of one parent with the same K merged as vLLM merges gate and
+    up (or q, k and v); none for the pinned base checkpoint."""
+    from flashnext.quant.formats.bitplane import BitplaneRecord
+
+    config = deployment.served_config if deployment is not None else None
+    record = BitplaneRecord.from_config(config) if config is not None else None
+    if record is None:
+        return []
+    served = _served(deployment)
+    merged: dict[tuple[str, int, int], int] = {}
+    for module in record.modules:
+        _, planes = served.entry(f"{module}.weight_packed")
+        _, scales = served.entry(f"{module}.weight_scale")
+        rows, k = planes.shape[0], planes.shape[1] * 4 // 3
+        key = (module.rpartition(".")[0], k, k // scales.shape[1])
+        merged[key] = merged.get(key, 0) + rows
+    return [(parent, rows, k, group) for (parent, k, group), rows in merged.items()]
+
+
+def _int8_embedding_group(deployment) -> int | None:
+    """The group size of the INT8 ``embed_tokens`` that int8-modules' embedding method serves (the
+    target's on the first rank, the MTP draft's own at PP > 1): the release's for the pinned base
+    checkpoint; for a served model, the scheme its config.json's quantization config gives that
+    tensor (None where it is no symmetric INT8 group scheme: vLLM's own bf16 embedding)."""
+    if deployment is None or deployment.model is None:
+        return RELEASE_EMBED_GROUP
+    from flashnext.quant.formats.ct_config import (is_compressed_tensors, quantization_config_of, scheme_for,
+                                                   symmetric_int_group_size)
+
+    config = deployment.served_config
+    quantization = quantization_config_of(config) if config is not None else None
+    if not is_compressed_tensors(quantization):
+        return None
+    return symmetric_int_group_size(scheme_for(quantization, DRAFT_EMBED), 8)
+
+
+# the patch whose layers call decode_mma with each of configs' rows
+_DECODE_MMA_OWNERS = {"hc_down_inject": "decode-04", "int8_mma": "int8-modules", "bitplane_mma": "int6-bitplane"}
+
+
+def _decode_mma_calls(text: TextConfig, shape: ServingShape, ranks: list[range],
+                      deployment) -> list[list[tuple[str, int, int, int]]]:
+    """Each rank's calls of decode_mma's tensor-core GEMM for 1..16 tokens, as ``(configs' row, N, K,
+    group)``: the hyper-connection mixers' INT8 projections (int8-modules), their down/inject through
+    decode-04's fused mix where it is on (its up then runs in decode-04's own kernel), and the layers
+    a bit-plane overlay lists (int6-bitplane: the GEMM past the GEMV's tokens, and its warm-up).
+    The LM head's INT8 words go through vLLM's own kernel on a GPU (Marlin, Machete)."""
+    from flashnext.quant.kernels.hc_mix import HC_COUNT, mixer_shapes
+
+    calls: list[list[tuple[str, int, int, int]]] = [[] for _ in ranks]
+    if text.hc_lowrank:
+        down, up = mixer_shapes(text.hidden_size, text.hc_count, text.hc_lowrank)
+        fused = shape.hc_fused_decode and text.hc_count == HC_COUNT
+        mixers = [("hc_down_inject", *down)] if fused else [("int8_mma", *down), ("int8_mma", *up)]
+        for rank in calls:
+            rank += [(*call, RELEASE_HC_GROUP) for call in mixers]
+    for module, n, k, group in _bitplane_layers(deployment):
+        layer = re.search(r"\blayers\.(\d+)\.", module)
+        if module.startswith("mtp."):  # the draft's layers live with the last rank
+            where = [len(ranks) - 1]
+        elif layer:
+            where = [r for r, layers in enumerate(ranks) if int(layer.group(1)) in layers]
+        else:
+            where = range(len(ranks))
+        for r in where:
+            if ("bitplane_mma", n, k, group) not in calls[r]:
+                calls[r].append(("bitplane_mma", n, k, group))
+    return calls
+
+
+def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range], deployment,
+                  ple_table: Path | None, ple_format: str | None) -> list[list[LedgerEntry]]:
     """Each rank's pinned host entries: the preflight's terms and what it does not count yet."""
     exact = shape.exact_host_pool
     pp = len(ranks)
@@ -238,8 +313,9 @@ def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range
                      f"{qsa_host_bytes_per_token(text):,} B, bound at KV cache allocation"))
     ple_ranks = _ple_ranks(text, ranks) if text.ple_layer_ids else []
     if ple_ranks and not _file_backed(shape, ple_table, ple_format) and shape.engram_cpu_offload:
-        allocations = (manifest_table_allocations(ple_format) if ple_format and model is None
-                       else ple_table_allocations(model, overlays, served))
+        served = _served(deployment)
+        allocations = (manifest_table_allocations(ple_format) if ple_format and served is None
+                       else ple_table_allocations(served))
         why = (f"the table pinned as {ple_format}" if ple_format else "no --ple-table") + \
             ": vLLM's engram cpu_offload pins it whole"
         out[ple_ranks[0]].append(LedgerEntry(
@@ -258,12 +334,12 @@ def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range
                      "PyTorch's caching host allocator"))
     if shape.speculative_method == "mtp" and pp > 1 and shape.mtp_slim_draft:
         out[-1].append(LedgerEntry(
-            "MTP draft embedding", "mtp-02, host-pool", 0, 0, pinned_bytes(draft_embedding_bytes(model, served), exact), NONE,
+            "MTP draft embedding", "mtp-02, host-pool", 0, 0, pinned_bytes(draft_embedding_bytes(_served(deployment)), exact), NONE,
             "hooks/mtp.draft_embedding_pinned_bytes", term="MTP draft embedding",
             note="patch mtp-02 (VLLM_MTP_SLIM_DRAFT): read through UVA views, no device copy"))
     vision = plan.vision
     if vision is not None and vision.streamed and vision.streamed_weight_bytes < vision.resident_weight_bytes:
-        tower = load_vision_config(model)
+        tower = load_vision_config(_model_config(deployment))
         out[0].append(LedgerEntry(
             "vit-stream host rows", "vit-stream, host-pool", 0, 0, pinned_bytes(streamed_host_bytes(tower), exact),
             NONE, "vision.streamed_host_bytes", term="ViT blocks",
@@ -278,7 +354,7 @@ def _host_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range
     return out
 
 
-def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range], model: Path | None,
+def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range], deployment,
                  ple_table: Path | None,
                  ple_format: str | None) -> list[list[LedgerEntry]]:
     from flashnext.quant.kernels import configs
@@ -376,11 +452,46 @@ def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range]
                 note="a fused step's fp32 split-K partials (at most one split a K step), in the CUDA graphs' pool "
                      "or each eager step of 1..4 tokens, and the split-K counters its first launch keeps; its "
                      "logits and top-k stand where vLLM's router puts its own"))
+    calls = _decode_mma_calls(text, shape, ranks, deployment)
+    if any(calls):
+        from flashnext.quant.kernels.decode_mma import MMA_MAX_TOKENS, mma_scratch_bytes
+
+        captured = any(s <= MMA_MAX_TOKENS for s in shape.cudagraph_capture_sizes)
+        for r, rank_calls in enumerate(calls):
+            if not rank_calls:
+                continue
+            scratch = {call: mma_scratch_bytes(*call) for call in rank_calls}
+            (kernel, n, k, _), (partials, _) = max(scratch.items(), key=lambda item: item[1][0])
+            counters = max(c for _, c in scratch.values())
+            owners = sorted({_DECODE_MMA_OWNERS[call[0]] for call in rank_calls})
+            out[r].append(LedgerEntry(
+                "decode_mma split-K scratch", f"{', '.join(owners)} (decode_mma)",
+                counters + (partials if captured else 0), counters + partials * (2 if captured else 1), 0, NONE,
+                "decode_mma.mma_scratch_bytes",
+                note=f"one call's fp32 split-K partials, at most {partials:,} B ({kernel} [{n}, {k}]): in the CUDA "
+                     "graphs' pool and again in an eager step of 1..16 tokens; and the split-K counters the first "
+                     "launch keeps (at the load where a bit-plane layer warms its kernels, else at the capture)"))
+    group = _int8_embedding_group(deployment)
+    if group:
+        from flashnext.quant.kernels.decode_mma import gathered_rows_bytes
+
+        rows = gathered_rows_bytes(shape.max_num_batched_tokens, text.hidden_size, group)
+        draft = shape.speculative_method == "mtp" and pp > 1
+        for r in sorted({0, pp - 1} if draft else {0}):
+            out[r].append(LedgerEntry(
+                "INT8 embedding's rows", "int8-modules (Int8EmbeddingMethod.embedding)" + (", mtp-01" if r else ""),
+                0, rows, 0, PROFILED_PEAK, "decode_mma.gathered_rows_bytes",
+                note=f"a step's {shape.max_num_batched_tokens} rows of the "
+                     + ("MTP draft's own embedding (the target's is on rank 0)" if r else "embedding") +
+                     ": the INT8 words and scales gathered, their codes and the fp32 product, beside the bf16 rows "
+                     "that stand where vLLM's embedding's would; vLLM's profile run embeds a step of the budget"
+                     + (" (at PP=1 the draft shares this embedding)" if not r and shape.speculative_method == "mtp"
+                        and pp == 1 else "")))
     vision = plan.vision
     if vision is not None:
         tower = None
         if vision.streamed and vision.streamed_weight_bytes < vision.resident_weight_bytes:
-            tower = load_vision_config(model)
+            tower = load_vision_config(_model_config(deployment))
         slots = VIT_STREAM_SLOTS * slot_bytes(tower.block_parameter_bytes()) if tower else 0
         resident = vision.weight_bytes - slots
         out[0].append(LedgerEntry(
@@ -406,28 +517,27 @@ def _gpu_entries(text: TextConfig, shape: ServingShape, plan, ranks: list[range]
     return out
 
 
-def ledger(text: TextConfig, shape: ServingShape, plan, *, model: Path | None = None, ple_table: Path | None = None,
-           overlays=(), ple_format: str | None = None, served=None) -> Ledger:
+def ledger(text: TextConfig, shape: ServingShape, plan, *, deployment=None, ple_table: Path | None = None,
+           ple_format: str | None = None) -> Ledger:
     """The ledger of ``text`` served as ``shape`` with ``plan`` (its :func:`~.qwen4_exp.plan`, the
-    vision tower in it where the profile serves images); ``model``, ``ple_table``, ``overlays``,
-    ``ple_format`` and ``served`` say where the host terms' facts come from, as for
-    :func:`pinned_host_terms`."""
+    vision tower in it where the profile serves images); ``deployment``, ``ple_table`` and
+    ``ple_format`` say where the host terms' facts come from, as for :func:`pinned_host_terms`."""
     ranks = rank_layers(text.num_hidden_layers, shape.pipeline_parallel_size, shape.layer_partition)
-    gpu = _gpu_entries(text, shape, plan, ranks, model, ple_table, ple_format)
-    host = _host_entries(text, shape, plan, ranks, model, ple_table, overlays, ple_format, served)
+    gpu = _gpu_entries(text, shape, plan, ranks, deployment, ple_table, ple_format)
+    host = _host_entries(text, shape, plan, ranks, deployment, ple_table, ple_format)
     return Ledger([RankLedger(r, gpu[r] + host[r]) for r in range(len(ranks))])
 
 
-def profile_ledger(profile, plan, *, model: Path | None = None, ple_format: str | None = None,
-                   served=None) -> Ledger:
+def profile_ledger(profile, plan, *, deployment=None, ple_format: str | None = None) -> Ledger:
     """The ledger of ``profile`` with its ``plan``: a profile that serves the PLE table from a file
     (``uses_ple_table``: ``serve`` refuses it without ``--ple-table``) is counted with the file unless
-    ``ple_format`` says otherwise. ``served``: the Deployment of ``model``, as for :func:`pinned_host_terms`."""
+    ``ple_format`` says otherwise. ``deployment``: where the model facts come from, as for
+    :func:`pinned_host_terms`."""
     shape = ServingShape.from_profile(profile, plan.kv_cache_memory_bytes, plan.prefix_caching)
     if ple_format is None and profile.uses_ple_table:
         ple_format = "file"
-    text = load_text_config(model if served is None or model is None else served.model_config)
-    return ledger(text, shape, plan, model=model, ple_format=ple_format, served=served)
+    text = load_text_config(_model_config(deployment))
+    return ledger(text, shape, plan, deployment=deployment, ple_format=ple_format)
 
 
 # --- the preflight's host terms, from the ledger ---------------------------------------------------
@@ -435,19 +545,19 @@ def profile_ledger(profile, plan, *, model: Path | None = None, ple_format: str 
 TERMS = ("QSA K/V", "PLE table", "PLE staging rows", "MTP draft embedding", "ViT blocks")
 
 
-def pinned_host_terms(shape, plan, model: Path | None, ple_table: Path | None, overlays=(),
-                      ple_format: str | None = None, *, served=None) -> list[PinnedTerm]:
+def pinned_host_terms(shape, plan, deployment=None, ple_format: str | None = None) -> list[PinnedTerm]:
     """Every host allocation the preflight counts for a profile served as ``shape`` (a
     :class:`~flashnext.serving.capacity.ServingShape`) with ``plan``, each as it is allocated: the
-    ledger's host entries with a term, summed over ranks. The model facts are ``model``'s, as
-    ``plan`` is (None: the pinned base checkpoint). ``ple_format`` (for the base checkpoint, as
-    ``flashnext plan`` asks): the table served from a file, or pinned in that format; None: as the
-    profile and ``model`` say. ``served``: the Deployment of ``model`` and ``overlays``, whose
-    config.json, snapshot and served config are read once (as for :func:`ple_table_allocations`)."""
-    text = load_text_config(model if served is None or model is None else served.model_config)
+    ledger's host entries with a term, summed over ranks. The model facts are ``deployment``'s
+    (:class:`~flashnext.serving.deployment.Deployment`: its config.json and its served model, read
+    once, and its PLE table file), as ``plan`` is; None: the pinned base checkpoint. ``ple_format``
+    (for the base checkpoint, as ``flashnext plan`` asks): the table served from a file, or pinned
+    in that format; None: as the profile and the model say."""
+    text = load_text_config(_model_config(deployment))
+    ple_table = deployment.ple_table if deployment is not None else None
     ranks = rank_layers(text.num_hidden_layers, shape.pipeline_parallel_size, shape.layer_partition)
-    entries = [e for rank in _host_entries(text, shape, plan, ranks, model, ple_table, overlays, ple_format,
-                                           served) for e in rank if e.term]
+    entries = [e for rank in _host_entries(text, shape, plan, ranks, deployment, ple_table, ple_format)
+               for e in rank if e.term]
     whys = {"QSA K/V": f"{sum(plan.qsa_layers_per_rank)} layers x {plan.blocks} blocks (flashnext plan)"}
     terms = []
     for name in TERMS:

@@ -82,6 +82,8 @@ class TextConfig:
     vocab_size: int = 0
     ple_embed_dim: int = 0
     heads_per_ngram: int = 0
+    hc_lowrank: int = 0  # the hyper-connection mixers' low rank (their down projection's rows)
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_dict(cls, config: dict, where: str) -> "TextConfig":
@@ -108,7 +110,7 @@ class TextConfig:
             **sizes,
             **{key: get_int(text, key, where, minimum=0, default=0) for key in (
                 "num_attention_heads", "num_experts", "vocab_size", "ple_embed_dim", "heads_per_ngram",
-                "indexer_budget")},
+                "indexer_budget", "hc_lowrank", "shared_expert_intermediate_size")},
         )
 
     @property

@@ -19,7 +19,7 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from flashnext import envs
-from flashnext.errors import FlashnextError
+from flashnext.errors import FlashnextError, named
 from flashnext.serving.capacity.vision import DEFAULT_MAX_PIXELS
 
 # vLLM's own knob for an uneven pipeline split; a profile sets it in its environment.
@@ -204,6 +204,7 @@ class ServingShape:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     cudagraph_capture_sizes: tuple[int, ...] = ()  # none: every step eager
     moe_fused_decode: bool = True  # patch decode-05 (VLLM_MOE_FUSED_DECODE)
+    hc_fused_decode: bool = True  # patch decode-04 (VLLM_HC_FUSED_DECODE)
     qsa_row_cache: bool = True  # decode-07 (VLLM_QSA_ROW_CACHE)
 
     @classmethod
@@ -214,7 +215,7 @@ class ServingShape:
         kv_bytes = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else args.kv_cache_memory_bytes
         if not kv_bytes:
             raise FlashnextError(
-                f"profile {profile.name} sets no --kv-cache-memory-bytes; pass --kv-cache-memory-bytes N")
+                f"profile {profile.name} sets no --kv-cache-memory-bytes; pass {named('kv_cache_memory_bytes')} N")
         if not args.max_model_len:
             raise FlashnextError(f"profile {profile.name} sets no --max-model-len")
         spec = args.speculative_config or {}  # the parser has read the JSON of these two into dicts
@@ -243,5 +244,6 @@ class ServingShape:
             max_num_seqs=int(args.max_num_seqs or DEFAULT_MAX_NUM_SEQS),
             cudagraph_capture_sizes=capture_sizes(args.compilation_config),
             moe_fused_decode=envs.VLLM_MOE_FUSED_DECODE.enabled_in(profile.env),
+            hc_fused_decode=envs.VLLM_HC_FUSED_DECODE.enabled_in(profile.env),
             qsa_row_cache=envs.VLLM_QSA_ROW_CACHE.enabled_in(profile.env),
         )

@@ -18,9 +18,11 @@ The columns, per rank, in bytes:
 - **flashnext**: flashnext's own allocations at their serving peak: the ledger's GPU entries that
   flashnext's patches own, less those another column already holds (an entry within another, and
   an entry that is the checkpoint's own tensors laid out anew, ``LedgerEntry.checkpoint``: the
-  decode-05 router rows). The seed's runtime was measured with its own versions of the small
-  transient entries (decode-07 partials, row slots) inside it; counted here again, they err by a
-  few MiB on the safe side.
+  decode-05 router rows, and a step's transients inside vLLM's profiled peak, the INT8
+  embedding's rows: the runtime's measurement holds a 512-token step's activations). The seed's
+  runtime was measured with its own versions of the small transient entries outside vLLM's
+  numbers (decode-07 partials, row slots) inside it; counted here again, they err by a few MiB on
+  the safe side.
 - **card**: the GPU's memory less :data:`DEVICE_RESERVED_BYTES`, what its driver keeps; **free** is
   the card less the total.
 
@@ -37,7 +39,7 @@ from pathlib import Path
 
 from flashnext.errors import FlashnextError
 from flashnext.serving.capacity.kv import rank_layers
-from flashnext.serving.capacity.ledger import KV_MEMORY, WEIGHTS, Ledger, LedgerEntry, RankLedger
+from flashnext.serving.capacity.ledger import KV_MEMORY, PROFILED_PEAK, WEIGHTS, Ledger, LedgerEntry, RankLedger
 from flashnext.serving.capacity.shape import ServingShape
 
 GIB = 1 << 30
@@ -130,26 +132,26 @@ def _ranks_of(name: str, rank_of: dict[int, int], last: int, shape: ServingShape
     return None
 
 
-def snapshot_weights(model: Path, text, shape: ServingShape, plan,
-                     open_snapshot=None) -> tuple[list[int] | None, list[str]]:
-    """The weights column for the snapshot ``model``: each tensor vLLM loads onto a GPU for the
+def snapshot_weights(deployment, text, shape: ServingShape, plan) -> tuple[list[int] | None, list[str]]:
+    """The weights column for the deployment's model (its served model: the snapshot with its
+    overlays): each tensor vLLM loads onto a GPU for the
     profile (``shape``, ``plan``), as many bytes as its safetensors header gives, on the rank vLLM
     builds its module on: decoder layer i's tensors (its PLE projections included) on the rank
     holding layer i; the embedding and the vision tower on the first rank (the tower's blocks not
     where vit-stream keeps them in host memory); the final norm, mixer and LM head, and the MTP
     draft where the profile serves it, on the last. Not on a GPU: the PLE table, a tower the
     profile does not serve, a draft it does not. With the notes to print: what could not be placed
-    (not counted), or why there are no weights (None: a config.json without its snapshot).
-    ``open_snapshot`` opens the snapshot's folder (default: :meth:`Snapshot.open`)."""
-    from flashnext.quant.checkpoint.snapshot import INDEX_FILE, Snapshot
+    (not counted), or why there are no weights (None: a config.json without its snapshot)."""
+    from flashnext.quant.checkpoint.snapshot import INDEX_FILE
 
+    model = deployment.model
     root = Path(model)
     if not root.is_dir():
         root = root.parent
         if not (root / INDEX_FILE).is_file():
             return None, [f"weights: {model} is a config.json without its snapshot's {INDEX_FILE} beside it: "
                           "give the snapshot's directory to count them"]
-    snap = (open_snapshot or Snapshot.open)(root)
+    snap = deployment.open_snapshot(root)
     ranks = rank_layers(text.num_hidden_layers, shape.pipeline_parallel_size, shape.layer_partition)
     rank_of = {i: r for r, layers in enumerate(ranks) for i in layers}
     streamed = plan.vision is not None and plan.vision.streamed_weight_bytes < plan.vision.resident_weight_bytes
@@ -240,14 +242,14 @@ def usable_bytes(gpu_memory_bytes: int) -> int:
     return gpu_memory_bytes - DEVICE_RESERVED_BYTES
 
 
-def check_gpu_memory(gib: float, what: str) -> float:
-    """``gib``, the GiB of one GPU's memory that ``what`` gives, refused unless a profile's
+def check_gpu_memory(gib: float, field: str) -> float:
+    """``gib``, the GiB of one GPU's memory that the input ``field`` gives, refused unless a profile's
     ``gpu_memory_gib`` could hold it (from 1 GiB, beside the 0.44 GiB the driver keeps, to 1 TiB)."""
     from flashnext.serving.profiles import MAX_GPU_MEMORY_GIB, MIN_GPU_MEMORY_GIB
 
     if not (math.isfinite(gib) and MIN_GPU_MEMORY_GIB <= gib <= MAX_GPU_MEMORY_GIB):
-        raise FlashnextError(f"{what} must be a number of GiB from {MIN_GPU_MEMORY_GIB} to {MAX_GPU_MEMORY_GIB}, "
-                             f"got {gib:g}")
+        raise FlashnextError(f"must be a number of GiB from {MIN_GPU_MEMORY_GIB} to {MAX_GPU_MEMORY_GIB}, "
+                             f"got {gib:g}", field=field)
     return gib
 
 
@@ -256,8 +258,11 @@ def column_of(entry: LedgerEntry) -> str | None:
     (its bytes are that one's). vLLM's weights entries (the tower) and entries that are the
     checkpoint's tensors laid out anew are the weights column's: :func:`base_weights` adds the
     tower for the base checkpoint, a snapshot's tensors hold both; vLLM's transients (the vision
-    encoder's activations) are the runtime's; everything else of flashnext's is flashnext's own."""
-    if entry.within is not None:
+    encoder's activations) are the runtime's; flashnext's transients inside vLLM's profiled peak
+    (the INT8 embedding's rows) are None: a step's activations, which the runtime's measurement
+    holds (seed 000 served the release's INT8 embedding); everything else of flashnext's is
+    flashnext's own."""
+    if entry.within is not None or (not entry.vllms and entry.inside == PROFILED_PEAK):
         return None
     if entry.inside == KV_MEMORY:
         return "kv_cache"
@@ -291,19 +296,19 @@ def vram_table(ledger: Ledger, layers_per_rank: list[int], weights: list[int] | 
 SEED_WEIGHTS = "seed 000's measurements of the release checkpoint (§6, §7)"
 
 
-def profile_vram(profile, plan, ledger: Ledger, model: Path | None, gpu_memory: int | None,
-                 served=None) -> VramTable:
-    """The table of a ``qwen4_exp`` ``profile``'s ``plan`` for ``model`` (None: the pinned base
-    checkpoint), against GPUs of ``gpu_memory`` bytes (None: unknown). ``served``: the
-    :class:`~flashnext.serving.deployment.Deployment` of ``model``, whose config.json and snapshot
-    are read once (None: read here)."""
+def profile_vram(profile, plan, ledger: Ledger, gpu_memory: int | None, deployment=None) -> VramTable:
+    """The table of a ``qwen4_exp`` ``profile``'s ``plan`` against GPUs of ``gpu_memory`` bytes (None:
+    unknown), for the model of ``deployment`` (a :class:`~flashnext.serving.deployment.Deployment`,
+    whose config.json and served model are read once; None, or one without a model: the pinned base
+    checkpoint)."""
     from flashnext.serving.capacity.model import load_text_config
 
     shape = ServingShape.from_profile(profile, plan.kv_cache_memory_bytes, plan.prefix_caching)
+    model = deployment.model if deployment is not None else None
     if model is None:
         return vram_table(ledger, plan.layers_per_rank, base_weights(plan.layers_per_rank, serves_draft(shape), ledger),
                           gpu_memory, SEED_WEIGHTS)
-    text = load_text_config(model if served is None else served.model_config)
-    weights, notes = snapshot_weights(model, text, shape, plan, served.open_snapshot if served is not None else None)
+    text = load_text_config(deployment.model_config)
+    weights, notes = snapshot_weights(deployment, text, shape, plan)
     source = f"{model}'s tensors, as its safetensors headers size them" if weights is not None else "not known"
     return vram_table(ledger, plan.layers_per_rank, weights, gpu_memory, source, notes)

@@ -15,7 +15,7 @@ import torch
 from flashnext import envs
 from flashnext.quant.kernels._common import can_launch
 from flashnext.quant.kernels.decode_mma import MMA_MAX_TOKENS
-from flashnext.quant.kernels.hc_mix import hc_mix
+from flashnext.quant.kernels.hc_mix import HC_COUNT, hc_mix
 from flashnext.serving.quantization.int8 import Int8LinearMethod
 
 
@@ -26,7 +26,8 @@ def enabled() -> bool:
 def mix(module: torch.nn.Module, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(block_input, injection)`` of vLLM's ``GatedResidual`` ``module`` for the normalized
     streams ``xn``, or None where the fused kernels do not apply."""
-    if not enabled() or module.hc_count != 4 or xn.dtype != torch.bfloat16 or not can_launch(xn, MMA_MAX_TOKENS):
+    if (not enabled() or module.hc_count != HC_COUNT or xn.dtype != torch.bfloat16
+            or not can_launch(xn, MMA_MAX_TOKENS)):
         return None
     import vllm.envs
 

@@ -58,16 +58,18 @@ Not covered, and why:
   demo's forward has no CPU kernels. (Its dummy step of 512 tokens would take vLLM's MoE path:
   decode-05 takes 1..4 tokens.)
 - EngineCore (its busy loop, executor and ``determine_available_memory``): the QSA scenario's
-  steps are written out, the PLE scenario's come from vLLM's ``Scheduler`` without EngineCore.
-- MTP and structured output: structured output needs a tokenizer to compile a grammar and the demo
-  checkpoint has none (vLLM is started with ``skip_tokenizer_init``); MTP's draft (its own MoE
-  block and QSA layer, the draft embedding pinned at PP > 1) needs the speculative decoding
-  proposer and rejection sampler around these steps, which neither scenario builds.
+  steps are written out, the PLE scenario's come from vLLM's ``Scheduler`` without EngineCore
+  (test_engine_ledger_mtp.py serves through ``EngineCore.step_with_batch_queue``, without its busy
+  loop and ``determine_available_memory``).
+- MTP and structured output: test_engine_ledger_mtp.py (a tokenizer beside the demo, vLLM's MTP
+  speculator and rejection sampler around the draft's MoE block and QSA layer).
 - decode-05's Marlin hand-off: on the CPU ``moe_decode.forward`` aligns only for Marlin experts on
   CUDA, so the alignment buffers are not recorded here (their sizes are vLLM's
   ``moe_align_block_size``'s: tests/quant/kernels/test_moe_route.py).
-- The PLE table pinned whole by vLLM's engram ``cpu_offload`` (served without a table file), and
-  the ViT path (vit-stream's slots and host rows, the encoder's activations).
+- The PLE table pinned whole by vLLM's engram ``cpu_offload`` (served without a table file), the
+  ViT path (vit-stream's slots and host rows) and decode_mma's split-K scratch (int6-bitplane,
+  int8-modules, decode-04): test_engine_ledger_ple_pinned.py, test_engine_ledger_vision.py and
+  test_engine_ledger_decode_mma.py hold them, on the same terms.
 """
 
 import dataclasses
@@ -80,6 +82,7 @@ from support import SUPPORT_DIR, free_port, run_scenario, two_ranks
 
 from flashnext.serving import capacity
 from flashnext.serving.capacity import ledger as ledgers
+from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import load_profile
 
 pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
@@ -127,7 +130,8 @@ def demo_shape(world: int = 1) -> capacity.ServingShape:
 def demo_ledgers(demo_snapshot, world: int = 1) -> list[ledgers.RankLedger]:
     text = capacity.load_text_config(demo_snapshot)
     shape = demo_shape(world)
-    return ledgers.ledger(text, shape, capacity.plan(text, shape), model=demo_snapshot).ranks
+    return ledgers.ledger(text, shape, capacity.plan(text, shape),
+                          deployment=Deployment(load_profile("3x3090"), demo_snapshot)).ranks
 
 
 def demo_ledger(demo_snapshot) -> ledgers.RankLedger:
@@ -388,7 +392,8 @@ VLLMS_MODEL_STATE = {"serving/models/qwen4_exp.py:" + m for m in ("__init__", "a
 def ple_ledger(demo_snapshot) -> ledgers.RankLedger:
     text = capacity.load_text_config(demo_snapshot)
     shape = dataclasses.replace(demo_shape(), ple_table_file=True)
-    (rank,) = ledgers.ledger(text, shape, capacity.plan(text, shape), model=demo_snapshot).ranks
+    (rank,) = ledgers.ledger(text, shape, capacity.plan(text, shape),
+                             deployment=Deployment(load_profile("3x3090"), demo_snapshot)).ranks
     return rank
 
 

@@ -131,7 +131,7 @@ def test_the_preflights_terms_are_the_ledgers_host_entries():
         p = capacity.plan_profile(profile)
         shape = capacity.ServingShape.from_profile(profile)
         for ple_format in (None, "file", "nvfp4"):
-            terms = ledgers.pinned_host_terms(shape, p, None, None, ple_format=ple_format)
+            terms = ledgers.pinned_host_terms(shape, p, ple_format=ple_format)
             result = ledgers.ledger(capacity.load_text_config(), shape, p, ple_format=ple_format)
             counted = {}
             for rank in result.ranks:

@@ -15,7 +15,7 @@ from flashnext.errors import FlashnextError
 from flashnext.serving import capacity
 from flashnext.serving.capacity import rig as rigs
 from flashnext.serving.capacity import vram
-from flashnext.serving.capacity.ledger import profile_ledger
+from flashnext.serving.capacity.ledger import PROFILED_PEAK, profile_ledger
 from flashnext.serving.profiles import load_profile
 from flashnext.tools.cli import main as cli
 
@@ -98,7 +98,7 @@ def test_the_columns_are_the_ledgers_entries_and_the_seeds_measurements():
     profile = load_profile("3x3090-mtp")
     plan = capacity.plan_profile(profile)
     ledger = profile_ledger(profile, plan)
-    table = vram.profile_vram(profile, plan, ledger, None, 24 * GIB)
+    table = vram.profile_vram(profile, plan, ledger, 24 * GIB)
     tower = next(e for e in ledger.ranks[0].entries if e.name == "vision tower (resident)")
     assert [r.weights for r in table.ranks] == [
         16 * vram.LAYER_WEIGHT_BYTES + vram.FIRST_RANK_WEIGHT_BYTES + tower.gpu_peak,
@@ -110,9 +110,13 @@ def test_the_columns_are_the_ledgers_entries_and_the_seeds_measurements():
     for rank, row in zip(ledger.ranks, table.ranks):
         names = {e.name: e for e in rank.entries}
         # flashnext's own: the arena and its state, and the transients outside vLLM's numbers; not the
-        # router rows (the checkpoint's router weights, in weights) nor the scratch within the arena
-        own = sum(e.gpu_peak for e in rank.entries if not e.vllms and e.within is None and not e.checkpoint)
+        # router rows (the checkpoint's router weights, in weights) nor the scratch within the arena,
+        # nor a step's transients inside vLLM's profiled peak (the INT8 embedding's rows: the runtime's)
+        own = sum(e.gpu_peak for e in rank.entries if not e.vllms and e.within is None and not e.checkpoint
+                  and e.inside != PROFILED_PEAK)
         assert row.flashnext == own >= plan.qsa_arena_bytes[rank.rank]
+        if rank.rank != 1:  # the target's INT8 embedding on rank 0, the draft's own on rank 2
+            assert vram.column_of(names["INT8 embedding's rows"]) is None
         assert names["decode-05 router rows"].checkpoint and vram.column_of(names["decode-05 router rows"]) == "weights"
         assert vram.column_of(names["staged-prefill scratch"]) is None
     # the rig planner decides by the same rows
