@@ -141,7 +141,7 @@ class Int8EmbeddingMethod(_Int8Matmul, quantize_method_base()):
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         if self.scheme is not None:
             raise RuntimeError("an LM head with vLLM's kernel holds repacked words: it is not an embedding")
-        ids = input_.reshape(-1)  # only the step's rows are dequantized
+        ids = input_.reshape(-1)  # only the step's rows are dequantized (decode_mma.gathered_rows_bytes)
         rows = int8_weights(layer.weight_packed[ids], layer.weight_scale[ids], layer.weight_scale.dtype)
         return rows.view(*input_.shape, -1)
 

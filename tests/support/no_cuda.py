@@ -19,5 +19,6 @@ def install() -> None:
     torch.cuda.Stream = torch.cuda.Event = NoCuda
     torch.cuda.current_stream = lambda device=None: NoCuda()
     torch.cuda.stream = lambda stream: NoCuda()
+    torch.cuda.set_stream = lambda stream: None
     torch.accelerator.synchronize = lambda device=None: None
     torch.Tensor.record_stream = lambda tensor, stream: None  # a device-to-host copy is synchronous here

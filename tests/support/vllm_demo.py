@@ -11,7 +11,8 @@ from contextlib import contextmanager
 
 import torch
 from vllm.config import (
-    CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config,
+    CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig, VllmConfig,
+    set_current_vllm_config,
 )
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
@@ -19,20 +20,25 @@ from vllm.distributed import init_distributed_environment, initialize_model_para
 @contextmanager
 def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheConfig | None = None,
               mtp: bool = False, text_only: bool = False, scheduler: dict | None = None, rank: int = 0,
-              world: int = 1, max_model_len: int = 4096):
+              world: int = 1, max_model_len: int = 4096, structured_outputs: str | None = None,
+              async_scheduling: bool = False):
     """A current ``VllmConfig`` for the demo checkpoint as rank ``rank`` of a pipeline of ``world``
     gloo ranks, vLLM's own pipeline groups initialised (``mtp``: with MTP
     speculative decoding, as ``--speculative-config '{"method": "mtp"}'`` sets it; ``text_only``: no
     image or video per prompt, as ``--limit-mm-per-prompt`` sets it, which vLLM's scheduler needs
     here: its multimodal budget needs a tokenizer, and the demo has none; ``scheduler``: the
-    ``SchedulerConfig`` fields a profile sets, ``max_num_seqs`` and ``max_num_batched_tokens``); yields it and
+    ``SchedulerConfig`` fields a profile sets, ``max_num_seqs`` and ``max_num_batched_tokens``;
+    ``structured_outputs``: the structured-output backend, which needs the tokenizer ``snapshot``
+    holds (see :func:`with_word_tokenizer`; without it the tokenizer is not loaded, the demo has none);
+    ``async_scheduling``: on, as vLLM's CUDA platform leaves it by default and its CPU one does not); yields it and
     vLLM's ``qsa`` module (imported after the model module, which it imports back). vLLM's general
     plugins are loaded first, as its engine and workers load them before building a config:
     flashnext's among them unless ``VLLM_PLUGINS`` leaves it out."""
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    model_config = ModelConfig(model=snapshot, max_model_len=max_model_len, skip_tokenizer_init=True,
+    model_config = ModelConfig(model=snapshot, max_model_len=max_model_len,
+                               skip_tokenizer_init=structured_outputs is None,
                                dtype="bfloat16", hf_overrides=hf_overrides if hf_overrides is not None else {},
                                limit_mm_per_prompt={"image": 0, "video": 0} if text_only else None)
     parallel = ParallelConfig(pipeline_parallel_size=world)
@@ -42,8 +48,12 @@ def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheCo
                                         target_parallel_config=parallel)
     scheduled = {} if scheduler is None else {
         "scheduler_config": SchedulerConfig.default_factory(max_model_len=model_config.max_model_len, **scheduler)}
+    if structured_outputs is not None:
+        scheduled["structured_outputs_config"] = StructuredOutputsConfig(backend=structured_outputs)
     config = VllmConfig(model_config=model_config, cache_config=cache_config or CacheConfig(),
                         parallel_config=parallel, speculative_config=speculative, **scheduled)
+    if async_scheduling:
+        config.scheduler_config.async_scheduling = True
     config.engram_config.cpu_offload = False  # the PLE table in (CPU) device memory, not pinned
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=world, rank=rank, distributed_init_method="tcp://127.0.0.1:" + port,
@@ -52,6 +62,20 @@ def demo_vllm(snapshot: str, port: str, hf_overrides=None, cache_config: CacheCo
         torch.set_default_dtype(torch.bfloat16)
         importlib.import_module("vllm.models.qwen4_exp.nvidia.model")
         yield config, importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa")
+
+
+def with_word_tokenizer(snapshot: str, model_dir: str, vocab: dict[str, int]) -> None:
+    """``model_dir``: the demo checkpoint's files linked, with a word-level tokenizer of ``vocab``
+    beside them (structured output compiles its grammar over a tokenizer, and the demo has none)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    os.makedirs(model_dir)
+    for name in os.listdir(snapshot):
+        os.symlink(os.path.join(snapshot, name), os.path.join(model_dir, name))
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>", unk_token="<unk>").save_pretrained(model_dir)
 
 
 def build_model(config):
@@ -155,28 +179,26 @@ def plan_kv_cache(config, kv_bytes: int):
 
 
 def initialize_runner_kv_cache(config, runner, kv_bytes: int):
-    """``EngineCore._initialize_kv_caches`` for one Model Runner V2 ``runner`` (PP=1): the plan, the
-    block sizes and their prefix-cache alignment, the runner's KV cache and its zero metadata, as
-    the engine core and the worker do. ``(the scheduler's KV cache config, block size, hash block size)``."""
+    """``EngineCore._initialize_kv_caches`` for one Model Runner V2 ``runner``, this rank's of the
+    pipeline: the plan (every rank's specs gathered over the pipeline group, as the executor
+    collects its workers'), the block sizes and their prefix-cache alignment, the runner's KV cache
+    and its zero metadata, as the engine core and the worker do. ``(the scheduler's KV cache
+    config, block size, hash block size)``."""
     import importlib
 
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.distributed import get_pp_group
     from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, resolve_cache_hit_alignment_tokens,
                                              resolve_kv_cache_block_sizes)
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
     qsa = importlib.import_module("vllm.models.qwen4_exp.nvidia.qsa")
     Platform._align_hybrid_block_size(config, qsa.Qwen4ExpQSABackend)
     register_all_kvcache_specs(config)
-    specs = get_kv_cache_spec(config)
-    layouts = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))]
-    config.cache_config.kv_cache_layout = resolve_kv_cache_layout(config, [layouts], list(specs.values())).name
-    (kv_config,) = get_kv_cache_configs(config, [specs], [kv_bytes], get_global_kv_cache_groups(config, [specs]))
-    scheduler_kv_config = generate_scheduler_kv_cache_config([kv_config])
+    _, _, layout, configs, _ = plan_kv_caches(config, kv_bytes)
+    config.cache_config.kv_cache_layout = layout.name
+    kv_config = configs[get_pp_group().rank_in_group]
+    scheduler_kv_config = generate_scheduler_kv_cache_config(configs)
     config.cache_config.num_gpu_blocks = scheduler_kv_config.num_blocks
     config.cache_config.block_size = min(g.kv_cache_spec.block_size for g in scheduler_kv_config.kv_cache_groups
                                          if g.kv_cache_spec.prefix_cacheable)
