@@ -32,14 +32,15 @@ import sys
 import time
 import zipfile
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 from flashnext import envs
 from flashnext.errors import FlashnextError, named
-from flashnext.quant.checkpoint.fsutil import (confined, fsync_dir, output_lock, read_output_marker, scratch_directory,
-                                               write_marker)
+from flashnext.quant.checkpoint.fsutil import (confined, fsync_dir, interrupts_held, output_lock, read_output_marker,
+                                               scratch_directory, write_marker)
 from flashnext.quant.records.inputs import open_regular, read_regular_bytes
 from flashnext.quant.records.jsonfile import parse_json, validate
 from flashnext.quant.records.strict import Sha256, StrictRecord
@@ -351,8 +352,7 @@ def apply_series(target_root: Path, series: Sequence[Patch] = SERIES) -> SeriesA
         originals = {rel: data for rel, (data, _) in current.items()}
         modes = {rel: st.st_mode & 0o7777 for rel, (_, st) in current.items()}
         mtimes = {rel: st.st_mtime_ns for rel, (_, st) in current.items()}
-        stage = _make_marked_dir(target / f"{RECORD_DIR}.stage-{os.getpid()}")
-        try:
+        with _marked_dir(target / f"{RECORD_DIR}.stage-{os.getpid()}") as stage:
             try:
                 patched = _staged(patches, originals, modes, stage)
             except FlashnextError as e:
@@ -372,8 +372,6 @@ def apply_series(target_root: Path, series: Sequence[Patch] = SERIES) -> SeriesA
                     _replace_file(target / rel, originals[rel], modes[rel], mtimes[rel])
                 shutil.rmtree(target / RECORD_DIR)
                 raise
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
     return SeriesApplied([p.id for p in patches], False, target / RECORD_DIR / RECORD_FILE)
 
 
@@ -385,17 +383,26 @@ def _target(target_root: Path) -> Path:
     return target
 
 
-def _make_marked_dir(path: Path) -> Path:
-    path.mkdir()
-    write_marker(path, _MADE_BY)
-    return path
+@contextmanager
+def _marked_dir(path: Path) -> Iterator[Path]:
+    """A new directory ``path`` carrying flashnext's marker, for the block, and removed when it ends
+    however it ends (a partial renamed into place is no longer there to remove)."""
+    made = False
+    try:
+        with interrupts_held():
+            path.mkdir()
+            made = True
+        write_marker(path, _MADE_BY)
+        yield path
+    finally:
+        if made:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_record(target: Path, patches: list[Patch], digest: str, originals: dict[str, bytes],
                   patched: dict[str, bytes], modes: dict[str, int], mtimes: dict[str, int]) -> None:
     """The originals and record.json, built in a partial directory and renamed into place whole."""
-    partial = _make_marked_dir(target / f"{RECORD_DIR}.partial-{os.getpid()}")
-    try:
+    with _marked_dir(target / f"{RECORD_DIR}.partial-{os.getpid()}") as partial:
         for rel, data in originals.items():
             path = confined(partial / ORIGINALS, rel, "the patch series")
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -406,9 +413,6 @@ def _write_record(target: Path, patches: list[Patch], digest: str, originals: di
         _create_file(partial / RECORD_FILE, (record.model_dump_json(indent=2) + "\n").encode())
         os.rename(partial, target / RECORD_DIR)
         fsync_dir(target)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
 
 
 def _finish_recorded(target: Path, record: PatchRecord, patches: list[Patch], digest: str) -> SeriesApplied:
@@ -424,8 +428,7 @@ def _finish_recorded(target: Path, record: PatchRecord, patches: list[Patch], di
     # An apply stopped during its swap: the rest of the files get the same patched bytes.
     originals = {rel: _original(target, record, rel) for rel in record.files}
     modes = {rel: entry.mode for rel, entry in record.files.items()}
-    stage = _make_marked_dir(target / f"{RECORD_DIR}.stage-{os.getpid()}")
-    try:
+    with _marked_dir(target / f"{RECORD_DIR}.stage-{os.getpid()}") as stage:
         patched = _staged(patches, originals, modes, stage)
         if any(_sha256(patched[rel]) != entry.patched_sha256 for rel, entry in record.files.items()):
             raise FlashnextError(f"{record_file}: the series no longer patches to the recorded bytes; run "
@@ -433,8 +436,6 @@ def _finish_recorded(target: Path, record: PatchRecord, patches: list[Patch], di
         for rel, state in states.items():
             if state == "original":
                 _swap_in(target, rel, patched[rel], modes[rel])
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     return SeriesApplied([p.id for p in patches], False, record_file)
 
 

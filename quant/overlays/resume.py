@@ -40,7 +40,7 @@ from pydantic import Field
 
 from flashnext.errors import FlashnextError, named
 from flashnext.quant.checkpoint.fsutil import (OUTPUT_MARKER, HeldDirectory, OutputDirectory, confined, output_file,
-                                               remove_leftovers, write_text_at)
+                                               interrupts_held, remove_leftovers, write_text_at)
 from flashnext.quant.formats.safetensors_io import ShardWriter, TensorSpec, WrittenBytes
 from flashnext.quant.records.jsonfile import parse_json, validate
 from flashnext.quant.records.strict import Count, PartialIdentity, Sha256, StrictRecord
@@ -186,7 +186,8 @@ class ResumableOutput:
     def start(self, plans: dict[str, list[TensorSpec]], metadata: dict[str, dict], state: dict) -> None:
         """A new partial overlay with empty shards of ``plans``, and its journal at ``state``."""
         self._write_journal(state)  # first: a partial always has its journal
-        self.partial = self.output.make_partial(self.partial_name, self.made_by)
+        with interrupts_held():  # held as made, so an interrupt finds it in self.partial
+            self.partial = self.output.make_partial(self.partial_name, self.made_by)
         for filename, specs in plans.items():
             self.writers[filename] = ShardWriter(output_file(self.path, filename), specs, metadata[filename],
                                                  digests=True, shown=self._shown(self.partial_name) / filename)

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Callable
 import pytest
 from click.testing import CliRunner
 
+from flashnext.quant.checkpoint.fsutil import directories, files, locks
 from flashnext.tools.cli import main as cli
 from support.hostile import Work, mtp, tree_state
 
@@ -255,6 +257,76 @@ def marked_folder(path: Path, marker: dict | None) -> Path:
         (path / MARKER).write_text(json.dumps(marker))
     (path / "keep.txt").write_text("not a leftover of a dead flashnext run")
     return path
+
+
+@dataclass(frozen=True)
+class JustMade:
+    id: str
+    owner: object  # the module or class the maker is looked up in when called
+    maker: str  # what makes the thing on disk; the signal lands as it returns
+    run: Callable[[Path], None]
+
+
+def _in_atomic_directory(out: Path) -> None:
+    from flashnext.quant.checkpoint.fsutil import atomic_directory
+
+    with atomic_directory(out, made_by="selftest"):
+        pass
+
+
+def _in_output_lock(out: Path) -> None:
+    from flashnext.quant.checkpoint.fsutil import output_lock
+
+    with output_lock(out):
+        pass
+
+
+def _in_scratch(out: Path) -> None:
+    from flashnext.quant.checkpoint.fsutil import scratch_directory
+
+    with scratch_directory("selftest", "selftest"):
+        pass
+
+
+def _a_file(out: Path) -> None:
+    from flashnext.quant.checkpoint.fsutil import write_text_atomic
+
+    write_text_atomic(out, "{}\n")
+
+
+JUST_MADE = [
+    JustMade("partial-directory", directories.OutputDirectory, "make_partial", _in_atomic_directory),
+    JustMade("missing-parents", directories, "make_parents",
+             lambda out: _in_atomic_directory(out.parent / "a" / "b" / out.name)),
+    JustMade("lock", locks, "_open_lock", _in_output_lock),
+    JustMade("scratch", tempfile, "mkdtemp", _in_scratch),
+    JustMade("temporary-file", files, "_create_temporary", _a_file),
+]
+
+
+@pytest.mark.parametrize("site", JUST_MADE, ids=[s.id for s in JUST_MADE])
+def test_sigterm_just_after_a_make_waits_for_the_cleanup_that_removes_it(site: JustMade, tmp_path, monkeypatch):
+    """A SIGTERM that lands the moment a partial, a lock, a scratch directory or a temporary file has
+    been made, before the ``try`` that removes it, is held until that ``try`` runs (CI once found a
+    ``.report.partial-PID`` that ``selftest`` left this way). Made deterministic here: the maker
+    itself sends the signal as it returns."""
+    from flashnext.errors import Terminated
+    from flashnext.tools._common import sigterm_as_interrupt
+
+    real = getattr(site.owner, site.maker)
+
+    def made_then_signalled(*args, **kwargs):
+        made = real(*args, **kwargs)
+        signal.raise_signal(signal.SIGTERM)
+        return made
+
+    work = tmp_path / "w"
+    work.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(work))
+    monkeypatch.setattr(site.owner, site.maker, made_then_signalled)
+    with pytest.raises(Terminated), sigterm_as_interrupt():
+        site.run(work / "out")
+    assert sorted(os.listdir(work)) == []
 
 
 def test_the_next_run_removes_what_a_killed_run_left_and_nothing_else(work: Work):

@@ -15,6 +15,7 @@ from typing import Iterator
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil.held import HeldDirectory, make_parents, remove_empty
+from flashnext.quant.checkpoint.fsutil.interrupts import interrupts_held
 from flashnext.quant.checkpoint.fsutil.leftovers import remove_leftovers
 from flashnext.quant.checkpoint.fsutil.locks import output_lock, remove_stale_lock
 from flashnext.quant.checkpoint.fsutil.markers import (already_exists, marker_at, refuse_unless_replaceable,
@@ -143,8 +144,10 @@ def output_directory(out: Path, force: bool, inputs: dict[str, Path | None],
     directories this call created (and left empty) are removed."""
     out = Path(out).absolute()
     refuse_overlap(out, inputs)
-    created = make_parents(out)
+    created = []
     try:
+        with interrupts_held():
+            created = make_parents(out)
         with output_lock(out) as parent:
             refuse_overlap_open(parent, out.name, inputs)
             restored = remove_leftovers(out, parent)
@@ -181,12 +184,16 @@ def atomic_directory(out: Path, force: bool = False, inputs: dict[str, Path | No
     out = Path(out).absolute()
     with output_directory(out, force, inputs or {}, made_by) as output:
         name = f".{out.name}.partial-{os.getpid()}"
-        partial = output.make_partial(name, made_by)
+        partial = None
         try:
+            with interrupts_held():
+                partial = output.make_partial(name, made_by)
             yield partial.through() if held else out.parent / name
             output.commit(name, partial)
         except BaseException:
-            output.discard(name, partial)
+            if partial is not None:
+                output.discard(name, partial)
             raise
         finally:
-            partial.close()
+            if partial is not None:
+                partial.close()

@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Iterator
 
 from flashnext.errors import FlashnextError, named
 from flashnext.quant.checkpoint.fsutil.held import HeldDirectory, make_parents, remove_empty, stat_identity
+from flashnext.quant.checkpoint.fsutil.interrupts import interrupts_held
 from flashnext.quant.checkpoint.fsutil.leftovers import remove_leftovers
 from flashnext.quant.checkpoint.fsutil.locks import output_lock
 from flashnext.quant.checkpoint.fsutil.markers import already_exists
@@ -52,13 +53,15 @@ def _create_temporary(parent: HeldDirectory, name: str) -> tuple[str, int]:
 
 def write_text_at(parent: HeldDirectory, name: str, text: str) -> None:
     """Write the small file ``name`` in the held ``parent`` via a temporary sibling and a rename."""
-    tmp, fd = _create_temporary(parent, name)
-    mine = stat_identity(os.fstat(fd))
+    made = None
     try:
+        with interrupts_held():
+            tmp, fd = made = _create_temporary(parent, name)
+            mine = stat_identity(os.fstat(fd))
         _write_durably(fd, text)
         parent.rename(tmp, name)
     except BaseException:
-        if parent.holds(tmp, mine):
+        if made is not None and parent.holds(tmp, mine):
             os.unlink(tmp, dir_fd=parent.fd)
         raise
 
@@ -77,9 +80,11 @@ def write_new_file(path: Path, text: str) -> None:
     with parent:
         if parent.lstat(path.name) is not None:
             raise FlashnextError(f"{path} already exists: choose another name (it is never replaced)")
-        tmp, fd = _create_temporary(parent, path.name)
-        mine = stat_identity(os.fstat(fd))
+        made = None
         try:
+            with interrupts_held():
+                tmp, fd = made = _create_temporary(parent, path.name)
+                mine = stat_identity(os.fstat(fd))
             _write_durably(fd, text)
             try:
                 if not parent.rename_noreplace(tmp, path.name):
@@ -88,7 +93,7 @@ def write_new_file(path: Path, text: str) -> None:
                 raise FlashnextError(f"{path} already exists: choose another name (it is never replaced)") from None
             os.fsync(parent.fd)
         finally:
-            if parent.holds(tmp, mine):
+            if made is not None and parent.holds(tmp, mine):
                 os.unlink(tmp, dir_fd=parent.fd)
 
 
@@ -111,15 +116,16 @@ def check_file_destination(path: Path, field: str, inputs: dict[str, Path | None
     except FlashnextError as e:
         raise FlashnextError(f"{path} cannot be written: {e}; choose another file", field=field) from None
     with held:
-        try:
-            tmp, fd = _create_temporary(held, path.name)
-        except OSError as e:
-            raise FlashnextError(f"{path} cannot be written: cannot create a file in {where} "
-                                 f"({e.strerror}); choose another file", field=field) from None
-        try:
-            os.close(fd)
-        finally:
-            os.unlink(tmp, dir_fd=held.fd)
+        with interrupts_held():
+            try:
+                tmp, fd = _create_temporary(held, path.name)
+            except OSError as e:
+                raise FlashnextError(f"{path} cannot be written: cannot create a file in {where} "
+                                     f"({e.strerror}); choose another file", field=field) from None
+            try:
+                os.close(fd)
+            finally:
+                os.unlink(tmp, dir_fd=held.fd)
 
 
 def write_text_atomic(path: Path, text: str, inputs: dict[str, Path | None] | None = None) -> None:
@@ -180,8 +186,10 @@ def atomic_file(out: Path, force: bool, inputs: dict[str, Path | None], is_ours:
     refuse_overlap(out, inputs)
     if out.is_dir():
         raise FlashnextError(f"{out} is a directory; {named('out')} names {what} to write")
-    created = make_parents(out)
+    created = []
     try:
+        with interrupts_held():
+            created = make_parents(out)
         with output_lock(out) as parent:
             refuse_overlap_open(parent, out.name, inputs)
             for name in (out, *companions):

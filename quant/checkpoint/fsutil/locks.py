@@ -12,6 +12,7 @@ from typing import Iterator
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil.held import HeldDirectory, stat_identity
+from flashnext.quant.checkpoint.fsutil.interrupts import interrupts_held
 
 
 def _open_lock(parent: HeldDirectory, name: str, lock: Path) -> int | None:
@@ -69,6 +70,27 @@ def remove_stale_lock(out: Path) -> None:
         parent.close()
 
 
+def _take_lock(parent: HeldDirectory, name: str, lock: Path, out: Path) -> tuple[int, tuple[int, int]]:
+    """The lock ``name`` in ``parent`` created or opened and flocked: its descriptor and identity."""
+    while True:
+        fd = _open_lock(parent, name, lock)
+        if fd is None:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise FlashnextError(f"another flashnext process is writing {out} (lock {lock}); "
+                                     "wait for it to finish or stop it") from None
+            raise
+        # The holder before us may have unlinked the file between our open and our flock.
+        mine = stat_identity(os.fstat(fd))
+        if parent.holds(name, mine):
+            return fd, mine
+        os.close(fd)
+
+
 @contextmanager
 def output_lock(out: Path) -> Iterator[HeldDirectory]:
     """Hold an exclusive lock on ``out`` (a sibling ``.NAME.lock``); a second writer is refused.
@@ -77,37 +99,25 @@ def output_lock(out: Path) -> Iterator[HeldDirectory]:
     name = f".{out.name}.lock"
     lock = out.parent / name
     parent = HeldDirectory.open(out.parent)
-    try:
-        while True:
-            fd = _open_lock(parent, name, lock)
-            if fd is None:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                os.close(fd)
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise FlashnextError(f"another flashnext process is writing {out} (lock {lock}); "
-                                         "wait for it to finish or stop it") from None
-                raise
-            # The holder before us may have unlinked the file between our open and our flock.
-            mine = stat_identity(os.fstat(fd))
-            if parent.holds(name, mine):
-                break
-            os.close(fd)
-        def release() -> None:
-            if parent.holds(name, mine):
-                os.unlink(name, dir_fd=parent.fd)
+    taken = None
 
-        try:
-            yield parent
-        finally:
-            try:
-                release()
-            except KeyboardInterrupt:  # Ctrl-C or SIGTERM as the lock was let go (a second SIGTERM is ignored)
-                release()
-                raise
-            finally:
-                os.close(fd)
+    def release() -> None:
+        if parent.holds(name, taken[1]):
+            os.unlink(name, dir_fd=parent.fd)
+
+    try:
+        with interrupts_held():
+            taken = _take_lock(parent, name, lock, out)
+        yield parent
     finally:
-        parent.close()
+        try:
+            if taken is not None:
+                try:
+                    release()
+                except KeyboardInterrupt:  # Ctrl-C or SIGTERM as the lock was let go (a second SIGTERM is ignored)
+                    release()
+                    raise
+                finally:
+                    os.close(taken[0])
+        finally:
+            parent.close()

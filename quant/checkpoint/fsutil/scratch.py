@@ -18,6 +18,7 @@ from typing import Iterator
 
 from flashnext.errors import FlashnextError
 from flashnext.quant.checkpoint.fsutil.held import HeldDirectory
+from flashnext.quant.checkpoint.fsutil.interrupts import interrupts_held
 from flashnext.quant.checkpoint.fsutil.leftovers import writer_gone
 from flashnext.quant.checkpoint.fsutil.markers import OUTPUT_MARKER, marker_at, where_pids_count, write_marker
 
@@ -75,12 +76,14 @@ def scratch_directory(kind: str, made_by: str, keep: bool = False) -> Iterator[P
         raise ValueError(f"scratch kind {kind!r} is not one of SCRATCH_KINDS")
     temporary = Path(tempfile.gettempdir())
     remove_abandoned_scratch(temporary)
-    path = Path(tempfile.mkdtemp(prefix=f"flashnext-{kind}-", dir=temporary))
+    path = None
     try:
+        with interrupts_held():
+            path = Path(tempfile.mkdtemp(prefix=f"flashnext-{kind}-", dir=temporary))
         write_marker(path, made_by, pid=os.getpid())
         yield path
     finally:
-        if keep:
+        if path is not None and keep:
             (path / OUTPUT_MARKER).unlink(missing_ok=True)
-        else:
+        elif path is not None:
             shutil.rmtree(path, ignore_errors=True)
