@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,33 +46,39 @@ def _finite(text: str) -> float:
 # Deeper than any document flashnext reads (a config is about 6 levels); what nests deeper would
 # cost the copies, merges and validators after the parse a RecursionError.
 MAX_DEPTH = 64
-_TOO_DEEP = object()
+# A JSON string (escapes included), and whatever is no bracket once strings are gone.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
-def _depth_exceeds(data: Any, limit: int) -> bool:
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value
-        for child in children:
-            if isinstance(child, (dict, list)):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
+def _deepest(text: str) -> int:
+    """How deep the brackets of ``text`` nest outside its strings, counted without recursion: the
+    json module's parser recurses once a level, and a document 10^5 deep took it to the interpreter's
+    limit, where a finalizer that ran in between (any unraisable error) failed again and printed a
+    page of traceback beside the one line."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    if len(brackets) <= MAX_DEPTH:
+        return len(brackets)
+    import numpy as np
+
+    codes = np.frombuffer(brackets.encode("ascii"), dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max())
 
 
 def parse_json(text: str | bytes, where: str) -> Any:
     """Strict JSON: no duplicate keys, no NaN/Infinity and no number that only reads as one, nested
-    at most :data:`MAX_DEPTH` deep."""
+    at most :data:`MAX_DEPTH` deep (refused before the parse, which recurses once a level)."""
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
-                          parse_float=_finite)
-    except RecursionError:
-        data = _TOO_DEEP  # nested past the interpreter's own limit, so past ours too
-    except ValueError as e:
+        if isinstance(text, (bytes, bytearray)):
+            text = text.decode(json.detect_encoding(text), "surrogatepass")
+        too_deep = _deepest(text) > MAX_DEPTH
+        if not too_deep:
+            data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                              parse_float=_finite)
+    except ValueError as e:  # UnicodeDecodeError included
         raise FlashnextError(f"{where}: not valid JSON ({str(e).splitlines()[0]})") from None
-    if data is _TOO_DEEP or isinstance(data, (dict, list)) and _depth_exceeds(data, MAX_DEPTH):
+    if too_deep:
         raise FlashnextError(f"{where}: JSON nested more than {MAX_DEPTH} levels deep; no file flashnext "
                              "reads is")
     return data

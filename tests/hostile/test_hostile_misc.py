@@ -517,3 +517,25 @@ def test_options_that_cannot_go_together_are_the_documented_usage_error():
     two = table.split("; 2 ", 1)[1].split(";", 1)[0]
     assert "usage error" in two and "options that cannot go together" in two, two
     assert EXIT_CODES[UsageError] == 2
+
+
+def test_a_deep_document_is_refused_before_the_parser_recurses(monkeypatch):
+    """json's parser recurses once a level: a document 10^5 deep took it to the interpreter's limit,
+    where a finalizer that happened to run failed again and printed a page of traceback beside the
+    one line (CI, stop 49). The depth is counted first, without recursion, so the parser never sees
+    it; brackets inside strings are no nesting."""
+    from flashnext.quant.records import jsonfile
+
+    depth = jsonfile.MAX_DEPTH
+    assert jsonfile.parse_json("[" * depth + "]" * depth, "edge.json") == eval("[" * depth + "]" * depth)
+    text = json.dumps({"s": "[" * 500, "t": '\\"{' * 500, "u": ["]"]})
+    assert jsonfile.parse_json(text, "strings.json") == json.loads(text)
+    assert jsonfile.parse_json(text.encode("utf-16"), "utf16.json") == json.loads(text)
+
+    parsed = []
+    monkeypatch.setattr(jsonfile.json, "loads", lambda text, **kwargs: parsed.append(text))
+    for deep in ("[" * (depth + 1) + "]" * (depth + 1), '{"a":' * 100_000 + "1" + "}" * 100_000,
+                 "[" * 100_000):
+        with pytest.raises(FlashnextError, match=f"deep.json: JSON nested more than {depth} levels deep"):
+            jsonfile.parse_json(deep, "deep.json")
+    assert not parsed

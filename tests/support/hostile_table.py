@@ -52,8 +52,9 @@ SURFACES = [
             "the link never written through: refused in one line, or removed and the run completes",
             ("security", "data lost")),
     Surface("test_hostile_cleanup", "look-alikes of a writer's temporary names; a `--force` replace killed between "
-            "its renames; scratch left by SIGTERM and SIGKILL",
-            "only a dead writer's own names removed; the previous output recoverable", ("data lost", "security")),
+            "its renames; scratch left by SIGTERM and SIGKILL; SIGTERM the moment a partial, lock, scratch or "
+            "temporary is made",
+            "only a dead writer's own names removed; the previous output recoverable; nothing left by SIGTERM", ("data lost", "security")),
     Surface("test_hostile_kills", "SIGKILL and SIGTERM at drawn points of every writer (each item: several points)",
             "the rerun makes the uninterrupted output, nothing left beside it", ("data lost", "silently wrong")),
     Surface("test_hostile_disk_full", "ENOSPC at every distinct write stage of `ple build` (nvfp4, fp8, bf16; "
@@ -72,7 +73,7 @@ SURFACES = [
             "refused in one line before any work; exit 130/143, no scratch, no child left", ("hang", "data lost",
                                                                                              "security")),
     Surface("test_hostile_misc", "FIFOs and other non-regular files, backtracking regexes, sources rewritten while "
-            "read, bad profiles and wheels, every refusal on stderr", "one line, exit 1 (2: usage), quickly",
+            "read, bad profiles and wheels, JSON nested 10^5 deep, every refusal on stderr", "one line, exit 1 (2: usage), quickly",
             ("hang", "traceback", "silently wrong")),
     Surface("test_hostile_profiles", "a profile file's values (it is code the user runs)",
             "refused in one line, or carried exactly as written", ("security", "traceback")),
