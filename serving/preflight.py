@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flashnext.errors import NoGoCode, said
+from flashnext.serving.capacity.ledger import pinned_host_terms  # the pinned-host terms: the memory ledger's
 from flashnext.serving.host_memory import CGROUP_MEMORY_MAX, MEMINFO, read_host_memory
 from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import Profile, shm_size_bytes
@@ -203,14 +204,6 @@ def check_cgroup(memory_max: Path = CGROUP_MEMORY_MAX, meminfo: Path = MEMINFO) 
                                         "and the PLE page cache need the host's memory",
                        "raise the container's memory limit (compose `mem_limit`, podman `--memory`)", NoGoCode.MEMORY)
     return Finding("cgroup", True, f"cgroup memory.max {format_size(limit)} of {format_size(total)}")
-
-
-# The pinned-host accounting lives in the memory ledger (one home with `flashnext plan` and the rig
-# planner); the preflight counts its terms and keeps these names for its callers.
-from flashnext.serving.capacity.ledger import (  # noqa: E402
-    BF16_BYTES, DRAFT_EMBED, PLE_FORMATS, RELEASE_EMBED_GROUP, VOCAB_PADDING, PinnedTerm, draft_embedding_bytes,
-    host_fit, manifest_table_allocations, pinned_host_terms, ple_table_allocations, ple_table_bytes,
-)
 
 
 def _no_plan_fix(deployment: Deployment) -> str:

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from flashnext.errors import FlashnextError
 from flashnext.quant.overlays import view
 from flashnext.serving import profiles
-from flashnext.serving.capacity import qwen4_exp
+from flashnext.serving.capacity import ledger, qwen4_exp
 from flashnext.serving.deployment import Deployment, resolve_deployment
 from flashnext.tools.cli import main as cli
 
@@ -244,7 +244,6 @@ def test_a_stack_of_overlays_is_served_with_every_overlays_changes(ple_last, dem
     from flashnext.quant.formats.ct_config import quantization_config_of
     from flashnext.quant.overlays.manifest import OverlayManifest
     from flashnext.quant.ple.source import find_ple_source
-    from flashnext.serving import preflight as pf
     from flashnext.serving.run import require_ple_table
 
     overlays = (demo_overlay, ple_overlay) if ple_last else (ple_overlay, demo_overlay)
@@ -268,7 +267,7 @@ def test_a_stack_of_overlays_is_served_with_every_overlays_changes(ple_last, dem
     # the pinned table is the NVFP4 overlay's codes and block scales; no table file is asked for
     source = find_ple_source(base)
     rows, d = source.layout.padded_rows, source.row_elements
-    assert sorted(pf.ple_table_allocations(served)) == sorted([rows * d // 2, rows * d // 16])
+    assert sorted(ledger.ple_table_allocations(served)) == sorted([rows * d // 2, rows * d // 16])
     require_ple_table(deployment)
 
 

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from flashnext.serving import preflight as pf
+from flashnext.serving.capacity import ledger
 from flashnext.quant.checkpoint.snapshot import Snapshot
 from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import available, load_profile
@@ -225,7 +226,7 @@ def test_pinned_sizes_from_the_snapshots_tensors(demo_snapshot, demo_table):
     file `ple build` wrote, the embedding from its tensors as the safetensors library reads them."""
     from safetensors import safe_open
 
-    assert pf.ple_table_bytes(Snapshot.open(demo_snapshot)) == demo_table.stat().st_size
+    assert ledger.ple_table_bytes(Snapshot.open(demo_snapshot)) == demo_table.stat().st_size
     config = json.loads((demo_snapshot / "config.json").read_text())
     vocab = config["text_config"]["vocab_size"]
     index = json.loads((demo_snapshot / "model.safetensors.index.json").read_text())["weight_map"]
@@ -235,7 +236,7 @@ def test_pinned_sizes_from_the_snapshots_tensors(demo_snapshot, demo_table):
         with safe_open(demo_snapshot / index[name], "pt") as f:
             t = f.get_tensor(name)
         stored += t.numel() * t.element_size() // t.shape[0] * (-(-vocab // 64) * 64)
-    assert pf.draft_embedding_bytes(Snapshot.open(demo_snapshot)) == stored
+    assert ledger.draft_embedding_bytes(Snapshot.open(demo_snapshot)) == stored
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -251,8 +252,8 @@ def test_a_quantized_ple_table_is_pinned_at_its_own_size(fmt, demo_snapshot, tmp
     source = find_ple_source(Snapshot.open(demo_snapshot))
     rows, d = source.layout.padded_rows, source.row_elements
     expected = sorted([rows * d // 2, rows * d // 16] if fmt == "nvfp4" else [rows * d])
-    assert sorted(pf.ple_table_allocations(Snapshot.open(tmp_path / "view"))) == expected
-    assert pf.ple_table_bytes(Snapshot.open(demo_snapshot)) == rows * d * 2  # the BF16 table, for comparison
+    assert sorted(ledger.ple_table_allocations(Snapshot.open(tmp_path / "view"))) == expected
+    assert ledger.ple_table_bytes(Snapshot.open(demo_snapshot)) == rows * d * 2  # the BF16 table, for comparison
     finding = pf.check_host_ram(Deployment(load_profile("3x3090"), tmp_path / "view"), meminfo_file(tmp_path, 125, 118),
                                 tmp_path / "absent")
     assert finding.terms["PLE table"] == sum(expected)  # the exact-size pool: no rounding
@@ -434,4 +435,4 @@ def test_serve_takes_a_quantized_ple_overlay_without_a_table_file(demo_snapshot,
     source = find_ple_source(Snapshot.open(demo_snapshot))
     rows, d = source.layout.padded_rows, source.row_elements
     assert finding.terms["PLE table"] == rows * d // 2 + rows * d // 16  # codes and block scales, 4.5 bits a value
-    assert finding.terms["PLE table"] < pf.ple_table_bytes(Snapshot.open(demo_snapshot)) / 3
+    assert finding.terms["PLE table"] < ledger.ple_table_bytes(Snapshot.open(demo_snapshot)) / 3
