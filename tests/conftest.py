@@ -19,6 +19,11 @@ from flashnext.quant.demo import write_demo_checkpoint  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist hands each module to one worker whole (--dist loadscope, so a module's engine
+    # starts once), in collection order: modules with a slow test go out first, so that the last
+    # one to finish is a short one and no worker idles through another's long module.
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow_modules)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine (results in docs/benchmarks.md)")

@@ -30,6 +30,8 @@ from flashnext.tools.cli import main as cli
 from support import SUPPORT_DIR, fork_server
 from support.hostile import Work, output_state
 
+pytestmark = pytest.mark.slow  # minutes in all on 2 cores: tests/conftest.py sends it to a worker first
+
 POINTS = {"KILL": 3, "TERM": 1}  # drawn points a writer and signal, besides the last event
 # what an interrupted resumable build keeps for the next run to resume from (``ple build``'s)
 RESUMABLE = re.compile(r"\.?out\.partial(\.json)?")

@@ -34,6 +34,8 @@ from flashnext.serving.capacity import ledger as ledgers
 from flashnext.serving.deployment import Deployment
 from flashnext.serving.profiles import load_profile
 
+pytestmark = pytest.mark.slow  # minutes in all on 2 cores: tests/conftest.py sends it to a worker first
+
 pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 ENTRY = "PLE table (pinned)"

@@ -19,6 +19,8 @@ from flashnext.serving.patch_series import (apply_series, check_series, diffs, d
 from flashnext.serving.patches.series import ABSORBED
 from flashnext.tools.cli import main as cli
 
+pytestmark = pytest.mark.slow  # minutes in all on 2 cores: tests/conftest.py sends it to a worker first
+
 pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 # the registry's own agreement tests are tests/serving/patches/test_patch_registry.py

@@ -15,6 +15,8 @@ from support import free_port, run_scenario
 from flashnext.serving.patch_series import _run_probes, installed_vllm_root
 from flashnext.serving.patches.series import ABSORBED
 
+pytestmark = pytest.mark.slow  # minutes in all on 2 cores: tests/conftest.py sends it to a worker first
+
 pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}

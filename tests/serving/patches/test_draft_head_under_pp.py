@@ -18,6 +18,8 @@ import pytest
 
 from support import SUPPORT_DIR, free_port, run_scenario, two_ranks
 
+pytestmark = pytest.mark.slow  # minutes in all on 2 cores: tests/conftest.py sends it to a worker first
+
 pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 ENV = {"HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}

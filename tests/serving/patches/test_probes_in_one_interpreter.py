@@ -12,6 +12,8 @@ from flashnext.errors import FlashnextError
 from flashnext.serving import patch_series as ps
 from flashnext.serving.patches.series import SERIES
 
+pytestmark = pytest.mark.slow  # minutes in all on 2 cores: tests/conftest.py sends it to a worker first
+
 pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from support import SUPPORT_DIR, free_port, run_scenario
 
+pytestmark = pytest.mark.slow  # minutes in all on 2 cores: tests/conftest.py sends it to a worker first
+
 pytest.importorskip("vllm", reason="vLLM 0.34.0 is installed by .ci/run")
 
 ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
