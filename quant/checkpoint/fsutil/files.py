@@ -53,15 +53,15 @@ def _create_temporary(parent: HeldDirectory, name: str) -> tuple[str, int]:
 
 def write_text_at(parent: HeldDirectory, name: str, text: str) -> None:
     """Write the small file ``name`` in the held ``parent`` via a temporary sibling and a rename."""
-    made = None
+    mine = None
     try:
         with interrupts_held():
-            tmp, fd = made = _create_temporary(parent, name)
+            tmp, fd = _create_temporary(parent, name)
             mine = stat_identity(os.fstat(fd))
         _write_durably(fd, text)
         parent.rename(tmp, name)
     except BaseException:
-        if made is not None and parent.holds(tmp, mine):
+        if mine is not None and parent.holds(tmp, mine):
             os.unlink(tmp, dir_fd=parent.fd)
         raise
 
@@ -80,10 +80,10 @@ def write_new_file(path: Path, text: str) -> None:
     with parent:
         if parent.lstat(path.name) is not None:
             raise FlashnextError(f"{path} already exists: choose another name (it is never replaced)")
-        made = None
+        mine = None
         try:
             with interrupts_held():
-                tmp, fd = made = _create_temporary(parent, path.name)
+                tmp, fd = _create_temporary(parent, path.name)
                 mine = stat_identity(os.fstat(fd))
             _write_durably(fd, text)
             try:
@@ -93,7 +93,7 @@ def write_new_file(path: Path, text: str) -> None:
                 raise FlashnextError(f"{path} already exists: choose another name (it is never replaced)") from None
             os.fsync(parent.fd)
         finally:
-            if made is not None and parent.holds(tmp, mine):
+            if mine is not None and parent.holds(tmp, mine):
                 os.unlink(tmp, dir_fd=parent.fd)
 
 
